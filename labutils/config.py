@@ -1,0 +1,289 @@
+"""Configuration: YAML file -> typed dataclasses, with mode defaults and ``--set`` overrides.
+
+Order of precedence (later wins): dataclass defaults < YAML file < mode defaults (smoke) < explicit
+overrides. Every problem raises :class:`ConfigError` with one line naming the file, key, value and
+what is allowed; the CLI turns it into exit code 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import yaml
+
+MODEL_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "tiny")
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+PRETRAINED = ("auto", "true", "false")
+ATTENTION = ("sdpa", "eager")
+MAX_POSITIONS = 1024  # GPT-2's learned position table
+
+
+class ConfigError(ValueError):
+    """A bad configuration: one line, names the file, key, value and what is allowed."""
+
+    def __init__(self, source: str, key: str | None, value: Any, allowed: str):
+        self.source, self.key, self.value, self.allowed = source, key, value, allowed
+        where = f"{source}: {key}" if key else source
+        shown = "" if value is _MISSING else f" = {value!r}"
+        super().__init__(f"{where}{shown}: {allowed}")
+
+
+_MISSING = object()
+
+
+@dataclass
+class ModelConfig:
+    name: str = "gpt2"
+    pretrained: str = "auto"
+    dropout: float | None = None
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
+class DataConfig:
+    corpus: str = "builtin"
+    seq_length: int = 128
+    num_samples: int = 512
+    pack: bool = False
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 50
+    micro_batch_size: int = 4
+    accumulation_steps: int = 1
+    precision: str = "fp32"
+    gradient_checkpointing: bool = False
+    checkpoint_every_n_layers: int = 1
+    lr: float = 3e-4
+    weight_decay: float = 0.01
+    warmup_steps: int = 0
+    max_grad_norm: float | None = 1.0
+    seed: int = 42
+    timing_warmup_steps: int = 2
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    mode: str = "full"  # set by load_config: "full" or "smoke"; not a YAML key
+    source: str = "<defaults>"
+
+    @property
+    def effective_batch_size(self) -> int:
+        return self.train.micro_batch_size * self.train.accumulation_steps
+
+    def to_dict(self) -> dict:
+        return {s: dataclasses.asdict(getattr(self, s)) for s in SECTIONS}
+
+    def override(self, overrides: Mapping[str, Any] | Iterable[str] | None = None, **kw) -> "Config":
+        """A validated copy with explicit overrides: ``cfg.override({"train.precision": "bf16"})``,
+        ``cfg.override(["train.steps=3"])`` or ``cfg.override(train__steps=3)``."""
+        new = dataclasses.replace(self, model=dataclasses.replace(self.model),
+                                  data=dataclasses.replace(self.data), train=dataclasses.replace(self.train))
+        items = _override_items(overrides, source="override")
+        items += [(k.replace("__", "."), v) for k, v in kw.items()]
+        for key, value in items:
+            _assign(new, key, value, "override")
+        validate(new)
+        return new
+
+
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+
+# Smoke mode: the tiny model, short sequences, few steps, so every lab runs on a 2-core CPU in seconds.
+# Values are caps (min with the file's value), except the model name; explicit overrides still win.
+SMOKE_CAPS = {"data.seq_length": 64, "data.num_samples": 64, "train.steps": 4,
+              "train.micro_batch_size": 4, "train.warmup_steps": 1, "train.timing_warmup_steps": 1}
+
+
+def _type_name(tp) -> str:
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(source: str, key: str, value: Any, f: dataclasses.Field):
+    """Check a value against the field's declared type; YAML already typed it."""
+    tp = f.type if not isinstance(f.type, str) else f.type
+    optional = "None" in str(tp)
+    base = str(tp).replace(" | None", "")
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(source, key, value, f"must not be null; expected {base.replace('str', 'a string')}")
+    if base == "bool":
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(source, key, value, "must be true or false")
+    if base == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(source, key, value, "must be an integer")
+    if base == "float":
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(source, key, value, "must be a number") from None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(source, key, value, "must be a number" + (" or null" if optional else ""))
+    if base == "str":
+        if key == "model.pretrained" and isinstance(value, bool):
+            return "true" if value else "false"
+        if isinstance(value, str):
+            return value
+        raise ConfigError(source, key, value, "must be a string")
+    raise AssertionError(f"unhandled field type {tp}")  # pragma: no cover
+
+
+def _assign(cfg: Config, key: str, value: Any, source: str) -> None:
+    parts = key.split(".")
+    if len(parts) != 2 or parts[0] not in SECTIONS:
+        raise ConfigError(source, key, value, f"unknown key; keys are <section>.<name> with section one of "
+                                               f"{', '.join(SECTIONS)}")
+    section, name = parts
+    flds = {f.name: f for f in fields(SECTIONS[section])}
+    if name not in flds:
+        raise ConfigError(source, key, value, f"unknown key; allowed in '{section}': {', '.join(flds)}")
+    setattr(getattr(cfg, section), name, _coerce(source, key, value, flds[name]))
+
+
+def _choice(source, key, value, allowed):
+    if value not in allowed:
+        raise ConfigError(source, key, value, f"must be one of {', '.join(allowed)}")
+
+
+def _range(source, key, value, lo=None, hi=None, lo_open=False, allow_none=False):
+    if value is None and allow_none:
+        return
+    bad = (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi)
+    if bad:
+        lo_s = "" if lo is None else (f"> {lo}" if lo_open else f">= {lo}")
+        hi_s = "" if hi is None else f"<= {hi}"
+        raise ConfigError(source, key, value, "must be " + " and ".join(s for s in (lo_s, hi_s) if s)
+                          + (" (or null)" if allow_none else ""))
+
+
+def validate(cfg: Config) -> Config:
+    s, m, d, t = cfg.source, cfg.model, cfg.data, cfg.train
+    _choice(s, "model.name", m.name, MODEL_NAMES)
+    _choice(s, "model.pretrained", m.pretrained, PRETRAINED)
+    _choice(s, "model.attn_implementation", m.attn_implementation, ATTENTION)
+    if m.name == "tiny" and m.pretrained == "true":
+        raise ConfigError(s, "model.pretrained", m.pretrained, "the tiny model has no pretrained weights; "
+                                                               "use auto or false")
+    _range(s, "model.dropout", m.dropout, 0.0, 0.99, allow_none=True)
+    _range(s, "data.seq_length", d.seq_length, 2, MAX_POSITIONS)
+    _range(s, "data.num_samples", d.num_samples, 1)
+    if d.corpus != "builtin":
+        p = Path(d.corpus)
+        if not p.is_file():
+            raise ConfigError(s, "data.corpus", d.corpus, "must be 'builtin' or the path of an existing .txt file")
+        if not p.read_text(encoding="utf-8", errors="replace").strip():
+            raise ConfigError(s, "data.corpus", d.corpus, "the file is empty; it needs documents separated by "
+                                                          "blank lines")
+    _range(s, "train.steps", t.steps, 1)
+    _range(s, "train.micro_batch_size", t.micro_batch_size, 1)
+    _range(s, "train.accumulation_steps", t.accumulation_steps, 1)
+    _choice(s, "train.precision", t.precision, PRECISIONS)
+    _range(s, "train.checkpoint_every_n_layers", t.checkpoint_every_n_layers, 1)
+    _range(s, "train.lr", t.lr, 0.0, lo_open=True)
+    _range(s, "train.weight_decay", t.weight_decay, 0.0)
+    _range(s, "train.warmup_steps", t.warmup_steps, 0)
+    _range(s, "train.max_grad_norm", t.max_grad_norm, 0.0, lo_open=True, allow_none=True)
+    _range(s, "train.seed", t.seed, 0)
+    _range(s, "train.timing_warmup_steps", t.timing_warmup_steps, 0)
+    return cfg
+
+
+def parse_set(item: str, source: str = "--set") -> tuple[str, Any]:
+    """``a.b=value`` -> (key, YAML-typed value)."""
+    if "=" not in item:
+        raise ConfigError(source, None, item, f"malformed override {item!r}; expected KEY=VALUE such as "
+                                              "train.steps=3")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(source, None, item, "malformed override: empty key; expected KEY=VALUE")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        raise ConfigError(source, key, raw, "the value is not valid YAML") from None
+    return key, value
+
+
+def _override_items(overrides, source: str) -> list[tuple[str, Any]]:
+    if overrides is None:
+        return []
+    if isinstance(overrides, Mapping):
+        return list(overrides.items())
+    if isinstance(overrides, str):
+        overrides = [overrides]
+    return [parse_set(o, source) for o in overrides]
+
+
+def _read_yaml(path: Path) -> dict:
+    src = str(path)
+    if not path.is_file():
+        raise ConfigError(src, None, _MISSING, "config file not found")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark else ""
+        raise ConfigError(src, None, _MISSING, f"malformed YAML{where}: "
+                                               f"{getattr(exc, 'problem', None) or 'cannot parse'}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(src, None, _MISSING, f"the top level must be a mapping with sections "
+                                               f"{', '.join(SECTIONS)}, not a {type(raw).__name__}")
+    return raw
+
+
+def smoke_requested() -> bool:
+    return os.environ.get("LAB_SMOKE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def load_config(path: str | os.PathLike | None = None, overrides=None, mode: str | None = None) -> Config:
+    """Read a YAML config, apply the mode's defaults, then explicit overrides, and validate.
+
+    ``mode`` is "full" or "smoke"; None decides from the environment (see :func:`labutils.env.detect_mode`).
+    """
+    if mode is None:
+        from .env import detect_mode
+        mode = detect_mode()[0]
+    if mode not in ("full", "smoke"):
+        raise ConfigError("mode", None, mode, "must be full or smoke")
+    cfg = Config(mode=mode)
+    if path is not None:
+        p = Path(path)
+        cfg.source = str(path)
+        raw = _read_yaml(p)
+        for section, values in raw.items():
+            if section not in SECTIONS:
+                raise ConfigError(cfg.source, str(section), _MISSING,
+                                  f"unknown section; allowed: {', '.join(SECTIONS)}")
+            if values is None:
+                continue
+            if not isinstance(values, dict):
+                raise ConfigError(cfg.source, section, values, "a section must be a mapping of key: value")
+            for name, value in values.items():
+                _assign(cfg, f"{section}.{name}", value, cfg.source)
+        if cfg.data.corpus != "builtin" and not Path(cfg.data.corpus).is_absolute():
+            rel = p.parent / cfg.data.corpus
+            if rel.is_file() and not Path(cfg.data.corpus).is_file():
+                cfg.data.corpus = str(rel)
+    if mode == "smoke":
+        cfg.model.name = "tiny"
+        for key, cap in SMOKE_CAPS.items():
+            section, name = key.split(".")
+            setattr(getattr(cfg, section), name, min(getattr(getattr(cfg, section), name), cap))
+    for key, value in _override_items(overrides, "--set"):
+        _assign(cfg, key, value, "--set")
+    return validate(cfg)

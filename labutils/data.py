@@ -1,0 +1,140 @@
+"""Data: an offline corpus, tokenised into fixed-length samples, and a sampler that is exact for accumulation.
+
+- ``builtin`` corpus: the English prose of Python's own documentation (``pydoc_data``), shipped with Python,
+  so nothing is downloaded. A ``.txt`` path: documents separated by blank lines.
+- ``pack=False`` (the spec's way): one document per sample, truncated and right-padded; padding positions get
+  label -100 and attention mask 0, so they never count in the loss. ``pack=True``: documents joined by EOS
+  and cut into full blocks (no padding at all).
+- :meth:`LMDataset.windows` yields, for every optimizer step, the ``micro x accum`` samples of that step split
+  into micro-batches. The samples of a step depend only on the seed and the effective batch size, not on how
+  it is split, which is what makes (8 x 1), (2 x 4) and (1 x 8) comparable exactly.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from .config import DataConfig
+
+IGNORE_INDEX = -100
+
+
+def _builtin_documents(min_chars: int = 200) -> list[str]:
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:  # some minimal Pythons strip it: a synthetic fallback, clearly not real prose
+        words = ("the model reads a batch of tokens and predicts the next one while memory holds weights "
+                 "gradients optimizer state and activations").split()
+        g = torch.Generator().manual_seed(0)
+        return [" ".join(words[i] for i in torch.randint(len(words), (int(n),), generator=g))
+                for n in torch.randint(20, 200, (400,), generator=g)]
+    docs = []
+    for name in sorted(topics):
+        buf = ""
+        for para in re.split(r"\n\s*\n", topics[name]):
+            para = para.strip()
+            if not para:
+                continue
+            buf = f"{buf}\n\n{para}" if buf else para
+            if len(buf) >= min_chars:
+                docs.append(buf)
+                buf = ""
+        if buf:
+            docs.append(buf)
+    return docs
+
+
+def load_documents(corpus: str) -> list[str]:
+    """The corpus as a list of documents (blank-line separated for text files)."""
+    if corpus == "builtin":
+        return _builtin_documents()
+    text = Path(corpus).read_text(encoding="utf-8", errors="replace")
+    docs = [d.strip() for d in re.split(r"\n\s*\n", text) if d.strip()]
+    if not docs:
+        raise ValueError(f"{corpus}: no documents (documents are separated by blank lines)")
+    return docs
+
+
+@dataclass
+class LMDataset:
+    input_ids: torch.Tensor       # [N, T] int64
+    attention_mask: torch.Tensor  # [N, T] int64, 0 on padding
+    labels: torch.Tensor          # [N, T] int64, -100 on padding
+    targets: list[int]            # per sample: positions that count in the loss (labels[1:] != -100)
+    packed: bool
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def seq_length(self) -> int:
+        return self.input_ids.shape[1]
+
+    @property
+    def padding_fraction(self) -> float:
+        return 1.0 - float(self.attention_mask.float().mean())
+
+    def to(self, device) -> "LMDataset":
+        return LMDataset(self.input_ids.to(device), self.attention_mask.to(device), self.labels.to(device),
+                         self.targets, self.packed)
+
+    def batch(self, indices) -> dict[str, torch.Tensor]:
+        idx = torch.as_tensor(indices, dtype=torch.long, device=self.input_ids.device)
+        return {"input_ids": self.input_ids[idx], "attention_mask": self.attention_mask[idx],
+                "labels": self.labels[idx]}
+
+    def step_indices(self, effective_batch: int, seed: int) -> Iterator[list[int]]:
+        """Sample indices for each optimizer step: a fresh seeded permutation every epoch, consumed in order."""
+        epoch, pending = 0, []
+        while True:
+            while len(pending) < effective_batch:
+                g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+                pending += torch.randperm(len(self), generator=g).tolist()
+                epoch += 1
+            yield pending[:effective_batch]
+            pending = pending[effective_batch:]
+
+    def windows(self, micro_batch_size: int, accumulation_steps: int, seed: int) -> Iterator["Window"]:
+        """One :class:`Window` per optimizer step: its micro-batches and its total target-token count."""
+        for idx in self.step_indices(micro_batch_size * accumulation_steps, seed):
+            chunks = [idx[i:i + micro_batch_size] for i in range(0, len(idx), micro_batch_size)]
+            yield Window([self.batch(c) for c in chunks], sum(self.targets[i] for i in idx))
+
+
+@dataclass
+class Window:
+    micro_batches: list[dict[str, torch.Tensor]]
+    num_targets: int  # target tokens in the whole accumulation window: the loss normaliser
+
+
+def build_dataset(cfg: DataConfig, tokenizer) -> LMDataset:
+    """Tokenise the corpus into ``cfg.num_samples`` samples of ``cfg.seq_length`` tokens."""
+    docs = load_documents(cfg.corpus)
+    T, N, eos = cfg.seq_length, cfg.num_samples, tokenizer.eos_token_id
+    if cfg.pack:
+        stream: list[int] = []
+        for doc in docs:
+            stream += tokenizer.encode(doc) + [eos]
+            if len(stream) >= N * T:
+                break
+        reps = -(-N * T // len(stream))
+        ids = torch.tensor((stream * reps)[:N * T], dtype=torch.long).view(N, T)
+        mask = torch.ones_like(ids)
+        labels = ids.clone()
+    else:
+        encoded = [e for e in (tokenizer.encode(d, max_length=T) for d in docs) if len(e) >= 2]
+        if not encoded:
+            raise ValueError(f"{cfg.corpus}: no document has two or more tokens")
+        ids = torch.full((N, T), eos, dtype=torch.long)
+        mask = torch.zeros((N, T), dtype=torch.long)
+        for i in range(N):
+            e = encoded[i % len(encoded)][:T]
+            ids[i, :len(e)] = torch.tensor(e)
+            mask[i, :len(e)] = 1
+        labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
+    targets = (labels[:, 1:] != IGNORE_INDEX).sum(dim=1).tolist()
+    return LMDataset(ids, mask, labels, targets, cfg.pack)

@@ -1,0 +1,190 @@
+"""Memory measurement for a region of code: the same meaning on CUDA and on CPU.
+
+On CUDA the caching allocator is asked (allocated, reserved, peak; the peak counter is reset when the region
+starts). On CPU there is no allocator to ask, and process RSS counts the Python heap and freed-but-cached
+pages, so the tracker counts the bytes of live tensor storages itself: storages alive when the region starts
+(found through the garbage collector) plus every storage an operator creates inside it (seen through a
+``TorchDispatchMode``, like ``torch.distributed._tools.mem_tracker``), minus those freed. Same meaning as
+``torch.cuda.max_memory_allocated``: peak bytes of live tensors.
+"""
+from __future__ import annotations
+
+import gc
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+MB, GB, GiB = 10**6, 10**9, 2**30
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Counts bytes of live CPU tensor storages; keeps a running peak."""
+
+    def __init__(self, budget_bytes: int | None = None):
+        super().__init__()
+        self.budget = budget_bytes
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+
+    def _forget(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+    def add(self, t) -> None:
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.is_sparse:
+            return
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        n = st.nbytes()
+        key = st.data_ptr()
+        if n == 0 or key in self.live:
+            return
+        if self.budget is not None and self.current + n > self.budget:
+            raise torch.OutOfMemoryError(
+                f"simulated out of memory on CPU: tried to allocate {fmt_bytes(n)} with {fmt_bytes(self.current)} "
+                f"live and a budget of {fmt_bytes(self.budget)}")
+        self.live[key] = n
+        self.current += n
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(st, self._forget, key)
+
+    def add_existing(self) -> None:
+        for obj in gc.get_objects():
+            if issubclass(type(obj), torch.Tensor):  # type(), not isinstance: no lazy-module side effects
+                self.add(obj)
+                if obj.grad is not None:
+                    self.add(obj.grad)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            self.add(t)
+        return out
+
+
+@dataclass
+class MemoryTracker:
+    """``with MemoryTracker(device) as mt: ...`` then ``mt.peak_bytes``, ``mt.start_bytes``, ``mt.end_bytes``.
+
+    ``mt.mark("after forward")`` inside the region records a point of the timeline (label, current, peak).
+    On CPU, tracking costs some Python work per operator: fine for lessons and smoke runs, not for timing.
+    ``cpu_budget_bytes`` makes the CPU tracker raise ``torch.OutOfMemoryError`` when live tensors would exceed
+    it, so the out-of-memory paths of a lab also run (and are tested) on a machine without a GPU.
+    """
+    device: torch.device | str | None = None
+    start_bytes: int = 0
+    end_bytes: int = 0
+    peak_bytes: int = 0
+    reserved_bytes: int | None = None
+    cpu_budget_bytes: int | None = None
+    timeline: list[tuple[str, int, int]] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(self.device)
+        self._cpu: _LiveStorages | None = None
+        self._active = False
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def current_bytes(self) -> int:
+        if self.is_cuda:
+            return torch.cuda.memory_allocated(self.device)
+        if self._cpu is None:
+            raise RuntimeError("the CPU tracker only counts inside its `with` block")
+        return self._cpu.current
+
+    def _peak_now(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device) if self.is_cuda else self._cpu.peak
+
+    def mark(self, label: str) -> int:
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+        cur = self.current_bytes()
+        self.timeline.append((label, cur, self._peak_now()))
+        return cur
+
+    def __enter__(self) -> "MemoryTracker":
+        gc.collect()
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._cpu = _LiveStorages()
+            self._cpu.add_existing()
+            self._cpu.budget = self.cpu_budget_bytes
+            self._cpu.__enter__()
+        self.start_bytes = self.current_bytes()
+        self.peak_bytes = self.start_bytes
+        self._active = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+            self.reserved_bytes = torch.cuda.memory_reserved(self.device)
+        else:
+            self._cpu.__exit__(*exc)
+        self.end_bytes = self.current_bytes()
+        self.peak_bytes = max(self._peak_now(), self.end_bytes)
+        self._active = False
+
+    @property
+    def peak_above_start(self) -> int:
+        return self.peak_bytes - self.start_bytes
+
+    def summary(self) -> str:
+        extra = f", reserved {fmt_bytes(self.reserved_bytes)}" if self.reserved_bytes is not None else ""
+        return (f"[{self.device.type}] start {fmt_bytes(self.start_bytes)}, peak {fmt_bytes(self.peak_bytes)}, "
+                f"end {fmt_bytes(self.end_bytes)}{extra}")
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of distinct storages among ``tensors`` (views of one storage count once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """What the training state holds right now: weights, gradients and optimizer state, in bytes."""
+    params = list(model.parameters())
+    opt = []
+    if optimizer is not None:
+        for s in optimizer.state.values():
+            opt += [v for v in s.values() if isinstance(v, torch.Tensor)]
+    return {"params": tensor_bytes(params), "grads": tensor_bytes(p.grad for p in params),
+            "optimizer": tensor_bytes(opt)}
+
+
+def release(*objs) -> None:
+    """Drop references, collect garbage and return cached CUDA blocks: call after every experiment."""
+    for o in objs:
+        del o
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()

@@ -1,0 +1,246 @@
+"""The course's one training loop, used by every notebook, the CLI and the benchmark.
+
+What it does each optimizer step, in order (lab 02 writes the same thing out by hand):
+
+    for each micro-batch of the step's window:                 # accumulation
+        with autocast(device_type, dtype):                     # fp16 / bf16 only
+            loss = model(..., labels, num_items_in_batch=N).loss   # sum over tokens / N (N = window's targets)
+        scaler.scale(loss).backward()                          # fp16: scaled; otherwise loss.backward()
+    scaler.unscale_(optimizer)                                  # fp16: once per step, before clipping
+    clip_grad_norm_(params, max_grad_norm)
+    scaler.step(optimizer); scaler.update()                     # fp16: skips the step if grads overflowed
+    optimizer.zero_grad(set_to_none=True)
+
+Normalising by the target-token count N of the *whole window* makes accumulation exact: (8 x 1), (2 x 4) and
+(1 x 8) produce the same gradient, padded or not. ``loss / accumulation_steps`` does not when micro-batches hold
+different numbers of real tokens.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from . import env as _env
+from .config import Config
+from .data import LMDataset, build_dataset
+from .memory import MemoryTracker, release, state_bytes
+from .models import count_parameters, enable_checkpointing, flops_per_token, load_model
+
+AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class NonFiniteLossError(FloatingPointError):
+    pass
+
+
+@dataclass
+class RunResult:
+    """Everything one training run measured. ``to_dict()`` is what ``--json`` writes."""
+    config: dict
+    env: dict
+    status: str = "ok"                 # ok | oom | skipped | error
+    error: str | None = None
+    losses: list = field(default_factory=list)        # token-weighted mean loss of each optimizer step
+    grad_norms: list = field(default_factory=list)    # global L2 norm of the (unscaled) gradients, pre-clip
+    loss_scales: list = field(default_factory=list)   # fp16: GradScaler scale used at each step
+    skipped: list = field(default_factory=list)       # fp16: steps skipped because gradients overflowed
+    step_times: list = field(default_factory=list)    # seconds, device synchronised
+    tokens_per_step: int = 0          # positions processed per optimizer step (padding included: it is computed)
+    target_tokens: list = field(default_factory=list)  # positions that count in the loss, per step
+    effective_batch_size: int = 0
+    parameters: int = 0
+    step_time_seconds: float | None = None   # mean over the timed steps (warm-up steps left out)
+    tokens_per_second: float | None = None
+    achieved_tflops: float | None = None
+    peak_memory_bytes: int | None = None
+    memory: dict = field(default_factory=dict)
+
+    @property
+    def skipped_steps(self) -> int:
+        return len(self.skipped)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["skipped_steps"] = self.skipped_steps
+        d["avg_loss"] = sum(self.losses) / len(self.losses) if self.losses else None
+        d["final_loss"] = self.losses[-1] if self.losses else None
+        return d
+
+    def row(self, **extra) -> dict:
+        """A flat summary for result tables."""
+        t = self.config.get("train", {})
+        return {**extra,
+                "model": self.config.get("model", {}).get("name"), "precision": t.get("precision"),
+                "micro_batch": t.get("micro_batch_size"), "accum": t.get("accumulation_steps"),
+                "checkpointing": t.get("gradient_checkpointing"), "status": self.status,
+                "avg_loss": self.to_dict()["avg_loss"], "final_loss": self.to_dict()["final_loss"],
+                "step_time_s": self.step_time_seconds, "tokens_per_s": self.tokens_per_second,
+                "tflops": self.achieved_tflops, "peak_memory_bytes": self.peak_memory_bytes,
+                "skipped_steps": self.skipped_steps, "error": self.error}
+
+
+def autocast_for(precision: str, device: torch.device):
+    """The autocast context of a precision (reusable across micro-batches); a no-op for fp32/tf32."""
+    if precision in AMP_DTYPES:
+        return torch.amp.autocast(device.type, dtype=AMP_DTYPES[precision])
+    return contextlib.nullcontext()
+
+
+def scaler_for(precision: str, device: torch.device):
+    """fp16 needs dynamic loss scaling; bf16 has fp32's exponent range and does not."""
+    return torch.amp.GradScaler(device.type) if precision == "fp16" else None
+
+
+def make_optimizer(model, cfg: Config, device: torch.device):
+    t = cfg.train
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=t.lr, fused=device.type == "cuda")
+    warm = t.warmup_steps
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+    return opt, sched
+
+
+def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch.device | str | None = None, *,
+          env: dict | None = None, progress: bool = True, desc: str | None = None, track_memory: bool = True,
+          cpu_budget_bytes: int | None = None, inject_overflow_at=(), on_step=None) -> RunResult:
+    """Train ``model`` for ``cfg.train.steps`` optimizer steps on ``dataset``; return what was measured.
+
+    ``inject_overflow_at``: steps at which one gradient is set to inf after backward (lab 01's demo and a test
+    of the fp16 skip path). ``on_step(step, result, model, optimizer, scaler)`` is called after every step.
+    """
+    t = cfg.train
+    device = torch.device(device or _env.default_device())
+    result = RunResult(config=cfg.to_dict(), env=env or {}, effective_batch_size=cfg.effective_batch_size,
+                       tokens_per_step=cfg.effective_batch_size * dataset.seq_length,
+                       parameters=count_parameters(model))
+    model.train()
+    if t.gradient_checkpointing:
+        enable_checkpointing(model, t.checkpoint_every_n_layers)
+    data = dataset.to(device)
+    windows = data.windows(t.micro_batch_size, t.accumulation_steps, t.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    tracker = MemoryTracker(device, cpu_budget_bytes=cpu_budget_bytes) if track_memory else None
+    # On CUDA the allocator counts for free: track every step. On CPU the tracker costs Python work per
+    # operator, so it covers the first two steps only (the second already holds optimizer state, and later
+    # steps repeat the same shapes) and those steps are left out of the timing.
+    tracked_steps = t.steps if device.type == "cuda" or tracker is None else min(t.steps, 2)
+    optimizer = scheduler = None
+    stack = contextlib.ExitStack()
+    try:
+        stack.enter_context(_env.matmul_precision(tf32=t.precision == "tf32"))
+        if tracker:
+            stack.enter_context(tracker)
+        optimizer, scheduler = make_optimizer(model, cfg, device)
+        autocast, scaler = autocast_for(t.precision, device), scaler_for(t.precision, device)
+        bar = tqdm(range(t.steps), desc=desc or f"{cfg.model.name} {t.precision}", disable=not progress, leave=False)
+        for step in bar:
+            start = time.perf_counter()
+            window = next(windows)
+            loss_sum = torch.zeros((), device=device)
+            for mb in window.micro_batches:
+                with autocast:
+                    loss = model(**mb, num_items_in_batch=window.num_targets, use_cache=False).loss
+                (scaler.scale(loss) if scaler else loss).backward()
+                loss_sum += loss.detach()
+            if step in inject_overflow_at:
+                params[0].grad.view(-1)[0] = float("inf")
+            if scaler:
+                result.loss_scales.append(scaler.get_scale())
+                scaler.unscale_(optimizer)
+            if t.max_grad_norm is not None:
+                norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
+            else:
+                norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+                if scaler.get_scale() < result.loss_scales[-1]:
+                    result.skipped.append(step)
+            else:
+                optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            value = loss_sum.item()  # also synchronises the device, so the step time is real
+            result.step_times.append(time.perf_counter() - start)
+            if not math.isfinite(value) and not scaler:
+                raise NonFiniteLossError(
+                    f"step {step}: loss is {value} with precision {t.precision}. Lower train.lr, set "
+                    f"train.max_grad_norm, or check the data; fp16 needs its GradScaler (this loop uses one).")
+            result.losses.append(value)
+            result.grad_norms.append(float(norm))
+            result.target_tokens.append(window.num_targets)
+            if progress:
+                bar.set_postfix(loss=f"{value:.3f}", refresh=False)
+            if on_step:
+                on_step(step, result, model, optimizer, scaler)
+            if tracker and step + 1 == tracked_steps:
+                stack.close()  # ends the tracker (and restores TF32 flags: re-entered below)
+                stack.enter_context(_env.matmul_precision(tf32=t.precision == "tf32"))
+        bar.close()
+        result.memory = state_bytes(model, optimizer)
+    finally:
+        stack.close()
+        del optimizer, scheduler
+    if tracker:
+        result.peak_memory_bytes = tracker.peak_bytes
+        result.memory.update(start_bytes=tracker.start_bytes, peak_bytes=tracker.peak_bytes,
+                             end_bytes=tracker.end_bytes, reserved_bytes=tracker.reserved_bytes,
+                             tracked_steps=tracked_steps)
+    first_timed = t.timing_warmup_steps if tracked_steps == t.steps else max(t.timing_warmup_steps, tracked_steps)
+    timed = result.step_times[min(first_timed, len(result.step_times) - 1):]
+    result.step_time_seconds = sum(timed) / len(timed)
+    result.tokens_per_second = result.tokens_per_step / result.step_time_seconds
+    flops = flops_per_token(cfg.model.name, dataset.seq_length, recompute=t.gradient_checkpointing)
+    result.achieved_tflops = flops * result.tokens_per_second / 1e12
+    return result
+
+
+def prepare(cfg: Config, device: torch.device | str | None = None, verbose: bool = True):
+    """Model, tokenizer and dataset for a config: ``loaded, dataset = prepare(cfg)``."""
+    device = torch.device(device or _env.default_device())
+    loaded = load_model(cfg.model, device, seed=cfg.train.seed, verbose=verbose)
+    dataset = build_dataset(cfg.data, loaded.tokenizer)
+    return loaded, dataset
+
+
+def run(cfg: Config, device: torch.device | str | None = None, *, progress: bool = True, desc: str | None = None,
+        verbose: bool = True, **train_kw) -> RunResult:
+    """Load, train, measure and clean up one configuration. An out-of-memory error becomes a result with
+    ``status="oom"`` (and the memory it had reached), never a crash; memory is released either way."""
+    device = torch.device(device or _env.default_device())
+    _env.seed_everything(cfg.train.seed)
+    result = None
+    env = _env.environment(device, cfg.mode)
+    loaded = dataset = None
+    oom = None
+    if device.type == "cuda":
+        release()
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        loaded, dataset = prepare(cfg, device, verbose=verbose)
+        env["weights"] = loaded.weights
+        result = train(cfg, loaded.model, dataset, device, env=env, progress=progress, desc=desc, **train_kw)
+    except torch.OutOfMemoryError as exc:
+        oom = str(exc).strip().splitlines()[0][:300]
+    finally:
+        model = loaded.model if loaded else None
+        loaded = None
+        del model
+        release()
+    if oom is not None:
+        env.setdefault("weights", None)
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        result = RunResult(config=cfg.to_dict(), env=env, status="oom", error=oom,
+                           effective_batch_size=cfg.effective_batch_size, peak_memory_bytes=peak)
+    return result
