@@ -87,6 +87,19 @@ def cmd_bench(args) -> int:
     return bench(cfg, repeats=args.repeats)
 
 
+def cmd_estimate(args) -> int:
+    from .estimate import cli_estimate  # issue 6: the memory estimator and advisor
+
+    cfg = load_config(args.config, args.overrides, mode="full")  # estimates are for the real sizes
+    return cli_estimate(cfg, args)
+
+
+def cmd_regenerate(args) -> int:
+    from .regenerate import cli_regenerate  # issue 7: re-execute the labs and render the results
+
+    return cli_regenerate(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m labutils", description="GPT-2 single-GPU training-optimisation labs")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -99,6 +112,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--repeats", type=int, default=3, help="alternating repeats of each loop (default 3)")
     p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("estimate", help="predict memory (params, grads, optimizer, activations, peak) and advise")
+    _add_config_args(p)
+    p.add_argument("--gpu-memory-gb", type=float, default=None, metavar="G",
+                   help="memory to fit in, in GiB (default: this GPU's, else 8)")
+    p.add_argument("--json", metavar="PATH", help="write the estimate and recommendation as JSON")
+    p.set_defaults(func=cmd_estimate)
+    p = sub.add_parser("regenerate", help="re-execute the lab notebooks and regenerate results tables and figures")
+    p.add_argument("--smoke", action="store_true", help="smoke mode (tiny model, CPU is fine); never writes results/")
+    p.add_argument("--only", metavar="01,03", help="comma-separated lab numbers (default: all four)")
+    p.add_argument("--out", metavar="DIR", help="output folder (default: results/, or a temp folder with --smoke)")
+    p.add_argument("--gpu-memory-gb", type=float, default=8.0, metavar="G",
+                   help="cap CUDA memory to G GiB so any card behaves like the students' (default 8; 0 = no cap)")
+    p.set_defaults(func=cmd_regenerate)
     return parser
 
 

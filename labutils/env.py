@@ -135,6 +135,8 @@ def setup(seed: int = 42, verbose: bool = True) -> dict:
     if budget and device.type == "cuda":
         set_memory_budget(float(budget), device)
     seed_everything(seed)
+    from .models import hub_reachable
+    hub = hub_reachable()  # before anything imports transformers: sets HF_HUB_OFFLINE when unreachable
     info = environment(device, mode)
     if verbose:
         print(f"mode: {mode} ({reason})")
@@ -146,4 +148,7 @@ def setup(seed: int = 42, verbose: bool = True) -> dict:
         else:
             print("device: cpu (no CUDA GPU): numbers below are smoke-test numbers, not GPU results")
         print(f"torch {info['torch']}, transformers {info['transformers']}, python {info['python']}, seed {seed}")
+        print("model hub: " + ("reachable (pretrained GPT-2 weights)" if hub else
+                               "unreachable, offline mode: random weights of the same architecture "
+                               "(memory and speed identical, loss values not comparable to pretrained)"))
     return {"mode": mode, "device": device, **{k: v for k, v in info.items() if k not in ("mode", "device")}}
