@@ -84,7 +84,8 @@ def cmd_bench(args) -> int:
     from .bench import bench
 
     cfg = load_config(args.config, args.overrides)
-    return bench(cfg, repeats=args.repeats)
+    bench(cfg, repeats=args.repeats)
+    return 0
 
 
 def cmd_estimate(args) -> int:

@@ -279,6 +279,7 @@ def load_config(path: str | os.PathLike | None = None, overrides=None, mode: str
             rel = p.parent / cfg.data.corpus
             if rel.is_file() and not Path(cfg.data.corpus).is_file():
                 cfg.data.corpus = str(rel)
+        validate(cfg)  # the file's own values must be valid, whatever the mode does to them next
     if mode == "smoke":
         cfg.model.name = "tiny"
         for key, cap in SMOKE_CAPS.items():
