@@ -47,8 +47,9 @@ def print_summary(result) -> None:
         ("device", d["env"].get("gpu_name") or d["env"].get("device")),
         ("mode", d["env"].get("mode")),
         ("precision", t["precision"]),
-        ("batch", f"{t['micro_batch_size']} x {t['accumulation_steps']} = {result.effective_batch_size} sequences "
-                  f"of {d['config']['data']['seq_length']} tokens"),
+        ("batch", f"{t['micro_batch_size']} x {t['accumulation_steps']}"
+                  + (f" x {d['env']['world_size']} processes" if d["env"].get("world_size", 1) > 1 else "")
+                  + f" = {result.effective_batch_size} sequences of {d['config']['data']['seq_length']} tokens"),
         ("checkpointing", t["gradient_checkpointing"]),
         ("status", result.status + (f": {result.error}" if result.error else "")),
     ]
@@ -71,8 +72,12 @@ def cmd_run(args) -> int:
 
     mode, reason = detect_mode()
     cfg = load_config(args.config, args.overrides, mode=mode)
-    print(f"mode: {mode} ({reason})")
+    main_process = os.environ.get("RANK", "0") == "0"  # under accelerate/torchrun only rank 0 reports
+    if main_process:
+        print(f"mode: {mode} ({reason})")
     result = run(cfg, progress=not args.quiet)
+    if not main_process:
+        return 0 if result.ok else 1
     print_summary(result)
     if args.json:
         write_json(args.json, result.to_dict())

@@ -100,11 +100,16 @@ def scaler_for(precision: str, device: torch.device):
     return torch.amp.GradScaler(device.type) if precision == "fp16" else None
 
 
-def make_optimizer(model, cfg: Config, device: torch.device):
+def make_optimizer(model, cfg: Config, device: torch.device, accelerator=None):
     t = cfg.train
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    from .distributed import uses_engine_optimizer
+    if uses_engine_optimizer(accelerator):  # DeepSpeed builds the optimizer its config names ("auto" = ours)
+        from accelerate.utils import DummyOptim
+        opt = DummyOptim(groups, lr=t.lr, weight_decay=t.weight_decay)
+        return opt, None
     opt = torch.optim.AdamW(groups, lr=t.lr, fused=device.type == "cuda")
     warm = t.warmup_steps
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
@@ -113,12 +118,17 @@ def make_optimizer(model, cfg: Config, device: torch.device):
 
 def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch.device | str | None = None, *,
           env: dict | None = None, progress: bool = True, desc: str | None = None, track_memory: bool = True,
-          cpu_budget_bytes: int | None = None, inject_overflow_at=(), on_step=None) -> RunResult:
+          cpu_budget_bytes: int | None = None, inject_overflow_at=(), on_step=None, accelerator=None) -> RunResult:
     """Train ``model`` for ``cfg.train.steps`` optimizer steps on ``dataset``; return what was measured.
 
     ``inject_overflow_at``: steps at which one gradient is set to inf after backward (lab 01's demo and a test
     of the fp16 skip path). ``on_step(step, result, model, optimizer, scaler)`` is called after every step.
+    ``accelerator``: run under ``accelerate launch`` (see labutils.distributed); the engine then does autocast,
+    loss scaling, accumulation and clipping, and each rank trains on its share of the global window.
     """
+    if accelerator is not None:
+        return _train_accelerated(cfg, model, dataset, accelerator, env=env, progress=progress, desc=desc,
+                                  on_step=on_step)
     t = cfg.train
     device = torch.device(device or _env.default_device())
     result = RunResult(config=cfg.to_dict(), env=env or {}, effective_batch_size=cfg.effective_batch_size,
@@ -218,6 +228,13 @@ def run(cfg: Config, device: torch.device | str | None = None, *, progress: bool
         verbose: bool = True, **train_kw) -> RunResult:
     """Load, train, measure and clean up one configuration. An out-of-memory error becomes a result with
     ``status="oom"`` (and the memory it had reached), never a crash; memory is released either way."""
+    from .distributed import maybe_accelerator
+
+    accelerator = maybe_accelerator(cfg)
+    if accelerator is not None:
+        device, train_kw = accelerator.device, {**train_kw, "accelerator": accelerator}
+        progress = progress and accelerator.is_main_process
+        verbose = verbose and accelerator.is_main_process
     device = torch.device(device or _env.default_device())
     _env.seed_everything(cfg.train.seed)
     result = None
@@ -243,4 +260,72 @@ def run(cfg: Config, device: torch.device | str | None = None, *, progress: bool
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         result = RunResult(config=cfg.to_dict(), env=env, status="oom", error=oom,
                            effective_batch_size=cfg.effective_batch_size, peak_memory_bytes=peak)
+    return result
+
+
+def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None, progress=True, desc=None,
+                       on_step=None) -> RunResult:
+    """The same step as :func:`train`, with the engine doing what the single-process loop does by hand."""
+    t, world, rank = cfg.train, acc.num_processes, acc.process_index
+    device = acc.device
+    result = RunResult(config=cfg.to_dict(), env={**(env or {}), "world_size": world,
+                                                  "distributed_type": str(acc.distributed_type)},
+                       effective_batch_size=cfg.effective_batch_size * world,
+                       tokens_per_step=cfg.effective_batch_size * world * dataset.seq_length,
+                       parameters=count_parameters(model))
+    model.train()
+    if t.gradient_checkpointing:
+        enable_checkpointing(model, t.checkpoint_every_n_layers)
+    data = dataset.to(device)
+    # the global window of each step, identical on every rank; rank r takes micro-batches [r*accum, (r+1)*accum)
+    windows = data.windows(t.micro_batch_size, t.accumulation_steps * world, t.seed)
+    optimizer, scheduler = make_optimizer(model, cfg, device, acc)
+    if scheduler is None:
+        from accelerate.utils import DummyScheduler
+        scheduler = DummyScheduler(optimizer, total_num_steps=t.steps, warmup_num_steps=t.warmup_steps)
+    model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
+    tracker = MemoryTracker(device) if device.type == "cuda" else None
+    with (tracker or contextlib.nullcontext()), _env.matmul_precision(tf32=t.precision == "tf32"):
+        bar = tqdm(range(t.steps), desc=desc or f"{cfg.model.name} {t.precision} x{world}",
+                   disable=not (progress and acc.is_main_process), leave=False)
+        for step in bar:
+            start = time.perf_counter()
+            window = next(windows)
+            mine = window.micro_batches[rank * t.accumulation_steps:(rank + 1) * t.accumulation_steps]
+            norm_items = window.num_targets / (t.accumulation_steps * world)  # engine: /accum, DDP: mean
+            token_loss, norm = torch.zeros((), device=device), None
+            for mb in mine:
+                with acc.accumulate(model):
+                    loss = model(**mb, num_items_in_batch=norm_items, use_cache=False).loss
+                    acc.backward(loss)
+                    token_loss += loss.detach() * norm_items
+                    if acc.sync_gradients and t.max_grad_norm is not None:
+                        norm = acc.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+            value = (acc.reduce(token_loss, reduction="sum") / window.num_targets).item()
+            result.step_times.append(time.perf_counter() - start)
+            if acc.optimizer_step_was_skipped:
+                result.skipped.append(step)
+            if not math.isfinite(value) and t.precision != "fp16":
+                raise NonFiniteLossError(f"step {step}: loss is {value} with precision {t.precision}")
+            result.losses.append(value)
+            if t.max_grad_norm is not None and norm is not None:
+                result.grad_norms.append(float(norm))
+            result.target_tokens.append(window.num_targets)
+            if on_step:
+                on_step(step, result, model, optimizer, None)
+        bar.close()
+    if tracker:
+        peak = torch.tensor(tracker.peak_bytes, device=device)
+        result.peak_memory_bytes = int(acc.reduce(peak, reduction="max"))  # the busiest rank
+    else:
+        result.peak_memory_bytes = None
+    timed = result.step_times[min(t.timing_warmup_steps, len(result.step_times) - 1):]
+    result.step_time_seconds = sum(timed) / len(timed)
+    result.tokens_per_second = result.tokens_per_step / result.step_time_seconds
+    result.achieved_tflops = flops_per_token(cfg.model.name, dataset.seq_length,
+                                             recompute=t.gradient_checkpointing) * result.tokens_per_second / 1e12
+    acc.free_memory()
     return result

@@ -1,0 +1,78 @@
+"""Beyond one GPU: the same loop on an existing engine (DDP, FSDP, DeepSpeed ZeRO) through Hugging Face accelerate.
+
+``accelerate launch --config_file configs/accelerate/<x>.yaml -m labutils run CONFIG`` starts N processes;
+:func:`maybe_accelerator` sees the launch and builds an ``Accelerator`` from the *YAML config*
+(precision -> ``mixed_precision``, accumulation -> ``gradient_accumulation_steps``), and the loop in
+``labutils.train`` hands autocast, loss scaling, accumulation (no_sync) and clipping to the engine instead of
+doing them itself, so nothing is done twice.
+
+Exactness across processes: every step, the global window (micro x accum x world samples) is split among the
+ranks; each rank normalises its token-loss sum by ``global_targets / (accum * world)`` because the engine divides
+the loss by ``accum`` and data parallelism averages gradients over ``world``. The result is the gradient of
+the token-mean over the whole global window, as in one process.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from .config import Config, ConfigError
+
+MIXED = {"fp32": "no", "tf32": "no", "fp16": "fp16", "bf16": "bf16"}
+
+
+def launched_by_accelerate() -> bool:
+    """``accelerate launch`` (which always sets ACCELERATE_MIXED_PRECISION) or ``torchrun`` with >1 process."""
+    return "ACCELERATE_MIXED_PRECISION" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def maybe_accelerator(cfg: Config):
+    """An ``Accelerator`` when this process was started by ``accelerate launch``; None otherwise."""
+    if not launched_by_accelerate():
+        return None
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError("accelerate config", "distributed_type", "DEEPSPEED",
+                          "DeepSpeed was requested but the deepspeed package is not installed; "
+                          "pip install -e '.[deepspeed]' (needs a CUDA toolkit), or use a DDP/FSDP config")
+    if importlib.util.find_spec("accelerate") is None:
+        raise ConfigError("accelerate launch", None, "accelerate", "the accelerate package is not installed; "
+                                                                   "pip install -e '.[distributed]'")
+    import torch
+    from accelerate import Accelerator
+
+    acc = Accelerator(mixed_precision=MIXED[cfg.train.precision], cpu=not torch.cuda.is_available(),
+                      gradient_accumulation_steps=cfg.train.accumulation_steps)
+    wanted = {"FSDP": os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true",
+              "DEEPSPEED": os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"}
+    for name, asked in wanted.items():
+        if asked and acc.distributed_type.name != name:  # never run something else silently
+            raise ConfigError("accelerate config", "distributed_type", name,
+                              f"accelerate started {acc.distributed_type.name} instead (it supports {name} on CUDA "
+                              f"GPUs only); on a CPU use DDP: torchrun --nproc_per_node 2 -m labutils run CONFIG")
+    ds = getattr(acc.state, "deepspeed_plugin", None)
+    if ds is not None:  # we feed batches ourselves (no DataLoader), so tell DeepSpeed the micro-batch size
+        ds.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.train.micro_batch_size
+        if cfg.train.max_grad_norm is not None and ds.is_auto("gradient_clipping"):
+            ds.deepspeed_config["gradient_clipping"] = cfg.train.max_grad_norm
+    return acc
+
+
+def uses_engine_optimizer(acc) -> bool:
+    """DeepSpeed configs that name their own optimizer (CPU offload needs DeepSpeed's CPU Adam)."""
+    ds = getattr(acc.state, "deepspeed_plugin", None) if acc else None
+    return bool(ds and "optimizer" in ds.deepspeed_config)
+
+
+def zero_bytes_per_gpu(params: int, stage: int, n_gpus: int, offload_optimizer: bool = False,
+                       mixed_precision: bool = True) -> dict:
+    """Model-state bytes per GPU under ZeRO (Rajbhandari et al. 2020): 2P fp16 weights + 2P fp16 gradients +
+    12P optimizer state (fp32 master weights, Adam m and v) with mixed precision; stage 1 shards the 12P,
+    stage 2 also the gradients, stage 3 also the weights. Offload moves the optimizer state to the CPU.
+    Without mixed precision: 4P weights + 4P gradients + 8P Adam state (the master copy is the weights)."""
+    w, g, o = (2, 2, 12) if mixed_precision else (4, 4, 8)
+    n = max(1, n_gpus)
+    weights = w * params / (n if stage >= 3 else 1)
+    grads = g * params / (n if stage >= 2 else 1)
+    optim = 0 if offload_optimizer else o * params / (n if stage >= 1 else 1)
+    return {"weights": int(weights), "grads": int(grads), "optimizer": int(optim),
+            "total": int(weights + grads + optim), "cpu_optimizer": int(o * params / n) if offload_optimizer else 0}
