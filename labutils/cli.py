@@ -6,13 +6,11 @@ allowed; nothing runs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import tempfile
-from pathlib import Path
 
 from .config import ConfigError, load_config
+from .results import write_json
 
 
 class _Parser(argparse.ArgumentParser):
@@ -24,17 +22,6 @@ def _add_config_args(p):
     p.add_argument("config", help="YAML config, e.g. configs/fp16_config.yaml")
     p.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                    help="override config keys, e.g. --set train.steps=3 model.name=gpt2-medium (repeatable)")
-
-
-def write_json(path: str | os.PathLike, data) -> None:
-    """Write JSON atomically (temp file + rename): a crash never leaves half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, default=str)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def print_summary(result) -> None:

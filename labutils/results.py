@@ -8,14 +8,25 @@ for a full run and ``runs/smoke/`` for a smoke run, so smoke numbers never land 
 """
 from __future__ import annotations
 
+import json
 import math
 import os
+import tempfile
 from pathlib import Path
-
-from .cli import write_json
 
 RESULTS_DIR = Path("results")
 SMOKE_DIR = Path("runs") / "smoke"
+
+
+def write_json(path: str | os.PathLike, data) -> None:
+    """Write JSON atomically (temp file + rename): a crash never leaves half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, default=str)
+        f.write("\n")
+    os.replace(tmp, path)
 
 
 def results_dir(mode: str) -> Path:
