@@ -10,6 +10,6 @@ from .env import (bf16_supported, default_device, detect_mode, environment, matm
 from .memory import MemoryTracker, fmt_bytes, release, state_bytes
 from .models import enable_checkpointing, flops_per_token, load_model
 from .results import format_table, record_results, show_table
-from .train import RunResult, autocast_for, prepare, run, scaler_for, train
+from .train import RunResult, autocast_for, make_optimizer, prepare, run, scaler_for, train
 
 __all__ = [n for n in dir() if not n.startswith("_")]

@@ -95,9 +95,10 @@ def autocast_for(precision: str, device: torch.device):
     return contextlib.nullcontext()
 
 
-def scaler_for(precision: str, device: torch.device):
-    """fp16 needs dynamic loss scaling; bf16 has fp32's exponent range and does not."""
-    return torch.amp.GradScaler(device.type) if precision == "fp16" else None
+def scaler_for(precision: str, device: torch.device, **scaler_kwargs):
+    """fp16 needs dynamic loss scaling; bf16 has fp32's exponent range and does not.
+    ``scaler_kwargs`` go to ``torch.amp.GradScaler`` (init_scale, growth_interval, ...)."""
+    return torch.amp.GradScaler(device.type, **scaler_kwargs) if precision == "fp16" else None
 
 
 def make_optimizer(model, cfg: Config, device: torch.device, accelerator=None):
@@ -118,11 +119,13 @@ def make_optimizer(model, cfg: Config, device: torch.device, accelerator=None):
 
 def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch.device | str | None = None, *,
           env: dict | None = None, progress: bool = True, desc: str | None = None, track_memory: bool = True,
-          cpu_budget_bytes: int | None = None, inject_overflow_at=(), on_step=None, accelerator=None) -> RunResult:
+          cpu_budget_bytes: int | None = None, inject_overflow_at=(), on_step=None, accelerator=None,
+          scaler_kwargs: dict | None = None) -> RunResult:
     """Train ``model`` for ``cfg.train.steps`` optimizer steps on ``dataset``; return what was measured.
 
     ``inject_overflow_at``: steps at which one gradient is set to inf after backward (lab 01's demo and a test
     of the fp16 skip path). ``on_step(step, result, model, optimizer, scaler)`` is called after every step.
+    ``scaler_kwargs``: fp16 only, passed to ``torch.amp.GradScaler`` (e.g. ``{"growth_interval": 10}``).
     ``accelerator``: run under ``accelerate launch`` (see labutils.distributed); the engine then does autocast,
     loss scaling, accumulation and clipping, and each rank trains on its share of the global window.
     """
@@ -152,7 +155,8 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
         if tracker:
             stack.enter_context(tracker)
         optimizer, scheduler = make_optimizer(model, cfg, device)
-        autocast, scaler = autocast_for(t.precision, device), scaler_for(t.precision, device)
+        autocast = autocast_for(t.precision, device)
+        scaler = scaler_for(t.precision, device, **(scaler_kwargs or {}))
         bar = tqdm(range(t.steps), desc=desc or f"{cfg.model.name} {t.precision}", disable=not progress, leave=False)
         for step in bar:
             start = time.perf_counter()
@@ -180,6 +184,8 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
             else:
                 optimizer.step()
             scheduler.step()
+            if step == t.steps - 1:  # model state as the run ends, gradients still allocated
+                result.memory = state_bytes(model, optimizer)
             optimizer.zero_grad(set_to_none=True)
             value = loss_sum.item()  # also synchronises the device, so the step time is real
             result.step_times.append(time.perf_counter() - start)
@@ -198,7 +204,6 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
                 stack.close()  # ends the tracker (and restores TF32 flags: re-entered below)
                 stack.enter_context(_env.matmul_precision(tf32=t.precision == "tf32"))
         bar.close()
-        result.memory = state_bytes(model, optimizer)
     finally:
         stack.close()
         del optimizer, scheduler

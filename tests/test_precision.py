@@ -1,0 +1,79 @@
+"""Tests for labutils.precision (lab 01's measuring helpers)."""
+import math
+
+import pytest
+import torch
+
+import labutils as lu
+import labutils.precision as lp
+from labutils.models import gpt2_config
+
+
+def test_format_rows_match_finfo():
+    rows = {r["format"]: r for r in lp.format_rows()}
+    assert (rows["FP16"]["exponent"], rows["FP16"]["mantissa"]) == (5, 10)
+    assert (rows["BF16"]["exponent"], rows["BF16"]["mantissa"]) == (8, 7)
+    assert (rows["TF32"]["exponent"], rows["TF32"]["mantissa"], rows["TF32"]["bits"]) == (8, 10, 19)
+    assert rows["FP16"]["max"] == torch.finfo(torch.float16).max
+    assert rows["FP16"]["smallest_subnormal"] == 2.0**-24
+    assert rows["TF32"]["max"] < rows["FP32"]["max"]
+
+
+def test_bit_fields_and_stored():
+    assert lp.bit_fields(1.0, torch.float16) == "0 01111 0000000000"
+    assert lp.bit_fields(-2.0, torch.bfloat16) == "1 10000000 0000000"
+    assert lp.stored(65520.0, torch.float16) == math.inf
+    assert lp.stored(1 + 2**-9, torch.bfloat16) == 1.0
+
+
+def test_half_gradient_census_counts():
+    g = torch.tensor([1e-9, 1e-6, 1e-3, 0.0, 10.0])
+    c = lp.half_gradient_census([g], scale=2.0**16)
+    assert c.nonzero == 4
+    assert c.underflow == 1            # 1e-9 flushes to 0 in fp16
+    assert c.subnormal == 1            # 1e-6 is below fp16's smallest normal
+    assert c.underflow_scaled == 0     # x 65536 rescues 1e-9
+    assert c.overflow_scaled == 1      # 10 x 65536 > 65504
+    assert int(c.log2_hist.sum()) == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_saved_tensor_census_finds_half_weight_copies(dtype):
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(gpt2_config("tiny"))
+    model.loss_type = "ForCausalLM"
+    x = torch.randint(0, 256, (2, 16))
+    matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "wpe" not in n)
+    with lp.saved_tensor_census(model) as fp32:
+        model(input_ids=x, labels=x)
+    with lp.saved_tensor_census(model) as amp, torch.amp.autocast("cpu", dtype=dtype):
+        model(input_ids=x, labels=x)
+    assert fp32.get("half weight copy") == 0 and fp32.get("activation half") == 0
+    assert amp.get("half weight copy") == 2 * matmul
+    assert amp.get("activation half") > 0
+
+
+def test_comparison_rows_speedup_and_saving():
+    cfg = lu.load_config(None, mode="smoke")
+    a = lu.RunResult(config=cfg.to_dict(), env={}, losses=[2.0, 1.0], step_times=[1.0, 1.0],
+                     step_time_seconds=1.0, peak_memory_bytes=1000)
+    b = lu.RunResult(config=cfg.to_dict(), env={}, losses=[2.0, 1.5], step_times=[0.5, 0.5],
+                     step_time_seconds=0.5, peak_memory_bytes=600)
+    skipped = lp.skipped_result(cfg, "no GPU")
+    rows = {r["run"]: r for r in lp.comparison_rows({"fp32": a, "fp16": b, "tf32": skipped})}
+    assert rows["fp16"]["speedup_vs_fp32"] == pytest.approx(2.0)
+    assert rows["fp16"]["memory_saving_vs_fp32"] == pytest.approx(0.4)
+    assert rows["tf32"]["status"] == "skipped" and rows["tf32"]["note"] == "no GPU"
+    assert rows["tf32"]["speedup_vs_fp32"] is None
+
+
+def test_guarded_turns_oom_into_none(capsys):
+    def boom():
+        raise torch.OutOfMemoryError("simulated")
+    assert lp.guarded(boom) is None
+    assert "OOM" in capsys.readouterr().out
+
+
+def test_matmul_tflops_positive():
+    assert lp.matmul_tflops(32, 32, 32, "fp32", torch.device("cpu"), min_run_time=0.01) > 0
