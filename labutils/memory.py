@@ -66,7 +66,7 @@ class _LiveStorages(TorchDispatchMode):
         for obj in gc.get_objects():
             if issubclass(type(obj), torch.Tensor):  # type(), not isinstance: no lazy-module side effects
                 self.add(obj)
-                if obj.grad is not None:
+                if obj.is_leaf and obj.grad is not None:  # .grad of a non-leaf warns
                     self.add(obj.grad)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
