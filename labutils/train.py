@@ -43,7 +43,7 @@ class RunResult:
     """Everything one training run measured. ``to_dict()`` is what ``--json`` writes."""
     config: dict
     env: dict
-    status: str = "ok"                 # ok | oom | skipped | error
+    status: str = "ok"                 # ok | oom | diverged | skipped
     error: str | None = None
     losses: list = field(default_factory=list)        # token-weighted mean loss of each optimizer step
     grad_norms: list = field(default_factory=list)    # global L2 norm of the (unscaled) gradients, pre-clip
@@ -232,7 +232,8 @@ def prepare(cfg: Config, device: torch.device | str | None = None, verbose: bool
 def run(cfg: Config, device: torch.device | str | None = None, *, progress: bool = True, desc: str | None = None,
         verbose: bool = True, **train_kw) -> RunResult:
     """Load, train, measure and clean up one configuration. An out-of-memory error becomes a result with
-    ``status="oom"`` (and the memory it had reached), never a crash; memory is released either way."""
+    ``status="oom"`` (and the memory it had reached), a non-finite loss one with ``status="diverged"``,
+    never a crash; memory is released either way."""
     from .distributed import maybe_accelerator
 
     accelerator = maybe_accelerator(cfg)
@@ -245,7 +246,7 @@ def run(cfg: Config, device: torch.device | str | None = None, *, progress: bool
     result = None
     env = _env.environment(device, cfg.mode)
     loaded = dataset = None
-    oom = None
+    oom = diverged = None
     if device.type == "cuda":
         release()
         torch.cuda.reset_peak_memory_stats(device)
@@ -255,11 +256,16 @@ def run(cfg: Config, device: torch.device | str | None = None, *, progress: bool
         result = train(cfg, loaded.model, dataset, device, env=env, progress=progress, desc=desc, **train_kw)
     except torch.OutOfMemoryError as exc:
         oom = str(exc).strip().splitlines()[0][:300]
+    except NonFiniteLossError as exc:
+        diverged = str(exc)
     finally:
         model = loaded.model if loaded else None
         loaded = None
         del model
         release()
+    if diverged is not None:
+        result = RunResult(config=cfg.to_dict(), env=env, status="diverged", error=diverged,
+                           effective_batch_size=cfg.effective_batch_size)
     if oom is not None:
         env.setdefault("weights", None)
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None

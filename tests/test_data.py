@@ -1,6 +1,5 @@
 import torch
 
-import labutils as lu
 from labutils.data import IGNORE_INDEX, build_dataset, load_documents
 from labutils.models import ByteTokenizer, load_model
 

@@ -47,8 +47,8 @@ def test_cpu_tracker_measures_backward_activations_and_marks():
 def test_cpu_budget_raises_out_of_memory():
     with pytest.raises(torch.OutOfMemoryError, match="simulated out of memory"):
         with lu.MemoryTracker("cpu", cpu_budget_bytes=10 * 2**20) as mt:
-            a = torch.empty(2**20)
-            b = torch.empty(4 * 2**20)  # 16 MB > budget  # noqa: F841
+            keep = [torch.empty(2**20)]
+            keep.append(torch.empty(4 * 2**20))  # 4 MB + 16 MB > the 10 MiB budget
     assert mt is not None
 
 

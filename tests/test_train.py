@@ -5,7 +5,6 @@ import torch
 
 import labutils as lu
 from labutils.cli import main
-from labutils.models import load_model
 from labutils.train import NonFiniteLossError
 
 from conftest import tiny_config

@@ -1,0 +1,389 @@
+"""Lab 02 (gradient accumulation): the gradient of one accumulation window, exact or naive, and the
+experiments that hold one model for several measurements.
+
+The one rule the lab is about: a window of k micro-batches holds N target tokens in all; each micro-batch's
+loss is (sum of its token losses) / N, so the accumulated gradient is that of the whole window's mean loss::
+
+    loss_i = model(**mb_i, num_items_in_batch=N).loss      # exact, padded or not
+    loss_i = model(**mb_i).loss / k                        # naive: exact only if every mb_i holds N/k tokens
+
+Everything here releases its model and memory when it ends, also on error; an out-of-memory error becomes a
+row with status "oom". ``import labutils.accumulation as acc``.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from . import env as _env
+from .config import Config
+from .data import IGNORE_INDEX, LMDataset
+from .memory import MemoryTracker, release
+from .train import make_optimizer, prepare, train
+
+NORMALISATIONS = ("window", "naive")
+
+
+# --------------------------------------------------------------------------- gradients of one window
+def count_targets(micro_batches) -> int:
+    """Target tokens of a window: label positions 1.. that are not padding (the model shifts labels by one)."""
+    return int(sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches))
+
+
+def window_gradient(model, micro_batches, normalise: str = "window", autocast=None) -> float:
+    """Zero the gradients, then accumulate one window's gradient into ``p.grad``; return the window's loss.
+
+    ``normalise="window"``: every micro-batch divides its summed token loss by the window's target count N
+    (what labutils.train does). ``"naive"``: every micro-batch takes its own mean and divides by k.
+    """
+    if normalise not in NORMALISATIONS:
+        raise ValueError(f"normalise must be one of {NORMALISATIONS}, not {normalise!r}")
+    model.zero_grad(set_to_none=True)
+    n, k = count_targets(micro_batches), len(micro_batches)
+    total = 0.0
+    for mb in micro_batches:
+        with autocast or contextlib.nullcontext():
+            if normalise == "window":
+                loss = model(**mb, num_items_in_batch=n, use_cache=False).loss
+            else:
+                loss = model(**mb, use_cache=False).loss / k
+        loss.backward()
+        total += loss.item()
+        del loss
+    return total
+
+
+def grads_to_cpu(model) -> list[torch.Tensor]:
+    """A float32 CPU copy of every parameter's gradient (zeros where a parameter got none)."""
+    return [(p.grad.detach().float().cpu() if p.grad is not None else torch.zeros(p.shape))
+            for p in model.parameters()]
+
+
+def grad_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
+    """How far gradient ``a`` is from reference ``b``, element-wise and as vectors.
+
+    max_rel_diff = max_i |a_i - b_i| / max_i |b_i|  (the largest element-wise error, relative to the gradient's
+    scale); rel_l2 = ||a - b|| / ||b||; cosine = <a, b> / (||a|| ||b||).
+    """
+    max_diff = max(float((x - y).abs().max()) for x, y in zip(a, b))
+    max_ref = max(float(y.abs().max()) for y in b)
+    d2 = sum(float(((x.double() - y.double()) ** 2).sum()) for x, y in zip(a, b))
+    a2 = sum(float((x.double() ** 2).sum()) for x in a)
+    b2 = sum(float((y.double() ** 2).sum()) for y in b)
+    dot = sum(float((x.double() * y.double()).sum()) for x, y in zip(a, b))
+    return {"elements": sum(y.numel() for y in b), "max_abs_diff": max_diff, "max_rel_diff": max_diff / max_ref if max_ref else math.inf,
+            "rel_l2": math.sqrt(d2 / b2) if b2 else math.inf,
+            "cosine": dot / math.sqrt(a2 * b2) if a2 and b2 else math.nan}
+
+
+@contextlib.contextmanager
+def held_model(cfg: Config, device=None):
+    """``with held_model(cfg) as (model, dataset, device):`` model and dataset on the device, released after."""
+    device = torch.device(device or _env.default_device())
+    _env.seed_everything(cfg.train.seed)
+    loaded, dataset = prepare(cfg, device, verbose=False)
+    model = loaded.model
+    model.train()
+    try:
+        yield model, dataset.to(device), device
+    finally:
+        model.zero_grad(set_to_none=True)
+        loaded = None
+        del model
+        release()
+
+
+def first_window(dataset: LMDataset, micro: int, accum: int, seed: int):
+    return next(dataset.windows(micro, accum, seed))
+
+
+def measure_gradient(model, micro_batches, device, normalise="window", cpu_budget_bytes=None,
+                     track: bool = True) -> dict:
+    """One window's gradient (FP32 matmuls, TF32 off), optionally under a memory tracker: status, peak bytes,
+    loss, and the gradient (CPU copy). An out-of-memory error (real on CUDA, simulated on CPU past
+    ``cpu_budget_bytes``) gives status "oom"."""
+    out = {"status": "ok", "error": None, "peak_bytes": None, "loss": None, "grads": None}
+    tracker = (MemoryTracker(device, cpu_budget_bytes=cpu_budget_bytes if device.type == "cpu" else None)
+               if track else contextlib.nullcontext())
+    try:
+        with _env.matmul_precision(tf32=False), tracker:
+            out["loss"] = window_gradient(model, micro_batches, normalise)
+        out["peak_bytes"] = tracker.peak_bytes if track else None
+        out["grads"] = grads_to_cpu(model)
+    except torch.OutOfMemoryError as exc:
+        out.update(status="oom", error=str(exc).strip().splitlines()[0][:200],
+                   peak_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
+    finally:
+        model.zero_grad(set_to_none=True)
+    release()
+    return out
+
+
+# --------------------------------------------------------------------------- experiment: equivalence
+@dataclass
+class Equivalence:
+    rows: list = field(default_factory=list)   # one per measured window (direct or accumulated)
+    proof: dict | None = None                   # the comparison at the largest direct batch that fitted
+
+
+def equivalence(cfg: Config, batch_sizes=(32, 16, 8, 4), micro: int = 2, device=None,
+                cpu_budget_bytes: int | None = None) -> Equivalence:
+    """Direct batch E (one micro-batch) against micro x (E / micro), same samples, same weights.
+
+    Tries the largest E first; when the direct batch runs out of memory, records the OOM row and halves E
+    until a direct batch fits, then compares the two gradients element-wise. Run it in FP32 with dropout 0:
+    then the only difference left is floating-point summation order."""
+    res = Equivalence()
+    with held_model(cfg, device) as (model, dataset, device):
+        for E in batch_sizes:
+            accum = E // micro
+            for split, (m, k) in (("accumulated", (micro, accum)), ("direct", (E, 1))):
+                w = first_window(dataset, m, k, cfg.train.seed)
+                g = measure_gradient(model, w.micro_batches, device, cpu_budget_bytes=cpu_budget_bytes)
+                row = {"effective_batch": E, "split": f"{m} x {k}", "kind": split, "status": g["status"],
+                       "peak_memory_bytes": g["peak_bytes"], "loss": g["loss"], "target_tokens": w.num_targets,
+                       "error": g["error"]}
+                res.rows.append(row)
+                if split == "accumulated":
+                    acc_g = g
+                del w
+            if g["status"] == "ok" and acc_g["status"] == "ok":
+                res.proof = {"effective_batch": E, "micro": micro, "accum": accum,
+                             **grad_diff(acc_g["grads"], g["grads"]),
+                             "loss_direct": g["loss"], "loss_accumulated": acc_g["loss"],
+                             "peak_direct_bytes": g["peak_bytes"], "peak_accumulated_bytes": acc_g["peak_bytes"]}
+                for r in res.rows[-2:]:
+                    r.update({k: res.proof[k] for k in ("max_rel_diff", "rel_l2")})
+                break
+            del g, acc_g
+    return res
+
+
+# --------------------------------------------------------------------------- experiment: padding pitfall
+def short_documents(dataset: LMDataset, seed: int = 0, min_tokens: int = 4) -> LMDataset:
+    """The same samples cut at random lengths (uniform between ``min_tokens`` and their own length) and
+    right-padded: what chat or instruction data looks like. Past the cut, mask 0 and label -100: to the model
+    that is padding (the token ids left there are never attended to and never predicted)."""
+    g = torch.Generator().manual_seed(seed)
+    mask, labels = dataset.attention_mask.clone().cpu(), dataset.labels.clone().cpu()
+    lengths = mask.sum(dim=1)
+    for i in range(len(dataset)):
+        hi = int(lengths[i])
+        lo = min(min_tokens, hi)
+        cut = int(torch.randint(lo, hi + 1, (1,), generator=g))
+        mask[i, cut:] = 0
+        labels[i, cut:] = IGNORE_INDEX
+    targets = (labels[:, 1:] != IGNORE_INDEX).sum(dim=1).tolist()
+    dev = dataset.input_ids.device
+    return LMDataset(dataset.input_ids, mask.to(dev), labels.to(dev), targets, packed=False)
+
+
+def padding_pitfall(cfg: Config, effective: int = 8, micro: int = 2, device=None, seed: int = 0) -> list[dict]:
+    """Full batch vs accumulated (exact, window normalisation) vs accumulated (naive, mean / k), on the data as
+    configured and on a short-document version of it. One row per (data, method); errors vs the full batch."""
+    rows = []
+    accum = effective // micro
+    with held_model(cfg, device) as (model, dataset, device):
+        for data_name, data in (("as configured", dataset), ("short documents", short_documents(dataset, seed))):
+            full_w = first_window(data, effective, 1, cfg.train.seed)
+            acc_w = first_window(data, micro, accum, cfg.train.seed)
+            full = measure_gradient(model, full_w.micro_batches, device, track=False)
+            if full["status"] != "ok":
+                rows.append({"data": data_name, "method": f"full batch {effective} x 1", "status": "oom",
+                             "error": full["error"]})
+                continue
+            per_mb = [count_targets([mb]) for mb in acc_w.micro_batches]
+            info = {"data": data_name, "padding": 1 - float(data.attention_mask.float().mean()),
+                    "tokens_per_micro_batch": "/".join(map(str, per_mb)),
+                    "token_spread": (max(per_mb) - min(per_mb)) / (sum(per_mb) / len(per_mb))}
+            rows.append({**info, "method": f"full batch {effective} x 1", "status": "ok", "loss": full["loss"],
+                         "rel_l2": 0.0, "max_rel_diff": 0.0, "cosine": 1.0})
+            for method in NORMALISATIONS:
+                g = measure_gradient(model, acc_w.micro_batches, device, normalise=method, track=False)
+                label = ("exact: sum / window tokens" if method == "window" else "naive: mean / accum_steps")
+                rows.append({**info, "method": f"{micro} x {accum} {label}", "status": g["status"],
+                             "loss": g["loss"], **grad_diff(g["grads"], full["grads"])})
+                del g
+            del full, full_w, acc_w
+    return rows
+
+
+# --------------------------------------------------------------------------- experiment: clipping order
+def clipping_order(cfg: Config, micro: int = 2, accum: int = 8, fraction: float = 0.5, device=None) -> dict:
+    """Clip once per optimizer step (right) against clip after every micro-batch's backward (wrong), in FP32.
+
+    The threshold is ``fraction`` x the window's own gradient norm, so that clipping is active (as it is in the
+    first steps of most runs). Also: the norm a clip would see before ``scaler.unscale_`` (scaled by S), and the
+    error a second ``unscale_`` in the same step raises."""
+    out = {}
+    with held_model(cfg, device) as (model, dataset, device), _env.matmul_precision(tf32=False):
+        params = [p for p in model.parameters()]
+        w = first_window(dataset, micro, accum, cfg.train.seed)
+        n = count_targets(w.micro_batches)
+        window_gradient(model, w.micro_batches)
+        norm = float(torch.nn.utils.get_total_norm([p.grad for p in params]))
+        max_norm = fraction * norm
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        right = grads_to_cpu(model)
+        model.zero_grad(set_to_none=True)
+        coefs = []  # clip coefficient applied after each micro-batch (1 = not clipped)
+        for mb in w.micro_batches:
+            model(**mb, num_items_in_batch=n, use_cache=False).loss.backward()
+            before = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            coefs.append(min(1.0, max_norm / (before + 1e-6)))
+        wrong = grads_to_cpu(model)
+        # weight of micro-batch i in the final gradient: the product of the clip factors applied after it,
+        # relative to the single factor the right order applies to every micro-batch
+        right_coef = min(1.0, max_norm / (norm + 1e-6))
+        weights = [float(np.prod(coefs[i:])) / right_coef for i in range(len(coefs))]
+        out.update(window_norm=norm, max_norm=max_norm, clip_coefs=coefs, relative_weights=weights,
+                   right_norm=math.sqrt(sum(float((g ** 2).sum()) for g in right)),
+                   wrong_norm=math.sqrt(sum(float((g ** 2).sum()) for g in wrong)), **grad_diff(wrong, right))
+        del right, wrong
+        # GradScaler: the gradients are S times too large until unscale_, which may run once per step
+        model.zero_grad(set_to_none=True)
+        opt = torch.optim.SGD(params, lr=0.0)
+        scaler = torch.amp.GradScaler(device.type)
+        for mb in w.micro_batches:
+            scaler.scale(model(**mb, num_items_in_batch=n, use_cache=False).loss).backward()
+        out["scale"] = scaler.get_scale()
+        out["norm_before_unscale"] = float(torch.nn.utils.get_total_norm([p.grad for p in params]))
+        scaler.unscale_(opt)
+        out["norm_after_unscale"] = float(torch.nn.utils.get_total_norm([p.grad for p in params]))
+        try:
+            scaler.unscale_(opt)
+            out["second_unscale_error"] = None
+        except RuntimeError as exc:
+            out["second_unscale_error"] = str(exc)
+        del opt, scaler, w, params
+    return out
+
+
+# --------------------------------------------------------------------------- the written-out loop vs labutils
+def replay(cfg: Config, step_fn, device=None) -> dict:
+    """Train ``cfg.train.steps`` steps twice from the same weights and data: once with ``step_fn`` (the
+    notebook's own loop body), once with :func:`labutils.train`. Returns both loss and grad-norm lists.
+
+    ``step_fn(model, optimizer, window, autocast, scaler, max_grad_norm) -> (loss, grad_norm)``."""
+    from .train import autocast_for, scaler_for
+
+    out = {}
+    with held_model(cfg, device) as (model, dataset, device):
+        r = train(cfg, model, dataset, device, progress=False, track_memory=False)
+        out["labutils_losses"], out["labutils_grad_norms"] = r.losses, r.grad_norms
+    with held_model(cfg, device) as (model, dataset, device), _env.matmul_precision(tf32=cfg.train.precision == "tf32"):
+        optimizer, scheduler = make_optimizer(model, cfg, device)
+        autocast, scaler = autocast_for(cfg.train.precision, device), scaler_for(cfg.train.precision, device)
+        windows = dataset.windows(cfg.train.micro_batch_size, cfg.train.accumulation_steps, cfg.train.seed)
+        losses, norms = [], []
+        try:
+            for _ in range(cfg.train.steps):
+                loss, norm = step_fn(model, optimizer, next(windows), autocast=autocast, scaler=scaler,
+                                     max_grad_norm=cfg.train.max_grad_norm)
+                scheduler.step()
+                losses.append(float(loss))
+                norms.append(float(norm))
+        finally:
+            del optimizer, scheduler, scaler
+        out["notebook_losses"], out["notebook_grad_norms"] = losses, norms
+    return out
+
+
+# --------------------------------------------------------------------------- runs, fits, tables
+def amp_precision(device=None) -> tuple[str, str]:
+    """The mixed precision to train with, and why: BF16 where the hardware has it natively; on a CUDA GPU without
+    it, FP16 (with a GradScaler); on a CPU without native BF16 (no AVX512-BF16/AMX), FP32, because autocast
+    would emulate the 16-bit formats there at many times FP32's cost. Same loop either way."""
+    device = torch.device(device or _env.default_device())
+    ok, why = _env.bf16_supported(device)
+    if device.type == "cuda":
+        return ("bf16" if ok else "fp16"), why
+    native = False
+    with contextlib.suppress(Exception):  # oneDNN's own check: AVX512-BF16 / AMX class CPUs
+        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if native:
+        return "bf16", "this CPU has native BF16 instructions (oneDNN)"
+    return "fp32", (f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native BF16/FP16, so autocast would "
+                    f"emulate them slowly: CPU runs stay in FP32 (same loop, autocast is a no-op; the GradScaler path "
+                    f"is still checked in section 1.1)")
+
+
+def parameters_of(name: str) -> int:
+    """Parameter count of a model size, built on the meta device (no memory, no download)."""
+    from transformers import GPT2LMHeadModel
+
+    from .models import gpt2_config
+    with torch.device("meta"):
+        m = GPT2LMHeadModel(gpt2_config(name))
+    return sum(p.numel() for p in m.parameters())
+
+
+def memory_budget(cfg: Config, device=None, reference_gib: float = 8.0) -> tuple[int | None, str]:
+    """The memory the experiments must fit in, and what it is.
+
+    CUDA: the card's memory, or ``LAB_GPU_MEMORY_GB`` when set (the allocator enforces it). CPU: no card, so a
+    simulated one: ``reference_gib`` scaled by (this model's parameters / GPT-2 small's), i.e. the same
+    memory-to-model ratio as GPT-2 small on an 8 GB card. labutils' CPU tracker raises OOM past it."""
+    device = torch.device(device or _env.default_device())
+    if device.type == "cuda":
+        b = _env.memory_budget_bytes(device)
+        return b, f"{b / 2**30:.1f} GiB of CUDA memory (the allocator enforces it)"
+    ratio = parameters_of(cfg.model.name) / parameters_of("gpt2")
+    b = int(reference_gib * 2**30 * ratio)
+    return b, (f"simulated on CPU: {reference_gib:g} GiB x ({cfg.model.name} params / gpt2 params) = "
+               f"{b / 2**20:.1f} MiB, the memory-to-model ratio of GPT-2 small on an {reference_gib:g} GB GPU")
+
+
+def linear_fit(x, y) -> tuple[float, float]:
+    """Least-squares y = a + b x; returns (a, b). Needs two distinct x values."""
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    if len(set(x.tolist())) < 2:
+        raise ValueError("a line needs measurements at two or more distinct x values")
+    b, a = np.polyfit(x, y, 1)
+    return float(a), float(b)
+
+
+def moving_average(x, window: int) -> np.ndarray:
+    """Trailing mean over ``window`` points (shorter at the start), same length as ``x``."""
+    x = np.asarray(x, float)
+    c = np.cumsum(np.insert(x, 0, 0.0))
+    idx = np.arange(1, len(x) + 1)
+    lo = np.maximum(0, idx - window)
+    return (c[idx] - c[lo]) / (idx - lo)
+
+
+def step_noise(losses) -> float:
+    """Step-to-step loss noise: std of consecutive differences / sqrt(2). A slow trend barely moves it, unlike
+    the plain standard deviation, which mixes the downward trend of training into the 'noise'."""
+    d = np.diff(np.asarray(losses, float))
+    return float(np.std(d) / math.sqrt(2)) if len(d) >= 2 else math.nan
+
+
+def recommend(fixed_bytes: float, per_sample_bytes: float, budgets: dict, target_batch: int,
+              headroom: float = 0.9, measured: dict | None = None) -> list[dict]:
+    """Largest micro-batch that fits each budget by the fitted line peak = fixed + per_sample x micro, the
+    power of two at or below it (capped at the target), and the accumulation that reaches ``target_batch``.
+
+    ``budgets``: {label: bytes}; ``headroom``: share of the card the tensors may use (the CUDA context and the
+    allocator's fragmentation take the rest); ``measured``: {micro: tokens/s} from the scan, shown alongside."""
+    rows = []
+    for label, budget in budgets.items():
+        usable = headroom * budget
+        max_micro = int((usable - fixed_bytes) // per_sample_bytes) if per_sample_bytes > 0 else target_batch
+        if max_micro < 1:
+            rows.append({"memory": label, "max_micro_batch": 0, "micro_batch": None, "accum_steps": None,
+                         "effective_batch": None, "predicted_peak_bytes": fixed_bytes + per_sample_bytes,
+                         "tokens_per_s_measured": None,
+                         "advice": "micro-batch 1 does not fit: add checkpointing (lab 03) or a smaller model"})
+            continue
+        micro = 2 ** int(math.log2(min(max_micro, target_batch)))
+        accum = -(-target_batch // micro)
+        rows.append({"memory": label, "max_micro_batch": max_micro, "micro_batch": micro, "accum_steps": accum,
+                     "effective_batch": micro * accum, "predicted_peak_bytes": fixed_bytes + per_sample_bytes * micro,
+                     "tokens_per_s_measured": (measured or {}).get(micro),
+                     "advice": "no accumulation needed" if accum == 1 else f"accumulate {accum} micro-batches"})
+    return rows
