@@ -144,3 +144,12 @@ def test_no_deprecation_warnings_from_a_full_featured_run(ragged_corpus, tmp_pat
         lu.record_results("test-lab", {"runs": [res.row()]}, out_dir=tmp_path, mode="smoke")
     bad = [w for w in caught if issubclass(w.category, (DeprecationWarning, FutureWarning))]
     assert not bad, [f"{w.filename}:{w.lineno}: {w.message}" for w in bad]
+
+
+def test_run_reports_a_diverged_run_as_a_status(ragged_corpus):
+    def poison(step, result, model, optimizer, scaler):
+        with torch.no_grad():
+            next(model.parameters()).fill_(float("inf"))
+
+    res = lu.run(tiny_config(ragged_corpus), "cpu", progress=False, verbose=False, on_step=poison)
+    assert res.status == "diverged" and "loss is nan" in res.error
