@@ -164,14 +164,15 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int =
     return Loaded(model, ByteTokenizer(vocab_size(cfg.name)), "random", notice)
 
 
-def enable_checkpointing(model, every_n_layers: int = 1) -> None:
+def enable_checkpointing(model, every_n_layers: int = 1, **checkpoint_kwargs) -> None:
     """Activation (gradient) checkpointing through the model's own API, non-reentrant.
 
     transformers >= 5.23 calls it ``activation_checkpointing_enable``; 5.16-5.22 had the same behaviour
     under ``gradient_checkpointing_enable`` (now a deprecated alias, so we only call it where the new name
-    is missing). ``every_n_layers=k`` checkpoints blocks 0, k, 2k, ...
+    is missing). ``every_n_layers=k`` checkpoints blocks 0, k, 2k, ... Extra keyword arguments go to
+    ``torch.utils.checkpoint.checkpoint`` (e.g. ``context_fn`` for selective checkpointing).
     """
-    kwargs = {"use_reentrant": False}
+    kwargs = {"use_reentrant": False, **checkpoint_kwargs}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers)
     else:  # pragma: no cover - transformers < 5.23
@@ -199,10 +200,10 @@ def flops_per_token(name: str, seq_length: int, recompute: bool = False) -> floa
     """Training FLOPs per token (forward + backward): 6 x non-embedding params + attention + LM head.
 
     The usual 6N rule (Kaplan et al. 2020) plus the 12 * L * T * d attention term (PaLM appendix B).
-    With full activation checkpointing one extra forward is done: 8 instead of 6.
+    With activation checkpointing the blocks run their forward once more (8 instead of 6 for the blocks);
+    the LM head is outside the checkpointed blocks and is not recomputed.
     """
     n_layer, d, _ = PRESETS[name]
-    per_layer = 12 * d * d  # attention (4d^2) + MLP (8d^2) weights
-    matmul_params = n_layer * per_layer + d * vocab_size(name)  # the LM head is a matmul too
-    mult = 8 if recompute else 6
-    return mult * matmul_params + (mult // 2) * 4 * n_layer * seq_length * d
+    blocks = n_layer * 12 * d * d + 4 * n_layer * seq_length * d / 2  # weights (4d^2 attn + 8d^2 MLP) + attention
+    head = d * vocab_size(name)  # the LM head is a matmul too
+    return (8 if recompute else 6) * blocks + 6 * head

@@ -1,0 +1,204 @@
+"""Lab 03: every checkpointing variant must give the plain run's gradients, and must actually do what it says
+(recompute, save less, offload) -- a variant that silently did nothing would pass an equality test alone."""
+import math
+
+import pytest
+import torch
+
+import labutils as lu
+import labutils.checkpointing as ck
+from labutils.models import checkpointed_layers, gpt2_config
+
+from conftest import tiny_config
+
+N_LAYER = 6  # enough blocks for every_n(2), every_n(4) and segments(4) to differ
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: a second intra-op thread only adds synchronisation (and, on a shared CPU, long waits)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _model(n_layer=N_LAYER, dropout=0.0):
+    from transformers import GPT2LMHeadModel
+
+    cfg = gpt2_config("tiny", dropout=dropout)
+    cfg.n_layer = n_layer
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(cfg)
+    model.loss_type = "ForCausalLM"
+    return model.train()
+
+
+def _batch(b=2, t=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (b, t), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+VARIANTS = {
+    "full": ck.full, "every 2": lambda: ck.every_n(2), "every 4": lambda: ck.every_n(4),
+    "segments of 2": lambda: ck.segments(2), "segments of 4": lambda: ck.segments(4),
+    "selective": ck.selective, "offload": ck.offload, "checkpoint + offload": ck.checkpoint_offload,
+}
+
+
+@pytest.fixture(scope="module")
+def plain():
+    model, batch = _model(), _batch()
+    return model, batch, ck.step_grads(model, batch)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_every_variant_gives_the_plain_gradients(plain, name):
+    model, batch, reference = plain
+    grads = ck.step_grads(model, batch, VARIANTS[name]())
+    assert all(g is not None for g in grads)
+    assert ck.max_rel_diff(grads, reference) < 1e-6, name
+    assert ck.max_rel_diff(ck.step_grads(model, batch), reference) == 0.0  # the variant was switched off again
+
+
+def test_the_gradient_check_can_fail():
+    """Negative control: with dropout, a recompute that does not restore the RNG state draws other masks."""
+    model, batch = _model(dropout=0.1), _batch()
+    torch.manual_seed(1)
+    reference = ck.step_grads(model, batch)
+    torch.manual_seed(1)
+    same = ck.step_grads(model, batch, ck.full())  # preserve_rng_state=True (default): same masks
+    torch.manual_seed(1)
+    wrong = ck.step_grads(model, batch, ck.full(preserve_rng_state=False))
+    assert ck.max_rel_diff(same, reference) < 1e-6
+    assert ck.max_rel_diff(wrong, reference) > 1e-3
+    assert ck.max_rel_diff(reference[:-1] + [None], reference) == math.inf
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("baseline", N_LAYER), ("full", 2 * N_LAYER), ("every 2", N_LAYER + 3), ("every 4", N_LAYER + 2),
+    ("segments of 4", 2 * N_LAYER), ("selective", 2 * N_LAYER), ("offload", N_LAYER)])
+def test_recompute_happens_where_it_should(plain, name, expected):
+    model, batch, _ = plain
+    variant = ck.baseline() if name == "baseline" else VARIANTS[name]()
+    assert ck.forward_calls(model, batch, variant) == expected
+
+
+def test_every_n_checkpoints_blocks_0_k_2k_and_undo_restores():
+    model = _model()
+    undo = ck.every_n(4).apply(model)
+    assert checkpointed_layers(model) == [0, 4]
+    undo()
+    assert checkpointed_layers(model) == []
+    keys = list(model.state_dict())
+    undo = ck.segments(4).apply(model)
+    assert len(model.transformer.h) == 2 and len(model.transformer.h[1].blocks) == 2
+    undo()
+    assert list(model.state_dict()) == keys
+
+
+def test_flops_full_recomputes_the_forward_selective_recomputes_no_matmul(plain):
+    model, batch, _ = plain
+    base = ck.step_flops(model, batch)
+    full = ck.step_flops(model, batch, ck.full())
+    sel = ck.step_flops(model, batch, ck.selective())
+    assert sel == base                       # matmuls and attention come from the cache
+    assert 1.15 < full / base <= 4 / 3 + 1e-9  # the blocks' forward once more; the LM head is not recomputed
+
+
+def test_memory_order_and_offload_counts_bytes(plain):
+    model, _, _ = plain
+    batch = _batch(b=8, t=64)  # activations (~7 MB a block) well above the gradients (~5 MB): they set the peak
+
+    def peak(variant):
+        model.zero_grad(set_to_none=True)
+        undo = variant.apply(model)
+        try:
+            with lu.MemoryTracker("cpu") as mt:
+                model(**batch, use_cache=False).loss.backward()
+        finally:
+            undo()
+            model.zero_grad(set_to_none=True)
+        return mt.peak_bytes - mt.start_bytes
+
+    base, full, sel = peak(ck.baseline()), peak(ck.full()), peak(ck.selective())
+    assert full < sel < base
+    off = ck.offload()
+    peak(off)
+    both = ck.checkpoint_offload()
+    peak(both)
+    # offload packs every saved activation; with checkpointing only block inputs and the head are left
+    assert off.info["host_bytes"] > both.info["host_bytes"] > N_LAYER * 8 * 64 * 128 * 4
+    # the weights that matmuls save for backward are not moved (plain save_on_cpu would copy them every step)
+    block_weights = sum(p.numel() * 4 for n, p in model.named_parameters() if ".h." in n and p.dim() == 2)
+    assert off.info["weights_not_moved_bytes"] >= block_weights
+
+
+def test_offload_hooks_do_not_leak_after_an_error(plain):
+    model, batch, _ = plain
+    off = ck.offload()
+    undo = off.apply(model)
+    with pytest.raises(RuntimeError):
+        model(input_ids=batch["input_ids"][:, :0].float())  # a broken call: fails inside the forward
+    undo()
+    assert "forward" not in model.__dict__
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t, lambda t: t):
+        model(**batch, use_cache=False).loss.backward()
+    assert packed  # our hooks are the top of the stack again: nothing left pushed by the failed forward
+    model.zero_grad(set_to_none=True)
+
+
+def test_measure_and_largest_batch_under_a_budget():
+    cfg = tiny_config(train__steps=2, train__micro_batch_size=4, data__seq_length=32)
+    free = ck.measure(cfg, [ck.baseline(), ck.full()], "cpu", progress=False)
+    assert all(m.ok for m in free)
+    base, full = (m.peak for m in free)
+    assert full < base
+    budget = (base + full) // 2
+    capped = ck.measure(cfg, [ck.baseline(), ck.full()], "cpu", budget_bytes=budget, progress=False)
+    assert [m.result.status for m in capped] == ["oom", "ok"]
+    assert "simulated out of memory" in capped[0].result.error
+    assert capped[0].row(capped[0])["status"] == "OOM"
+    row = free[1].row(free[0])
+    assert 0 < row["memory_saving_pct"] < 100
+    b_base, probes = ck.largest_batch(cfg, ck.baseline(), "cpu", budget_bytes=budget, start=4, max_batch=16)
+    assert 1 <= b_base < 4
+    assert probes[[p.micro_batch for p in probes].index(b_base)].ok
+    assert not probes[[p.micro_batch for p in probes].index(b_base + 1)].ok  # the next batch up was tried, failed
+    b_full, probes = ck.largest_batch(cfg, ck.full(), "cpu", budget_bytes=budget, start=4, max_batch=16)
+    assert 4 <= b_full
+    assert b_full == 16 or not probes[[p.micro_batch for p in probes].index(b_full + 1)].ok
+    assert ck.largest_batch(cfg, ck.baseline(), "cpu", budget_bytes=1, max_batch=4)[0] == 0  # nothing fits
+
+
+def test_peak_during_counts_what_the_function_allocates():
+    assert ck.peak_during(lambda: torch.empty(1000, dtype=torch.float32) + 1, "cpu") >= 2 * 4000
+
+
+def test_memory_budget_on_cpu_yields_the_budget():
+    with ck.memory_budget(123, "cpu") as b:
+        assert b == 123
+    with ck.memory_budget(None, "cpu") as b:
+        assert b is None
+
+
+def test_captured_logs_capture_the_use_cache_message():
+    import logging
+    model = _model(n_layer=2)
+    ck.full().apply(model)
+    model.config.use_cache = True
+    with ck.captured_logs() as logs:
+        logging.getLogger("transformers.test").warning("seen")
+        out = model(**_batch(), use_cache=True)
+    assert "seen" in logs
+    assert out.past_key_values is None  # transformers switched the cache off under checkpointing
+
+
+def test_available_features():
+    for feature in ("selective", "offload", "every_n_layers"):
+        ok, why = ck.available(feature)
+        assert ok, why
+    with pytest.raises(ValueError):
+        ck.available("nonsense")
