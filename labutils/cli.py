@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--gpu-memory-gb", type=float, default=None, metavar="G",
                    help="memory to fit in, in GiB (default: this GPU's, else 8)")
+    p.add_argument("--gpus", type=int, default=8, metavar="N",
+                   help="also print per-GPU memory under DDP / ZeRO-1/2/3 for 1..N GPUs (default 8)")
     p.add_argument("--json", metavar="PATH", help="write the estimate and recommendation as JSON")
     p.set_defaults(func=cmd_estimate)
     p = sub.add_parser("regenerate", help="re-execute the lab notebooks and regenerate results tables and figures")

@@ -76,3 +76,17 @@ def zero_bytes_per_gpu(params: int, stage: int, n_gpus: int, offload_optimizer: 
     optim = 0 if offload_optimizer else o * params / (n if stage >= 1 else 1)
     return {"weights": int(weights), "grads": int(grads), "optimizer": int(optim),
             "total": int(weights + grads + optim), "cpu_optimizer": int(o * params / n) if offload_optimizer else 0}
+
+
+def zero_table(params: int, activations_bytes: int, max_gpus: int = 8, mixed_precision: bool = True) -> list[dict]:
+    """Per-GPU memory for ZeRO stages 0-3 (and ZeRO-2 + CPU optimizer offload) on 1..max_gpus GPUs:
+    model state from :func:`zero_bytes_per_gpu` plus one micro-batch's activations, which sharding does not touch."""
+    counts = sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max_gpus} | {max(1, max_gpus)})
+    rows = []
+    for label, stage, off in (("DDP (no ZeRO)", 0, False), ("ZeRO-1", 1, False), ("ZeRO-2", 2, False),
+                              ("ZeRO-2 + CPU offload", 2, True), ("ZeRO-3", 3, False)):
+        row = {"setup": label}
+        for n in counts:
+            row[f"{n} GPU"] = zero_bytes_per_gpu(params, stage, n, off, mixed_precision)["total"] + activations_bytes
+        rows.append(row)
+    return rows

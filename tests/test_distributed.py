@@ -86,3 +86,14 @@ def test_zero_accounting_matches_the_papers_2p_2p_12p():
     assert zero_bytes_per_gpu(P, 3, 4)["total"] == 16 * P // 4
     off = zero_bytes_per_gpu(P, 2, 1, offload_optimizer=True)
     assert off["total"] == 4 * P and off["cpu_optimizer"] == 12 * P
+
+
+def test_estimate_prints_the_zero_table_per_gpu(root, tmp_path):
+    out = tmp_path / "est.json"
+    proc = subprocess.run([sys.executable, "-m", "labutils", "estimate", "configs/optimized_config.yaml", "--gpus", "4",
+                           "--json", str(out)], cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "ZeRO-3" in proc.stdout and "4 GPU" in proc.stdout
+    rows = {r["setup"]: r for r in json.loads(out.read_text())["zero_per_gpu"]}
+    assert rows["ZeRO-3"]["4 GPU"] < rows["ZeRO-2"]["4 GPU"] < rows["ZeRO-1"]["4 GPU"] < rows["DDP (no ZeRO)"]["4 GPU"]
+    assert rows["DDP (no ZeRO)"]["1 GPU"] == rows["ZeRO-3"]["1 GPU"]  # nothing to shard on one GPU

@@ -1,0 +1,293 @@
+"""Looking inside a training step (lab 04): what autograd saves per module, and allocator traces.
+
+* :func:`saved_tensors_by_module` runs one forward pass under ``torch.autograd.graph.saved_tensors_hooks`` and
+  attributes every tensor autograd saves for backward to the module that was running: the activations the
+  estimator predicts, measured exactly, on CUDA and on CPU alike.
+* :func:`trace_summary` reads the trace of a CUDA memory snapshot (``torch.cuda.memory._snapshot()`` after
+  ``_record_memory_history``) and draws the same views as pytorch.org/memory_viz: allocated memory over time
+  and who holds memory at the peak. :class:`CPUTraceRecorder` writes a trace in the same format on CPU (from
+  the tensors operators create), so the same views run on a machine without a GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+import warnings
+from collections import defaultdict
+
+import torch
+
+from .memory import _LiveStorages
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What autograd saves, per module
+# ----------------------------------------------------------------------------------------------------------
+def _is_weight_copy(t: torch.Tensor) -> bool:
+    """A cast of a parameter (autocast's cached half copy): ToCopyBackward whose input is a leaf."""
+    fn = t.grad_fn
+    while fn is not None and type(fn).__name__ in ("TBackward0", "ViewBackward0", "TransposeBackward0"):
+        fn = fn.next_functions[0][0] if fn.next_functions else None
+    if fn is None or type(fn).__name__ != "ToCopyBackward0":
+        return False
+    nxt = fn.next_functions[0][0] if fn.next_functions else None
+    return nxt is not None and type(nxt).__name__ == "AccumulateGrad"
+
+
+def saved_tensors_by_module(model: torch.nn.Module, batch: dict, autocast=None, depth: int = 3) -> list[dict]:
+    """One forward pass (with the loss); returns, per module up to ``depth`` dots deep, the bytes of the
+    tensors autograd saved for backward: ``activations`` and ``weight_copies`` (autocast's half weights).
+
+    Storages are counted once (q, k, v are views of one tensor), parameters are not counted. The graph is
+    dropped at the end, so nothing stays allocated."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    stack, seen, keep = ["(loss)"], set(), []
+    rows: dict[str, dict] = {}
+    handles = []
+
+    def pre(mod, args):
+        stack.append(mod._lab_profile_name)
+
+    def post(mod, args, out):
+        stack.pop()
+
+    for name, mod in model.named_modules():
+        if name and name.count(".") < depth:
+            mod._lab_profile_name = name
+            handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+
+    def pack(t):
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key not in seen and key not in params and st.nbytes() > 0:
+            seen.add(key)
+            r = rows.setdefault(stack[-1], {"module": stack[-1], "activations": 0, "weight_copies": 0,
+                                            "tensors": 0})
+            r["weight_copies" if _is_weight_copy(t) else "activations"] += st.nbytes()
+            r["tensors"] += 1
+        keep.append(st)  # the storage stays alive until we are done, so its address is not reused meanwhile
+        # Return no tensor: returning ``t`` itself would tie an output to the node that saves it (a reference
+        # cycle through C++ that the garbage collector cannot break: the whole graph would leak).
+        return None
+
+    def unpack(_):
+        raise RuntimeError("saved_tensors_by_module() measures a forward pass; its graph cannot run backward")
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack), (autocast or contextlib.nullcontext()):
+            out = model(**batch, use_cache=False)
+        del out
+        keep.clear()
+    finally:
+        for h in handles:
+            h.remove()
+        for _, mod in model.named_modules():
+            if hasattr(mod, "_lab_profile_name"):
+                del mod._lab_profile_name
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    return sorted(rows.values(), key=lambda r: order.get(r["module"], len(order)))
+
+
+@contextlib.contextmanager
+def cuda_memory_cap(gb: float | None):
+    """Cap this process's CUDA allocations at ``gb`` GiB inside the block (a big card behaves like a small
+    one), then restore the cap that was there (``LAB_GPU_MEMORY_GB`` or none). Does nothing without CUDA."""
+    import os
+
+    from .env import set_memory_budget
+
+    if not gb or not torch.cuda.is_available():
+        yield None
+        return
+    fraction = set_memory_budget(gb)
+    try:
+        yield fraction
+    finally:
+        torch.cuda.empty_cache()
+        before = os.environ.get("LAB_GPU_MEMORY_GB")
+        if before:
+            set_memory_budget(float(before))
+        else:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Allocator traces: CUDA snapshots and a CPU stand-in in the same format
+# ----------------------------------------------------------------------------------------------------------
+_INTERNAL = ("/torch/", "/site-packages/torch", "<frozen", "/tqdm/", "/contextlib.py", "/threading.py")
+
+
+def _site(frames: list[dict]) -> str:
+    """Where an allocation came from: the innermost frame outside torch internals (model or lab code)."""
+    def fmt(f, parts):
+        where = "/".join(f.get("filename", "?").rsplit("/", parts)[-parts:])
+        line = f":{f['line']}" if f.get("line") else ""
+        return f"{where}{line} ({f.get('name', '?')})"
+
+    for f in frames or []:
+        fn = f.get("filename", "")
+        if fn and not any(s in fn for s in _INTERNAL):
+            return fmt(f, 2)
+    return fmt(frames[0], 1) if frames else "(no stack)"
+
+
+def trace_summary(snapshot: dict, device: int = 0, start_bytes: int = 0, top: int = 10) -> dict:
+    """Allocated bytes over time and the largest holders at the peak, from a snapshot's trace.
+
+    ``start_bytes``: what was allocated when recording started (the trace only sees later events).
+    Returns ``{"t": [...], "bytes": [...], "peak_bytes", "peak_index", "top_at_peak": [rows],
+    "top_allocated": [rows], "events"}``."""
+    traces = snapshot.get("device_traces") or [[]]
+    trace = traces[device] if device < len(traces) else []
+    live: dict[int, tuple[int, str]] = {}
+    cur = start_bytes
+    ts, ys = [], []
+    peak, peak_i, at_peak = cur, 0, {}
+    allocated_by_site: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    t0 = None
+    for i, e in enumerate(trace):
+        action = e.get("action")
+        if action == "alloc":
+            site = _site(e.get("frames"))
+            live[e["addr"]] = (e["size"], site)
+            cur += e["size"]
+            allocated_by_site[site][0] += e["size"]
+            allocated_by_site[site][1] += 1
+        elif action == "free_completed" and e.get("addr") in live:
+            cur -= live.pop(e["addr"])[0]
+        else:
+            continue
+        t = e.get("time_us")
+        if t is not None:
+            t0 = t if t0 is None else t0
+            ts.append((t - t0) / 1e3)
+        else:
+            ts.append(float(i))
+        ys.append(cur)
+        if cur > peak:
+            peak, peak_i = cur, len(ys) - 1
+            at_peak = dict(live)
+    holders: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for size, site in at_peak.values():
+        holders[site][0] += size
+        holders[site][1] += 1
+    rank = lambda d: [{"site": s, "bytes": b, "count": n}  # noqa: E731
+                      for s, (b, n) in sorted(d.items(), key=lambda kv: -kv[1][0])[:top]]
+    return {"t": ts, "bytes": ys, "time_unit": "ms" if t0 is not None else "event", "peak_bytes": peak,
+            "peak_index": peak_i, "top_at_peak": rank(holders), "top_allocated": rank(allocated_by_site),
+            "events": len(ys)}
+
+
+class _RecordingStorages(_LiveStorages):
+    """The CPU tracker's storage counting, writing alloc/free_completed entries like the CUDA allocator."""
+
+    def __init__(self, site_of):
+        super().__init__()
+        self.trace: list[dict] = []
+        self.site_of = site_of
+        self.t0 = time.perf_counter()
+        self.op = "?"
+
+    def _now(self) -> float:
+        return (time.perf_counter() - self.t0) * 1e6
+
+    def add(self, t) -> None:
+        n_before = len(self.live)
+        super().add(t)
+        if len(self.live) > n_before:
+            st = t.untyped_storage()
+            key = st.data_ptr()
+            self.trace.append({"action": "alloc", "addr": key, "size": st.nbytes(), "time_us": self._now(),
+                               "frames": [{"filename": self.site_of(), "line": 0, "name": self.op}]})
+
+    def _forget(self, key: int) -> None:
+        if key in self.live:
+            self.trace.append({"action": "free_completed", "addr": key, "size": self.live[key],
+                               "time_us": self._now(), "frames": []})
+        super()._forget(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.op = func.__name__.split(".")[0] if hasattr(func, "__name__") else str(func)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class CPUTraceRecorder:
+    """``with CPUTraceRecorder(model) as rec: ...`` then ``rec.snapshot()``: a trace in the CUDA snapshot's
+    format, built from the tensors CPU operators create (site = module running + operator). Tensors alive
+    before the block are not in the trace (like ``_record_memory_history``); ``rec.start_bytes`` has them."""
+
+    def __init__(self, model: torch.nn.Module | None = None, depth: int = 3):
+        self.model, self.depth = model, depth
+        self._stack = ["(outside modules)"]
+        self._handles = []
+        self.start_bytes = 0
+
+    def _site(self) -> str:
+        return self._stack[-1]
+
+    def _pop(self, module, args, output) -> None:  # a forward hook must return None (or it replaces the output)
+        self._stack.pop()
+
+    def __enter__(self) -> "CPUTraceRecorder":
+        if self.model is not None:
+            for name, mod in self.model.named_modules():
+                if name.count(".") < self.depth:
+                    label = f"forward {name or type(mod).__name__}"
+                    self._handles.append(mod.register_forward_pre_hook(
+                        lambda m, a, _label=label: self._stack.append(_label)))
+                    self._handles.append(mod.register_forward_hook(self._pop))
+        gc.collect()
+        self._mode = _RecordingStorages(self._site)
+        with warnings.catch_warnings():  # gc also finds non-leaf tensors, whose .grad access warns
+            warnings.simplefilter("ignore", UserWarning)
+            self._mode.add_existing()
+        self._mode.trace.clear()
+        self.start_bytes = self._mode.current
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        # The storages' finalizers keep the recording mode alive until the storages die: it must not keep the
+        # model (and so those very storages) alive in turn.
+        self._mode.site_of = str
+        self.model = None
+
+    def mark(self, label: str) -> None:
+        """Everything allocated from here on is attributed to ``label`` when no module is running."""
+        self._stack[0] = label
+
+    def snapshot(self) -> dict:
+        return {"segments": [], "device_traces": [list(self._mode.trace)]}
+
+
+def byte_unit(max_bytes: float) -> tuple[int, str]:
+    """(divisor, name) for plotting: GiB from 1 GiB up, else MiB."""
+    return (2**30, "GiB") if max_bytes >= 2**30 else (2**20, "MiB")
+
+
+def plot_trace(summary: dict, ax=None, title: str = "Allocated memory over time", budget_bytes=None):
+    """Allocated memory over time from :func:`trace_summary`, the peak marked."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 3.5))
+    div, unit = byte_unit(max(summary["bytes"], default=0))
+    ys = [b / div for b in summary["bytes"]]
+    ax.plot(summary["t"], ys, lw=1.2, label="allocated")
+    if ys:
+        i = summary["peak_index"]
+        ax.scatter([summary["t"][i]], [ys[i]], color="red", zorder=3, label=f"peak {ys[i]:.3g} {unit}")
+    if budget_bytes:
+        ax.axhline(budget_bytes / div, color="gray", ls="--", lw=1, label="budget")
+    ax.set_xlabel(f"time ({summary['time_unit']})")
+    ax.set_ylabel(f"allocated ({unit})")
+    ax.set_title(title)
+    ax.legend(loc="upper left")
+    ax.grid(alpha=0.3)
+    return ax
+

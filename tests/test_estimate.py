@@ -1,0 +1,263 @@
+"""The memory estimator (labutils.estimate): its accounting, its advice, its CLI, and a check against the CPU
+tracker. What it predicts for CUDA cannot be measured here (no GPU); the CPU replay uses the same ledger with
+the CPU kernels' rules and must match the tracker, which checks the bookkeeping itself."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import labutils as lu
+from labutils import estimate as E
+from labutils.models import count_parameters, gpt2_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "peak_bytes")
+
+
+def cfg_for(name="gpt2", **over):
+    cfg = lu.load_config(ROOT / "configs" / "fp32_config.yaml", mode="full")
+    return cfg.override({"model.name": name, **over})
+
+
+@pytest.mark.parametrize("name", ("tiny",) + SIZES)
+def test_parameter_count_matches_the_model(name):
+    from transformers import GPT2LMHeadModel
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(gpt2_config(name))
+    assert E.parameter_count(name) == count_parameters(model)
+
+
+@pytest.mark.parametrize("precision", ("fp32", "fp16", "bf16"))
+@pytest.mark.parametrize("name", SIZES)
+def test_model_state_is_16_bytes_per_parameter(name, precision):
+    est = E.estimate_memory(cfg_for(name, **{"train.precision": precision}))
+    P = E.parameter_count(name)
+    assert est["params_bytes"] == 4 * P                   # fp32 master weights, whatever the precision
+    assert est["params_bytes"] + est["grads_bytes"] + est["optimizer_bytes"] == 16 * P
+    assert est["peak_bytes"] > 16 * P * 0.75              # the peak holds at least weights + state
+
+
+@pytest.mark.parametrize("precision", ("fp32", "bf16"))
+@pytest.mark.parametrize("checkpointing", (False, True))
+def test_activations_are_linear_in_batch(precision, checkpointing):
+    cfg = cfg_for("gpt2", **{"train.precision": precision, "train.gradient_checkpointing": checkpointing})
+    acts = {b: E.estimate_memory(cfg, micro=b)["activations_bytes"] for b in (1, 2, 4, 8)}
+    per_sample = acts[2] - acts[1]
+    for b in (2, 4, 8):   # per-sample slope; the fixed part (position ids, allocator rounding) is negligible
+        assert acts[b] == pytest.approx(b * per_sample, rel=1e-4), (b, acts)
+    peaks = [E.estimate_memory(cfg, micro=b)["peak_bytes"] for b in (4, 8, 16)]
+    assert peaks[0] < peaks[1] < peaks[2]
+
+
+def test_flash_attention_stores_no_seq_squared_scores():
+    cfg = cfg_for("gpt2", **{"data.pack": True})
+    sdpa = [E.estimate_memory(cfg, seq=t)["activations_bytes"] for t in (256, 512)]
+    eager = [E.estimate_memory(cfg, seq=t, attn="eager")["activations_bytes"] for t in (256, 512)]
+    assert sdpa[1] == 2 * sdpa[0]                          # linear in sequence length
+    assert eager[1] > 2.2 * eager[0]                       # the a*T*T scores make eager superlinear
+    assert eager[0] > sdpa[0]
+
+
+def test_checkpointing_reduces_activations_and_peak():
+    for name in SIZES:
+        base = cfg_for(name, **{"data.seq_length": 512, "train.micro_batch_size": 4})
+        plain = E.estimate_memory(base)
+        ckpt = E.estimate_memory(base, checkpointing=True)
+        assert ckpt["activations_bytes"] < 0.35 * plain["activations_bytes"], name
+        assert ckpt["peak_bytes"] < plain["peak_bytes"], name
+        every2 = E.estimate_memory(base, checkpointing=True, every_n=2)
+        assert ckpt["activations_bytes"] < every2["activations_bytes"] < plain["activations_bytes"]
+
+
+def test_amp_effects_are_not_a_halving():
+    cfg = cfg_for("gpt2", **{"data.seq_length": 512, "train.micro_batch_size": 4})
+    fp32 = E.estimate_memory(cfg)
+    fp16 = E.estimate_memory(cfg, precision="fp16")
+    bf16 = E.estimate_memory(cfg, precision="bf16")
+    assert fp16["peak_bytes"] == bf16["peak_bytes"]        # same sizes; only the scaler differs
+    assert fp32["half_weights_bytes"] == 0 < fp16["half_weights_bytes"]
+    ratio = fp16["activations_bytes"] / fp32["activations_bytes"]
+    assert 0.6 < ratio < 0.9, ratio                        # fp32 residual stream, fp32 gelu chain, fp32 logits
+    # the FP32 log_softmax of the logits is in both
+    assert fp16["logits_bytes"] == fp32["logits_bytes"] == 4 * 4 * 512 * 50257
+    assert fp16["peak_bytes"] < fp32["peak_bytes"]
+
+
+def test_accumulation_keeps_gradients_alive():
+    cfg = cfg_for("gpt2")
+    one = E.estimate_memory(cfg, micro=2, accum=1)
+    four = E.estimate_memory(cfg, micro=2, accum=4)
+    assert four["activations_bytes"] == one["activations_bytes"]
+    assert four["peak_bytes"] > one["peak_bytes"]          # the second micro-batch runs with .grad allocated
+    big = E.estimate_memory(cfg, micro=8, accum=1)
+    assert four["peak_bytes"] < big["peak_bytes"]
+
+
+def test_timeline_and_breakdown_are_consistent():
+    est = E.estimate_memory(cfg_for("gpt2"))
+    assert sum(est["peak_breakdown"].values()) == est["peak_bytes"]
+    labels = [p["label"] for p in est["timeline"]]
+    assert labels[0] == "start" and "step 1 after optimizer step" in labels
+    assert max(p["peak"] for p in est["timeline"]) == est["peak_bytes"]
+    rows = E.activation_table(cfg_for("gpt2"))
+    assert any("gelu" in r["tensor"] for r in rows)
+
+
+def test_recommendation_fits_and_is_fastest():
+    cfg = lu.load_config(ROOT / "configs" / "optimized_config.yaml", mode="full")
+    budget = 8 * E.GiB
+    adv = E.recommend(cfg, budget)
+    rec = adv["recommendation"]
+    assert rec is not None and rec["fits"]
+    assert rec["micro_batch"] * rec["accum"] == cfg.effective_batch_size
+    assert rec["peak_bytes"] * (1 + E.HEADROOM) + E.CUDA_CONTEXT_BYTES <= budget
+    fitting = [r for r in adv["candidates"] if r["fits"]]
+    assert rec["relative_time"] == min(r["relative_time"] for r in fitting)
+    assert any(not r["fits"] for r in adv["candidates"])  # fp32 without checkpointing at micro 16 does not
+    assert E.recommend(cfg, 1 * E.GiB)["recommendation"] is None
+
+
+def test_largest_batch_and_compare():
+    cfg = cfg_for("gpt2", **{"data.seq_length": 256, "data.pack": True})
+    budget = 8 * E.GiB
+    raw = E.largest_batch(cfg, budget, safe=False)
+    safe = E.largest_batch(cfg, budget)
+    assert 1 <= safe <= raw
+    assert E.estimate_memory(cfg, micro=raw)["peak_bytes"] <= budget < E.estimate_memory(cfg, micro=raw + 1)["peak_bytes"]
+    assert E.largest_batch(cfg, E.GiB) == 0                # the model state alone is 1.9 GB
+    e = E.estimate_memory(cfg)
+    c = E.compare(e, int(e["peak_bytes"] * 0.95), device="cuda")
+    assert c["basis"] == "absolute peak" and c["error_pct"] == pytest.approx(100 / 0.95 - 100)
+    c = E.compare(e, 1000 + e["peak_bytes"] - e["resident_bytes"], 1000, device="cpu")
+    assert c["basis"] == "peak above start" and c["error_pct"] == 0
+
+
+@pytest.mark.parametrize("name", SIZES)
+def test_cli_every_size_in_seconds(name, tmp_path, capsys):
+    from labutils.cli import main
+
+    out = tmp_path / "est.json"
+    start = time.perf_counter()
+    rc = main(["estimate", str(ROOT / "configs" / "optimized_config.yaml"), "--set", f"model.name={name}",
+               "--gpu-memory-gb", "8", "--json", str(out)])
+    elapsed = time.perf_counter() - start
+    assert rc == 0
+    assert elapsed < 20, elapsed
+    data = json.loads(out.read_text())
+    for key in KEYS:
+        assert isinstance(data[key], int) and data[key] > 0
+    assert "recommendation" in data
+    text = capsys.readouterr().out
+    assert "peak" in text and "recommendation" in text
+
+
+def test_cli_as_a_command(tmp_path):
+    out = tmp_path / "e.json"
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "labutils", "estimate", "configs/optimized_config.yaml",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONWARNINGS": "error::DeprecationWarning"})
+    assert proc.returncode == 0, proc.stderr
+    assert time.perf_counter() - start < 60
+    assert set(KEYS) <= set(json.loads(out.read_text()))
+    assert "Warning" not in proc.stderr
+
+
+# --------------------------------------------------------------------------------------------------------
+# The replay against what the CPU tracker measures (same bookkeeping, CPU kernels' rules)
+# --------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def one_thread():
+    """Tiny CPU runs are faster on one thread (no OpenMP spin-waits on a shared 2-core machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+CPU_CASES = [
+    {"train.precision": "fp32"},
+    {"train.precision": "bf16", "train.gradient_checkpointing": True, "train.accumulation_steps": 2},
+    {"train.precision": "fp32", "model.dropout": 0.0, "train.micro_batch_size": 8, "data.seq_length": 128,
+     "data.pack": True},
+]
+
+
+@pytest.mark.parametrize("over", CPU_CASES, ids=lambda o: ",".join(f"{k.split('.')[1]}={v}" for k, v in o.items()))
+def test_cpu_replay_matches_the_tracker(over, one_thread):
+    cfg = lu.load_config(ROOT / "configs" / "fp32_config.yaml", mode="smoke").override({"train.steps": 2, **over})
+    loaded, dataset = lu.prepare(cfg, "cpu", verbose=False)
+    padded = dataset.padding_fraction > 0
+    del loaded, dataset
+    res = lu.run(cfg, "cpu", progress=False, verbose=False)
+    assert res.ok
+    est = E.estimate_memory(cfg, device="cpu", padded=padded)
+    measured = res.memory["peak_bytes"] - res.memory["start_bytes"]
+    predicted = est["peak_bytes"] - est["resident_bytes"]
+    assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured, est["peak_phase"])
+
+
+def test_saved_activations_per_block_match_the_table(one_thread):
+    from labutils.profiling import saved_tensors_by_module
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(gpt2_config("tiny"))
+    model.loss_type = "ForCausalLM"
+    model.train()
+    B, T = 2, 32
+    ids = torch.randint(0, 256, (B, T))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    for precision, ctx in (("fp32", None), ("bf16", torch.autocast("cpu", dtype=torch.bfloat16))):
+        rows = saved_tensors_by_module(model, batch, ctx, depth=3)
+        block = sum(r["activations"] for r in rows if r["module"].startswith("transformer.h.0"))
+        table = E.activation_table(None, device="cpu", model="tiny", seq=T, micro=B, precision=precision)
+        assert block == sum(r["bytes"] for r in table if r["kind"] == "activations"), precision
+        copies = sum(r["weight_copies"] for r in rows)
+        assert (copies > 0) == (precision == "bf16")
+
+
+def test_trace_summary_of_a_snapshot_and_the_cpu_recorder():
+    from labutils.profiling import CPUTraceRecorder, trace_summary
+
+    frames = [{"filename": "/x/site-packages/torch/nn/functional.py", "line": 1, "name": "linear"},
+              {"filename": "/x/transformers/models/gpt2/modeling_gpt2.py", "line": 120, "name": "forward"}]
+    snap = {"segments": [], "device_traces": [[
+        {"action": "alloc", "addr": 1, "size": 100, "frames": frames, "time_us": 0},
+        {"action": "alloc", "addr": 2, "size": 300, "frames": frames[:1], "time_us": 5},
+        {"action": "free_requested", "addr": 1, "size": 100, "frames": frames, "time_us": 6},
+        {"action": "free_completed", "addr": 1, "size": 100, "frames": frames, "time_us": 7},
+        {"action": "alloc", "addr": 3, "size": 50, "frames": frames, "time_us": 9},
+    ]]}
+    s = trace_summary(snap, start_bytes=1000)
+    assert s["bytes"] == [1100, 1400, 1300, 1350] and s["peak_bytes"] == 1400
+    assert s["top_at_peak"][0]["bytes"] == 300
+    assert "modeling_gpt2.py:120" in s["top_at_peak"][1]["site"]
+
+    lin = torch.nn.Linear(64, 64)
+    x = torch.randn(32, 64)
+    with lu.MemoryTracker("cpu") as mt:
+        y = lin(x).relu().sum()
+        del y
+    with CPUTraceRecorder(lin) as rec:
+        y = lin(x).relu().sum()
+        del y
+    s = trace_summary(rec.snapshot(), start_bytes=rec.start_bytes)
+    assert s["peak_bytes"] - rec.start_bytes == mt.peak_bytes - mt.start_bytes
+    assert any("forward" in r["site"] for r in s["top_allocated"])
+    # the recorder must not keep the model alive after the block (its finalizers outlive it)
+    import gc
+    import weakref
+    ref = weakref.ref(lin.weight)
+    del lin, rec
+    gc.collect()
+    assert ref() is None
