@@ -102,6 +102,16 @@ def memory_budget_bytes(device: torch.device | str | None = None) -> int | None:
     return int(min(total, float(gb) * 2**30)) if gb else total
 
 
+def _driver_version() -> str | None:
+    import subprocess
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=5)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def environment(device: torch.device | str | None = None, mode: str | None = None, weights: str | None = None) -> dict:
     """Facts that make a measurement reproducible: recorded with every result."""
     import transformers
@@ -112,7 +122,8 @@ def environment(device: torch.device | str | None = None, mode: str | None = Non
         props = torch.cuda.get_device_properties(device)
         gpu = {"name": props.name, "total_memory_bytes": props.total_memory,
                "compute_capability": f"{props.major}.{props.minor}",
-               "budget_bytes": memory_budget_bytes(device), "cuda": torch.version.cuda}
+               "budget_bytes": memory_budget_bytes(device), "cuda": torch.version.cuda,
+               "driver": _driver_version()}
     return {
         "device": device.type,
         "gpu_name": gpu["name"] if gpu else None,

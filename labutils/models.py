@@ -28,6 +28,12 @@ HUB_IDS = {"gpt2": "openai-community/gpt2", "gpt2-medium": "openai-community/gpt
 VOCAB_SIZE, N_POSITIONS, EOS_ID = 50257, 1024, 50256
 
 _hub_state: dict = {}
+_last_weights: list[str] = []  # what load_model gave, most recent last
+
+
+def last_weights() -> str | None:
+    """"pretrained" or "random": the weights of the most recent model loaded in this process (None before any)."""
+    return _last_weights[-1] if _last_weights else None
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
@@ -145,6 +151,7 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int =
             model = GPT2LMHeadModel.from_pretrained(HUB_IDS[cfg.name], dtype=torch.float32, **kw).to(device)
             model.loss_type = "ForCausalLM"  # GPT2LMHeadModel's class name maps to no loss type: avoid a warning
             tok = HubTokenizer(GPT2TokenizerFast.from_pretrained(HUB_IDS[cfg.name]))
+            _last_weights.append("pretrained")
             return Loaded(model, tok, "pretrained")
         except (OSError, ValueError) as exc:
             if want == "true":
@@ -161,6 +168,7 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int =
     model.loss_type = "ForCausalLM"
     if notice and verbose:
         print(notice)
+    _last_weights.append("random")
     return Loaded(model, ByteTokenizer(vocab_size(cfg.name)), "random", notice)
 
 

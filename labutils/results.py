@@ -60,6 +60,9 @@ def record_results(notebook: str, tables: dict[str, list[dict]], figures: dict |
 
     mode = mode or detect_mode()[0]
     env = dict(env or environment(mode=mode))
+    if env.get("weights") is None:  # the notebook's models: pretrained or random, as load_model last gave
+        from .models import last_weights
+        env["weights"] = last_weights()
     env.setdefault("gpu_memory_budget_gb", float(os.environ["LAB_GPU_MEMORY_GB"])
                    if os.environ.get("LAB_GPU_MEMORY_GB") else None)
     out = Path(out_dir) if out_dir else results_dir(mode)

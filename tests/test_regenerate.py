@@ -1,0 +1,340 @@
+"""``python -m labutils regenerate``: rendering (pure, on stored JSON fixtures), execution (on tiny fixture
+notebooks), the CLI's guards, and end to end on the real lab notebooks in smoke mode.
+
+The end-to-end test runs one lab (``LAB_REGEN_LAB``, default 03) to keep CI short; ``LAB_FULL_REGEN=1`` adds the
+acceptance run of all four notebooks (``make test-regen-all``).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from labutils import cli, regenerate as rg
+
+REPO = Path(__file__).resolve().parent.parent
+FIX = Path(__file__).resolve().parent / "fixtures"
+LABS = ["01", "02", "03", "04"]
+
+
+# Tiny notebooks, written into a temporary folder by the tests (stored as .ipynb under tests/ they would be
+# collected by `pytest --nbval-lax tests`, and 92 fails on purpose).
+TINY = {
+    "91-Tiny": [
+        "import os\nimport matplotlib.pyplot as plt\nimport labutils as lu\nfrom labutils.env import detect_mode\n"
+        "mode, reason = detect_mode()\nprint(mode, reason, os.getcwd())\n"
+        "_ = os.write(2, b'written to the kernel process stderr, below the notebook\\n')  # like C++ library logs",
+        "rows = [{'run': 'a', 'cwd_is_repo': os.path.exists('labutils/regenerate.py'),\n"
+        "         'budget_gb': os.environ.get('LAB_GPU_MEMORY_GB')},\n"
+        "        {'run': 'b', 'cwd_is_repo': True, 'budget_gb': None}]\n"
+        "fig, ax = plt.subplots(figsize=(3, 2))\nax.plot([0, 1], [1, 0], label='loss')\n"
+        "ax.set(title='Tiny', xlabel='step', ylabel='loss')\nax.legend()\nplt.show()",
+        "lu.record_results('91-Tiny', tables={'runs': rows}, figures={'curve': fig},\n"
+        "                  env=lu.environment(mode=mode, weights='random'))",
+    ],
+    "92-Broken": [  # the fourth cell (index 3, In [2]) raises
+        "x = 1",
+        "# markdown: the next cell fails",
+        "def check(v):\n    raise ValueError(f'boom {v}')\ncheck(x)",
+        "import labutils as lu\nlu.record_results('92-Broken', tables={'never': [{'a': 1}]})",
+    ],
+    "93-Silent": ["print('runs, records nothing')"],
+    "94-Full": [  # records mode "full" with a made-up GPU, so the README path is tested on a CPU
+        "import matplotlib.pyplot as plt\nimport labutils as lu\n"
+        "env = {'device': 'cuda', 'gpu_name': 'Fixture GPU', 'gpu': {'name': 'Fixture GPU', 'total_memory_bytes': 2**34,\n"
+        "       'budget_bytes': 2**33, 'cuda': '12.8'}, 'weights': 'random', 'date': '2030-01-01T00:00:00+00:00'}\n"
+        "fig, ax = plt.subplots(figsize=(3, 2))\nax.bar(['a', 'b'], [1, 2])\nax.set(title='Fixture', ylabel='GiB')\n"
+        "plt.close(fig)\nlu.record_results('94-Full', tables={'runs': [{'run': 'fixture', 'peak_gib': 1.5}]},\n"
+        "                  figures={'bars': fig}, env=env, mode='full')",
+    ],
+}
+
+
+def write_notebooks(folder: Path, stems) -> Path:
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for stem in stems:
+        nb = new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+        nb.cells = [new_markdown_cell(f"# {stem} (test notebook)")] + [
+            new_markdown_cell(src[2:]) if src.startswith("# markdown") else new_code_cell(src) for src in TINY[stem]]
+        nbformat.write(nb, folder / f"{stem}.ipynb")
+    return folder
+
+
+@pytest.fixture
+def tiny(tmp_path) -> Path:
+    return write_notebooks(tmp_path / "notebooks", ["91-Tiny", "92-Broken", "93-Silent"])
+
+
+def fixture_results() -> dict[str, dict]:
+    return rg.load_results(FIX / "results")
+
+
+def outside_markers(text: str) -> str:
+    """The README with every marked region's content cut out: what must never change."""
+    return re.sub(r"(<!-- results:(\w+) -->).*?(<!-- /results:\2 -->)", r"\1\3", text, flags=re.S)
+
+
+def digest(paths) -> dict[str, str]:
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in paths}
+
+
+def kernel_children() -> list[int]:
+    """ipykernel processes that this test process started and that are still alive (Linux /proc)."""
+    pids = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line)
+            cmdline = (status.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if fields.get("PPid", "").strip() == str(os.getpid()) and b"ipykernel" in cmdline:
+            pids.append(int(status.parent.name))
+    return pids
+
+
+def git_status() -> str:
+    return subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=REPO, check=True,
+                          capture_output=True, text=True).stdout
+
+
+# ------------------------------------------------------------------------------------------------ rendering
+def test_render_full_lab_has_provenance_table_and_figures():
+    data = fixture_results()["01"]
+    md = rg.render_lab(data, "results/", readme=True)
+    assert "NVIDIA H100 80GB HBM3" in md and "79.2 GiB" in md
+    assert "capped to 8.0 GiB (`--gpu-memory-gb 8`)" in md
+    assert "CUDA 12.8" in md and "compute capability 9.0" in md
+    assert "random init" in md and "not those of pretrained GPT-2" in md
+    assert "2030-01-02T03:04:05+00:00" in md and "torch 2.13.0+cu128" in md
+    assert "SMOKE" not in md
+    table = [line for line in md.splitlines() if line.startswith("|")]
+    assert table[0] == "| precision | status | step_time_s | tokens_per_s | peak_memory_bytes | skipped_steps | error |"
+    assert len(table) == 2 + 3  # header, rule, one row per run
+    assert "| bf16 | oom | - |" in md  # missing numbers shown as "-", not "None"
+    assert "CUDA out of memory / fixture" in md  # a "|" inside a cell cannot break the table
+    assert "![01-Mixed_Precision-curves](results/figures/01-Mixed_Precision-curves.png)" in md
+    assert "fixture: made-up numbers" in md  # notes are rendered
+
+
+def test_render_weights_from_rows_and_uncapped_card():
+    md = rg.render_lab(fixture_results()["03"])
+    assert "Weights: pretrained GPT-2" in md  # env has weights null; the rows say pretrained
+    assert "NVIDIA GeForce RTX 3070, 8.0 GiB, no memory cap" in md
+    assert "*checkpointing*" in md and "*recompute cost*" in md
+    assert "![03-Gradient_Checkpointing-speed](figures/03-Gradient_Checkpointing-speed.png)" in md
+
+
+def test_smoke_results_are_refused_as_readme_results():
+    results = fixture_results()
+    with pytest.raises(ValueError, match="smoke results never go into README.md"):
+        rg.render_lab(results["02"], readme=True)
+    blocks, refused = rg.readme_blocks(results)
+    assert sorted(blocks) == ["01", "03"] and refused == ["02"]
+    md = rg.render_lab(results["02"])  # outside the README a smoke run is rendered, and labelled
+    assert "**SMOKE RUN**" in md and "CPU (x86_64), no GPU" in md
+    page = rg.render_results(results)
+    assert "**Smoke results**" in page and page.index("## 01-Mixed_Precision") < page.index("## 03-Gradient")
+
+
+def test_update_readme_replaces_marked_blocks_only():
+    text = (FIX / "README.md").read_text(encoding="utf-8")
+    blocks, _ = rg.readme_blocks(fixture_results())
+    new = rg.update_readme(text, blocks)
+    assert outside_markers(new) == outside_markers(text)  # other README text untouched, byte for byte
+    assert "old lab 03 text" not in new and "NVIDIA GeForce RTX 3070" in new
+    lab01 = re.search(r"<!-- results:01 -->\n(.*?)\n<!-- /results:01 -->", new, re.S).group(1)
+    assert lab01 == blocks["01"].strip()
+    assert "results/figures/01-Mixed_Precision-curves.png" in lab01
+    placeholder = "<!-- results:02 -->\n_No full GPU run yet._ Run `make results` on a CUDA GPU.\n<!-- /results:02 -->"
+    assert placeholder in text and placeholder in new  # smoke-only lab 02: left as it was
+    assert placeholder.replace("02", "04") in new  # lab 04 has no JSON: left as it was
+    assert rg.update_readme(new, blocks) == new  # idempotent
+    assert rg.update_readme(text, {}) == text
+
+
+def test_update_readme_markers_checked():
+    assert rg.readme_labs((FIX / "README.md").read_text(encoding="utf-8")) == LABS
+    assert rg.update_readme("no markers here\n", {"01": "table"}) == "no markers here\n"
+    twice = "<!-- results:01 -->a<!-- /results:01 -->\n<!-- results:01 -->b<!-- /results:01 -->"
+    with pytest.raises(ValueError, match="exactly one"):
+        rg.update_readme(twice, {"01": "x"})
+    with pytest.raises(ValueError, match="exactly one"):
+        rg.update_readme("<!-- results:01 --> unclosed", {"01": "x"})
+    with pytest.raises(ValueError, match="exactly one"):
+        rg.update_readme("<!-- /results:01 --> <!-- results:01 -->", {"01": "x"})  # wrong order
+
+
+def test_find_notebooks_and_kernel_env(tiny):
+    (tiny / "notes.ipynb").write_text("{}")  # not a lab: no NN- prefix
+    nbs = rg.find_notebooks(tiny)
+    assert [nb.stem for nb in nbs] == ["91-Tiny", "92-Broken", "93-Silent"]
+    assert [nb.stem for nb in rg.find_notebooks(tiny, "93, 91")] == ["91-Tiny", "93-Silent"]
+    assert [nb.stem for nb in rg.find_notebooks(tiny, ["92-Broken.ipynb"])] == ["92-Broken"]
+    with pytest.raises(ValueError, match="--only 7: no such lab.*91, 92, 93"):
+        rg.find_notebooks(tiny, "91,7")
+    env = rg.kernel_env("/tmp/r", smoke=False, gpu_memory_gb=0, base={"LAB_SMOKE": "1", "LAB_GPU_MEMORY_GB": "4"})
+    assert env["LAB_RESULTS_DIR"] == "/tmp/r" and "LAB_SMOKE" not in env and "LAB_GPU_MEMORY_GB" not in env
+    env = rg.kernel_env("/tmp/r", smoke=True, gpu_memory_gb=8.0, base={})
+    assert env["LAB_SMOKE"] == "1" and env["LAB_GPU_MEMORY_GB"] == "8"
+
+
+# ------------------------------------------------------------------------------------------------ execution
+def test_regenerate_fixture_notebooks(tmp_path, tiny):
+    nbs = rg.find_notebooks(tiny)
+    tmp_path = tmp_path / "out"
+    before = digest(nbs)
+    lines = []
+    outcomes = rg.regenerate(nbs, tmp_path, smoke=True, gpu_memory_gb=8, log=lambda *a, **k: lines.append(a[0]))
+    ok, broken, silent = outcomes
+    assert ok.ok and ok.json_path == tmp_path / "91-Tiny.json"
+    data = json.loads(ok.json_path.read_text())
+    assert data["mode"] == "smoke" and data["env"]["mode"] == "smoke" and data["env"]["gpu_memory_budget_gb"] == 8
+    assert data["tables"]["runs"][0] == {"run": "a", "cwd_is_repo": True, "budget_gb": "8"}  # cwd, env reached it
+    assert data["figures"] == ["figures/91-Tiny-curve.png"] and (tmp_path / data["figures"][0]).stat().st_size > 0
+    assert not broken.ok and (broken.cell_index, broken.execution_count) == (3, 2)
+    assert broken.error == "ValueError: boom 1 (line 2: raise ValueError(f'boom {v}'))"  # the line that raised
+    assert not silent.ok and "no results recorded" in silent.error and silent.cell_index is None
+    assert not (tmp_path / "92-Broken.json").exists()
+    executed = json.loads((tmp_path / "executed" / "92-Broken.ipynb").read_text())
+    assert any(o.get("ename") == "ValueError" for c in executed["cells"] for o in c.get("outputs", []))
+    assert "below the notebook" in (tmp_path / "executed" / "91-Tiny.kernel.log").read_text()  # not in the log lines
+    assert not any("below the notebook" in line for line in lines)
+    assert not (tmp_path / "executed" / "93-Silent.kernel.log").exists()  # no empty logs left behind
+    assert not list(tmp_path.glob(".staging-*"))  # staging folders cleaned up
+    if Path("/proc/self/status").exists():
+        assert kernel_children() == []  # each notebook's kernel (and its GPU memory) is gone when it ends
+    assert digest(nbs) == before  # the notebooks themselves are only read
+    page = (tmp_path / "README-results.md").read_text()
+    assert "## 91-Tiny" in page and "**Smoke results**" in page and "| a | yes | 8 |" in page
+    assert any("92-Broken" in line and "FAILED" in line and "cell 3, In [2]: ValueError: boom 1 (line 2" in line
+               for line in lines)
+    summary = rg._summary(outcomes, 1.0)
+    assert "1 ok, 2 failed" in summary and "92-Broken failed at cell 3" in summary
+
+
+def test_full_run_never_keeps_smoke_numbers(tmp_path):
+    """A full run whose kernel has no GPU records smoke numbers: they are not kept, earlier results stay."""
+    import torch
+
+    nb = rg.find_notebooks(write_notebooks(tmp_path / "notebooks", ["91-Tiny"]))
+    previous = json.dumps({"notebook": "91-Tiny", "mode": "full", "env": {"gpu_name": "Earlier GPU"},
+                           "tables": {"runs": [{"run": "earlier"}]}, "figures": []})
+    (tmp_path / "91-Tiny.json").write_text(previous)
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- results:91 -->\nkept\n<!-- /results:91 -->\n")
+    (o,) = rg.regenerate(nb, tmp_path, smoke=False, gpu_memory_gb=8, readme=readme, log=lambda *a, **k: None)
+    if torch.cuda.is_available():  # the GPU runner: the kernel really ran in full mode
+        assert o.ok and json.loads((tmp_path / "91-Tiny.json").read_text())["mode"] == "full"
+        assert "kept" not in readme.read_text() and "| a | yes | 8 |" in readme.read_text()
+    else:
+        assert not o.ok and "recorded in smoke mode, not full" in o.error
+        assert (tmp_path / "91-Tiny.json").read_text() == previous
+        assert not (tmp_path / "figures" / "91-Tiny-curve.png").exists()
+        text = readme.read_text()  # rendered from the earlier full results, never from this run's smoke numbers
+        assert "Earlier GPU" in text and "| earlier |" in text and "CPU" not in text and "kept" not in text
+
+
+def test_full_run_updates_readme_between_markers(tmp_path):
+    """The README path of a full run, on a CPU: a fixture notebook that records mode "full" (made-up GPU)."""
+    (tmp_path / "results").mkdir()
+    readme = tmp_path / "README.md"
+    text = ("# Course\n\nintro\n<!-- results:94 -->\nNo full GPU run yet.\n<!-- /results:94 -->\n"
+            "<!-- results:95 -->\nlab 95 placeholder\n<!-- /results:95 -->\nend\n")
+    readme.write_text(text)
+    lines = []
+    (o,) = rg.regenerate(rg.find_notebooks(write_notebooks(tmp_path / "nb", ["94-Full"])), tmp_path / "results", smoke=False, gpu_memory_gb=8,
+                         readme=readme, log=lambda *a, **k: lines.append(a[0]))
+    assert o.ok, o
+    new = readme.read_text()
+    assert outside_markers(new) == outside_markers(text)
+    assert "lab 95 placeholder" in new and "No full GPU run yet" not in new
+    assert "Fixture GPU, 16.0 GiB, capped to 8.0 GiB" in new and "| fixture | 1.5 |" in new
+    assert "![94-Full-bars](results/figures/94-Full-bars.png)" in new  # links relative to the README
+    assert (tmp_path / "results" / "figures" / "94-Full-bars.png").exists()
+    assert "![94-Full-bars](figures/94-Full-bars.png)" in (tmp_path / "results" / "README-results.md").read_text()
+    assert any(line.startswith("updated README.md: labs 94") for line in lines)
+
+
+# ------------------------------------------------------------------------------------------------ CLI guards
+@pytest.mark.parametrize("out", ["results", "results/sub", str(REPO / "results")])
+def test_smoke_never_writes_results(out, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert cli.main(["regenerate", "--smoke", "--out", out]) == 2
+    assert "smoke results never go into results/" in capsys.readouterr().err
+
+
+def test_cli_usage_errors(capsys, monkeypatch):
+    monkeypatch.setattr(rg, "find_notebooks", lambda folder, only=None: [Path("91-Tiny.ipynb")])  # never run
+    monkeypatch.setattr(rg, "_cuda_available", lambda: False)
+    assert cli.main(["regenerate"]) == 2  # full run without a GPU
+    assert "a full run needs a CUDA GPU" in capsys.readouterr().err
+    assert cli.main(["regenerate", "--smoke", "--gpu-memory-gb", "-1"]) == 2
+    assert "must be >= 0" in capsys.readouterr().err
+    assert cli.main(["regenerate", "--smoke", "--out", str(REPO)]) == 2
+    assert "not the repository root" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert cli.main(["regenerate", "--smoke", "--only", "7"]) == 2
+    assert "--only 7: no such lab" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+def run_cli(*args, timeout):
+    env = {k: v for k, v in os.environ.items() if k not in ("LAB_SMOKE", "LAB_RESULTS_DIR")}
+    return subprocess.run([sys.executable, "-m", "labutils", "regenerate", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def check_smoke_output(out: Path, stems: list[str]):
+    page = (out / "README-results.md").read_text()
+    assert "**Smoke results**" in page
+    for stem in stems:
+        data = json.loads((out / f"{stem}.json").read_text())
+        assert data["notebook"] == stem and data["mode"] == "smoke"
+        env = data["env"]
+        for key in ("device", "torch", "transformers", "python", "date", "mode", "weights"):
+            assert env.get(key), f"{stem}: env[{key!r}] not filled"
+        assert env["gpu_memory_budget_gb"] == 8
+        assert any(data["tables"].values()), f"{stem} recorded no table rows"  # one may be empty (e.g. CPU: no fragmentation)
+        assert data["figures"], f"{stem} recorded no figures"
+        for fig in data["figures"]:
+            assert (out / fig).stat().st_size > 1000
+        assert f"## {stem}" in page and f"]({data['figures'][0]})" in page
+        assert (out / "executed" / f"{stem}.ipynb").exists()
+
+
+def lab_stems(labs):
+    stems = [nb.stem for nb in rg.find_notebooks(REPO, labs)]
+    assert stems, f"no lab notebooks {labs} in {REPO}"
+    return stems
+
+
+def test_cli_smoke_one_lab(tmp_path):
+    lab = os.environ.get("LAB_REGEN_LAB", "03")
+    stems = lab_stems([lab])
+    status, readme = git_status(), digest(REPO.glob("README.md"))
+    r = run_cli("--smoke", "--only", lab, "--out", str(tmp_path / "out"), timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(rf"\[1/1\] {stems[0]} +ok", r.stdout) and "1 ok, 0 failed" in r.stdout
+    check_smoke_output(tmp_path / "out", stems)
+    assert git_status() == status and digest(REPO.glob("README.md")) == readme  # the git tree is unchanged
+
+
+@pytest.mark.skipif(os.environ.get("LAB_FULL_REGEN") != "1",
+                    reason="all four notebooks take minutes: set LAB_FULL_REGEN=1 (make test-regen-all)")
+def test_cli_smoke_all_labs(tmp_path):
+    stems = lab_stems(LABS)
+    assert len(stems) == 4
+    status = git_status()
+    r = run_cli("--smoke", "--out", str(tmp_path / "out"), timeout=1800)
+    assert r.returncode == 0, r.stdout + r.stderr
+    check_smoke_output(tmp_path / "out", stems)
+    assert git_status() == status
