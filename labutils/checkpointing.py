@@ -81,20 +81,11 @@ class Variant:
 
 def _hf_enable(model, every_n_layers: int = 1, **checkpoint_kwargs) -> None:
     """The model's own switch, with extra ``torch.utils.checkpoint`` arguments (``context_fn``, ...)."""
-    kwargs = {"use_reentrant": False, **checkpoint_kwargs}
-    if hasattr(model, "disable_input_require_grads"):
-        model.disable_input_require_grads()  # enable() adds an embedding hook each time; keep only one
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers)
-    else:  # pragma: no cover - transformers < 5.23
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers)
-    model.config.use_cache = False
+    enable_checkpointing(model, every_n_layers, **checkpoint_kwargs)
 
 
 def _hf_disable(model) -> None:
     disable_checkpointing(model)
-    if hasattr(model, "disable_input_require_grads"):
-        model.disable_input_require_grads()
 
 
 def baseline() -> Variant:

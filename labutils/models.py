@@ -181,6 +181,8 @@ def enable_checkpointing(model, every_n_layers: int = 1, **checkpoint_kwargs) ->
     ``torch.utils.checkpoint.checkpoint`` (e.g. ``context_fn`` for selective checkpointing).
     """
     kwargs = {"use_reentrant": False, **checkpoint_kwargs}
+    if hasattr(model, "disable_input_require_grads"):
+        model.disable_input_require_grads()  # enable() adds an embedding hook each time: keep only one
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers)
     else:  # pragma: no cover - transformers < 5.23
@@ -193,6 +195,8 @@ def disable_checkpointing(model) -> None:
         model.activation_checkpointing_disable()
     else:  # pragma: no cover - transformers < 5.23
         model.gradient_checkpointing_disable()
+    if hasattr(model, "disable_input_require_grads"):
+        model.disable_input_require_grads()
 
 
 def checkpointed_layers(model) -> list[int]:
