@@ -486,6 +486,18 @@ class _Replay:
             led.rename("wte.buffer", "grad.wte", "grads")
         led.free_prefix("g.")
 
+    def _branch_grad(self, name: str, dropout_mask: str) -> str:
+        """The residual gradient entering a branch: cast to the branch's dtype (fp32: the same tensor), then
+        through the branch's output dropout. Returns the name of the gradient that reaches the branch."""
+        g = "g.res"
+        if self.c != 4:
+            self.node(out=[(name, self.c * self.N * self.h)])
+            g = name
+        if self.p.dropout:
+            self.node(out=[(name + "2", self.c * self.N * self.h)], free=[g if g != "g.res" else "", dropout_mask])
+            g = name + "2"
+        return g
+
     def block_backward(self, i: int) -> None:
         """GPT2Block backward, node by node, from the block output back to its input."""
         p, led, N, T, B, h, c, e = self.p, self.led, self.N, self.T, self.B, self.h, self.c, self.e
@@ -493,13 +505,7 @@ class _Replay:
         Nh, n, aTT = N * h, 4 * N * h, self.a * B * T * T
         node = self.node
         # residual add: the gradient goes on to the MLP branch, cast to its dtype (fp32: the same tensor)
-        g = "g.res"
-        if c != 4:
-            node(out=[("g.b", c * Nh)])
-            g = "g.b"
-        if p.dropout:
-            node(out=[("g.b2", c * Nh)], free=[g if g != "g.res" else "", x + "resid2.mask"])
-            g = "g.b2"
+        g = self._branch_grad("g.b", x + "resid2.mask")
         # mlp.c_proj (its input: the gelu output, cast to half under autocast)
         node(out=[("g.gelu_out", c * n)], params=[(x + "mlp.c_proj.weight", 4 * h * h), (x + "mlp.c_proj.bias", h)],
              free=[g if g != "g.res" else "", x + "mlp.proj_in16", x + "gelu.out", "w16." + x + "mlp.c_proj"])
@@ -545,13 +551,7 @@ class _Replay:
              free=[g, x + "mid", x + "ln2.stats"], cast=False)
         self.accumulate("g.res", "g.mid_ln")                                # into the residual gradient
         # attention branch
-        g = "g.res"
-        if c != 4:
-            node(out=[("g.a", c * Nh)])
-            g = "g.a"
-        if p.dropout:
-            node(out=[("g.a2", c * Nh)], free=[g if g != "g.res" else "", x + "resid1.mask"])
-            g = "g.a2"
+        g = self._branch_grad("g.a", x + "resid1.mask")
         node(out=[("g.attn_out", c * Nh)], params=[(x + "attn.c_proj.weight", h * h), (x + "attn.c_proj.bias", h)],
              free=[g if g != "g.res" else "", "w16." + x + "attn.c_proj"])
         if self.attn == "flash":
