@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from . import device as dev
 from . import env as _env
 from .config import Config
 from .data import IGNORE_INDEX, LMDataset
@@ -116,7 +117,7 @@ def measure_gradient(model, micro_batches, device, normalise="window", cpu_budge
         out["grads"] = grads_to_cpu(model)
     except torch.OutOfMemoryError as exc:
         out.update(status="oom", error=str(exc).strip().splitlines()[0][:200],
-                   peak_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
+                   peak_bytes=dev.peak_allocated(device))
     finally:
         model.zero_grad(set_to_none=True)
     release()

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from . import device as dev
 from . import env as _env
 from .config import Config
 from .train import autocast_for, make_optimizer, prepare, scaler_for, train
@@ -58,7 +59,7 @@ def bench(cfg: Config, repeats: int = 3, device=None, verbose: bool = True) -> d
             from .memory import release
             release()
     b, o = statistics.median(bare), statistics.median(ours)
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    where = dev.name(device)
     if verbose:
         print(f"{cfg.model.name}, {cfg.train.precision}, {cfg.train.micro_batch_size} x "
               f"{cfg.train.accumulation_steps} x {cfg.data.seq_length} tokens, {cfg.train.steps} steps, on {where}")

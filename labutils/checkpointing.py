@@ -31,7 +31,8 @@ from torch.utils.checkpoint import checkpoint
 
 from . import env as _env
 from .config import Config
-from .memory import release
+from . import device as dev
+from .memory import LiveStorages, release
 from .models import disable_checkpointing, enable_checkpointing
 from .train import RunResult, prepare, train
 
@@ -154,9 +155,30 @@ SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.a
             torch.ops.aten.baddbmm.default} | _sdpa_ops()
 
 
+def draws_random_numbers(op, args, kwargs) -> bool:
+    """Does this call consume the random number generator? Ops tagged ``nondeterministic_seeded`` do (dropout,
+    rand, bernoulli), except attention kernels called with ``dropout_p == 0``."""
+    if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
+        return False
+    names = [a.name for a in op._schema.arguments]
+    if "dropout_p" in names:
+        i = names.index("dropout_p")
+        p = kwargs.get("dropout_p", args[i] if i < len(args) else op._schema.arguments[i].default_value)
+        return bool(p)
+    return True
+
+
 def save_matmuls(ctx, op, *args, **kwargs):
-    """Selective-checkpointing policy: keep matmul outputs, recompute pointwise ops."""
-    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    """Selective-checkpointing policy: keep matmul outputs, recompute pointwise ops.
+
+    Never keeps an op that draws random numbers: the recompute replays the forward's random stream from the
+    checkpoint's saved RNG state, so an op skipped in the recompute (saved) would shift every later draw, and
+    the dropouts after it would get other masks than in the forward: silently wrong gradients. On CUDA that
+    op is the fused attention kernel with dropout (its mask is drawn inside the kernel); with dropout 0 it is
+    deterministic and kept."""
+    if op in SAVE_OPS and not draws_random_numbers(op, args, kwargs):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def selective(policy=None) -> Variant:
@@ -184,7 +206,8 @@ class CountingSaveOnCPU(torch.autograd.graph.save_on_cpu):
     """
 
     def __init__(self, device_type: str = "cuda", keep: frozenset = frozenset()):
-        super().__init__(pin_memory=device_type == "cuda" and torch.cuda.is_available(), device_type=device_type)
+        self.pinned = dev.pin_memory_default(device_type)
+        super().__init__(pin_memory=self.pinned, device_type=device_type)
         self.bytes = self.kept_bytes = 0
         pack = self.pack_hook
 
@@ -193,7 +216,13 @@ class CountingSaveOnCPU(torch.autograd.graph.save_on_cpu):
                 self.kept_bytes += t.numel() * t.element_size()
                 return t.device, t  # unpack's .to(device) is then a no-op
             self.bytes += t.numel() * t.element_size()
-            device, packed = pack(t)
+            try:
+                device, packed = pack(t)
+            except RuntimeError as exc:  # pinned host memory exhausted: torch raises a plain RuntimeError
+                if isinstance(exc, torch.OutOfMemoryError) or not self.pinned:
+                    raise
+                raise torch.OutOfMemoryError(f"CPU offload: could not allocate {t.numel() * t.element_size()} "
+                                             f"bytes of pinned host memory ({_first_line(exc)})") from exc
             # Already on the CPU, .cpu() returns the tensor itself; a saved *output* held that way would form a
             # reference cycle through its own grad_fn that outlives the graph if backward never runs (OOM).
             return device, (packed.detach() if packed is t else packed)
@@ -311,29 +340,19 @@ def _first_line(exc: BaseException) -> str:
 
 @contextlib.contextmanager
 def memory_budget(budget_bytes: int | None, device: torch.device | str | None = None):
-    """Inside the block the process may use at most ``budget_bytes`` of accelerator memory, like a smaller card.
+    """Inside the block PyTorch's allocator may hold at most ``budget_bytes`` (``lu.card_allocator_bytes(8)``
+    gives the number for an 8-GiB card: 8 GiB minus the CUDA context's share).
 
-    CUDA: ``torch.cuda.set_per_process_memory_fraction`` (never above a cap already set, e.g. by
-    ``LAB_GPU_MEMORY_GB``), restored afterwards; yields None. CPU: there is nothing to cap, so it yields the
+    CUDA: :func:`labutils.device.memory_cap` (never above a cap already set, e.g. by ``LAB_GPU_MEMORY_GB``),
+    restored afterwards; yields None. CPU: there is nothing to cap, so it yields the
     budget to pass on as ``cpu_budget_bytes`` (the memory tracker then raises ``torch.OutOfMemoryError``).
     """
-    device = torch.device(device or _env.default_device())
-    if budget_bytes is None or device.type != "cuda":
-        yield budget_bytes
-        return
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    total = torch.cuda.get_device_properties(index).total_memory
-    if hasattr(torch.cuda, "get_per_process_memory_fraction"):
-        previous = torch.cuda.get_per_process_memory_fraction(index)
-    else:  # pragma: no cover - older torch
-        previous = min(1.0, (_env.memory_budget_bytes(device) or total) / total)
     release()
-    torch.cuda.set_per_process_memory_fraction(min(previous, budget_bytes / total), index)
     try:
-        yield None
+        with dev.memory_cap(budget_bytes, device) as cpu_budget:
+            yield cpu_budget
     finally:
         release()
-        torch.cuda.set_per_process_memory_fraction(previous, index)
 
 
 def _train_variant(cfg: Config, model, dataset, device, variant: Variant, env: dict, *, cpu_budget, progress,
@@ -342,8 +361,7 @@ def _train_variant(cfg: Config, model, dataset, device, variant: Variant, env: d
     even on error. An out-of-memory error becomes a Measured with status "oom"."""
     variant.info.clear()
     undo, oom, result = None, None, None
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    dev.reset_peak(device)
     try:
         undo = variant.apply(model)
         result = train(cfg, model, dataset, device, env=dict(env), progress=progress,
@@ -356,9 +374,9 @@ def _train_variant(cfg: Config, model, dataset, device, variant: Variant, env: d
         model.zero_grad(set_to_none=True)
         release()
     if oom is not None:
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         result = RunResult(config=cfg.to_dict(), env=dict(env), status="oom", error=oom,
-                           effective_batch_size=cfg.effective_batch_size, peak_memory_bytes=peak)
+                           effective_batch_size=cfg.effective_batch_size,
+                           peak_memory_bytes=dev.peak_allocated(device))
     return Measured(variant.name, variant.kind, variant.k, result, variant.info.get("host_bytes"), dict(variant.info))
 
 
@@ -454,17 +472,15 @@ def peak_during(fn: Callable[[], object], device: torch.device | str | None = No
     does, but without its walk over every live object (which costs ~0.5 s in a notebook kernel), so it suits
     many small measurements.
     """
-    device = torch.device(device or _env.default_device())
+    device = dev.resolve(device)
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        dev.synchronize(device)
+        start = dev.allocated(device)
+        dev.reset_peak(device)
         fn()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - start
-    from .memory import _LiveStorages  # the CPU counter of MemoryTracker, minus the count of existing tensors
-
-    with _LiveStorages() as live:
+        dev.synchronize(device)
+        return dev.peak_allocated(device) - start
+    with LiveStorages() as live:  # the CPU counter of MemoryTracker, minus the count of existing tensors
         fn()
     return live.peak
 

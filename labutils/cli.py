@@ -53,6 +53,21 @@ def print_summary(result) -> None:
         print(f"{k:<{width}}  {v}")
 
 
+def _apply_budget(verbose: bool = True) -> None:
+    """``LAB_GPU_MEMORY_GB``: behave like a card of that size, as the notebooks do (bad values exit 2 first)."""
+    from .env import apply_budget_from_env
+
+    try:
+        budget = apply_budget_from_env()
+    except ValueError as exc:
+        raise ConfigError("environment", "LAB_GPU_MEMORY_GB", os.environ.get("LAB_GPU_MEMORY_GB", "")[:40],
+                          "must be a positive number of GiB (the card to behave like); unset it for no cap") from exc
+    if budget and verbose:
+        print(f"memory budget: like a {budget['card_gib']:g} GiB card (allocator cap "
+              f"{budget['allocator_cap_bytes'] / 2**30:.2f} GiB; {budget['outside_allocator_bytes'] / 2**30:.2f} GiB "
+              f"outside the allocator, {budget['how']})")
+
+
 def cmd_run(args) -> int:
     from .env import detect_mode
     from .train import run
@@ -60,6 +75,7 @@ def cmd_run(args) -> int:
     mode, reason = detect_mode()
     cfg = load_config(args.config, args.overrides, mode=mode)
     main_process = os.environ.get("RANK", "0") == "0"  # under accelerate/torchrun only rank 0 reports
+    _apply_budget(verbose=main_process)
     if main_process:
         print(f"mode: {mode} ({reason})")
     result = run(cfg, progress=not args.quiet)
@@ -76,6 +92,7 @@ def cmd_bench(args) -> int:
     from .bench import bench
 
     cfg = load_config(args.config, args.overrides)
+    _apply_budget()
     bench(cfg, repeats=args.repeats)
     return 0
 
@@ -85,6 +102,12 @@ def cmd_estimate(args) -> int:
 
     cfg = load_config(args.config, args.overrides, mode="full")  # estimates are for the real sizes
     return cli_estimate(cfg, args)
+
+
+def cmd_doctor(args) -> int:
+    from .doctor import cli_doctor
+
+    return cli_doctor(args)
 
 
 def cmd_regenerate(args) -> int:
@@ -113,12 +136,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also print per-GPU memory under DDP / ZeRO-1/2/3 for 1..N GPUs (default 8)")
     p.add_argument("--json", metavar="PATH", help="write the estimate and recommendation as JSON")
     p.set_defaults(func=cmd_estimate)
+    p = sub.add_parser("doctor", help="check this machine's GPU paths (run this first on a new machine)")
+    p.add_argument("--json", metavar="PATH", help="write the checks and the environment as JSON")
+    p.set_defaults(func=cmd_doctor)
     p = sub.add_parser("regenerate", help="re-execute the lab notebooks and regenerate results tables and figures")
     p.add_argument("--smoke", action="store_true", help="smoke mode (tiny model, CPU is fine); never writes results/")
     p.add_argument("--only", metavar="01,03", help="comma-separated lab numbers (default: all four)")
     p.add_argument("--out", metavar="DIR", help="output folder (default: results/, or a temp folder with --smoke)")
     p.add_argument("--gpu-memory-gb", type=float, default=8.0, metavar="G",
                    help="cap CUDA memory to G GiB so any card behaves like the students' (default 8; 0 = no cap)")
+    p.add_argument("--skip-doctor", action="store_true",
+                   help="full mode runs `python -m labutils doctor` first and stops if it fails; skip that check")
     p.set_defaults(func=cmd_regenerate)
     return parser
 

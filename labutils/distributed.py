@@ -37,10 +37,10 @@ def maybe_accelerator(cfg: Config):
     if importlib.util.find_spec("accelerate") is None:
         raise ConfigError("accelerate launch", None, "accelerate", "the accelerate package is not installed; "
                                                                    "pip install -e '.[distributed]'")
-    import torch
+    from . import device as dev
     from accelerate import Accelerator
 
-    acc = Accelerator(mixed_precision=MIXED[cfg.train.precision], cpu=not torch.cuda.is_available(),
+    acc = Accelerator(mixed_precision=MIXED[cfg.train.precision], cpu=not dev.cuda_available(),
                       gradient_accumulation_steps=cfg.train.accumulation_steps)
     wanted = {"FSDP": os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true",
               "DEEPSPEED": os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"}

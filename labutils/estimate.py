@@ -773,22 +773,19 @@ def _amp_dtype(cfg) -> tuple[str, str | None]:
     """The mixed-precision dtype to advise: the config's own, else bf16 where this GPU has it, else fp16."""
     if cfg.train.precision in ("fp16", "bf16"):
         return cfg.train.precision, None
-    import torch
+    from . import device as dev
 
-    if torch.cuda.is_available():
-        from .env import bf16_supported
-        return ("bf16", None) if bf16_supported()[0] else ("fp16", "this GPU has no native bf16")
+    if dev.cuda_available():
+        return ("bf16", None) if dev.bf16_support()[0] else ("fp16", "this GPU has no native bf16")
     return "bf16", "no GPU here; use fp16 on GPUs before Ampere: same memory"
 
 
 def default_budget_bytes() -> tuple[int, str]:
-    """This GPU's memory (or its LAB_GPU_MEMORY_GB cap); 8 GiB without a GPU."""
-    import torch
+    """This GPU's memory for PyTorch's allocator (its cap, if one is set); 8 GiB without a GPU."""
+    from . import device as dev
 
-    if torch.cuda.is_available():
-        from .env import memory_budget_bytes
-        name = torch.cuda.get_device_name()
-        return memory_budget_bytes(torch.device("cuda")), f"this GPU ({name})"
+    if dev.cuda_available():
+        return dev.cap_bytes(), f"this GPU ({dev.name()})"
     return 8 * GiB, "no GPU here: an 8 GiB card"
 
 

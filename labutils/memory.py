@@ -17,6 +17,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from . import device as dev
+
 MB, GB, GiB = 10**6, 10**9, 2**30
 
 
@@ -29,8 +31,10 @@ def fmt_bytes(n: float | None) -> str:
     return f"{int(n)} B"
 
 
-class _LiveStorages(TorchDispatchMode):
-    """Counts bytes of live CPU tensor storages; keeps a running peak."""
+class LiveStorages(TorchDispatchMode):
+    """Counts bytes of live CPU tensor storages; keeps a running peak (``with LiveStorages() as live: ...;
+    live.peak``). What :class:`MemoryTracker` uses on the CPU; ``add_existing()`` also counts what was alive
+    before."""
 
     def __init__(self, budget_bytes: int | None = None):
         super().__init__()
@@ -94,10 +98,8 @@ class MemoryTracker:
     timeline: list[tuple[str, int, int]] = field(default_factory=list)
 
     def __post_init__(self):
-        if self.device is None:
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(self.device)
-        self._cpu: _LiveStorages | None = None
+        self.device = dev.resolve(self.device)
+        self._cpu: LiveStorages | None = None
         self._active = False
 
     @property
@@ -106,17 +108,16 @@ class MemoryTracker:
 
     def current_bytes(self) -> int:
         if self.is_cuda:
-            return torch.cuda.memory_allocated(self.device)
+            return dev.allocated(self.device)
         if self._cpu is None:
             raise RuntimeError("the CPU tracker only counts inside its `with` block")
         return self._cpu.current
 
     def _peak_now(self) -> int:
-        return torch.cuda.max_memory_allocated(self.device) if self.is_cuda else self._cpu.peak
+        return dev.peak_allocated(self.device) if self.is_cuda else self._cpu.peak
 
     def mark(self, label: str) -> int:
-        if self.is_cuda:
-            torch.cuda.synchronize(self.device)
+        dev.synchronize(self.device)
         cur = self.current_bytes()
         self.timeline.append((label, cur, self._peak_now()))
         return cur
@@ -124,10 +125,10 @@ class MemoryTracker:
     def __enter__(self) -> "MemoryTracker":
         gc.collect()
         if self.is_cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
+            dev.synchronize(self.device)
+            dev.reset_peak(self.device)
         else:
-            self._cpu = _LiveStorages()
+            self._cpu = LiveStorages()
             self._cpu.add_existing()
             self._cpu.budget = self.cpu_budget_bytes
             self._cpu.__enter__()
@@ -138,8 +139,8 @@ class MemoryTracker:
 
     def __exit__(self, *exc) -> None:
         if self.is_cuda:
-            torch.cuda.synchronize(self.device)
-            self.reserved_bytes = torch.cuda.memory_reserved(self.device)
+            dev.synchronize(self.device)
+            self.reserved_bytes = dev.reserved(self.device)
         else:
             self._cpu.__exit__(*exc)
         self.end_bytes = self.current_bytes()
@@ -181,10 +182,9 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None 
 
 
 def release(*objs) -> None:
-    """Drop references, collect garbage and return cached CUDA blocks: call after every experiment."""
+    """Drop references, collect garbage and return cached memory to the driver (the GPU allocator's blocks and
+    pinned host memory, which CPU offload fills): call after every experiment."""
     for o in objs:
         del o
     gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+    dev.empty_caches()

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import re
 import time
 import warnings
 from collections import defaultdict
 
 import torch
 
-from .memory import _LiveStorages
+from . import device as dev
+from .memory import LiveStorages
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -91,30 +93,21 @@ def saved_tensors_by_module(model: torch.nn.Module, batch: dict, autocast=None, 
 
 @contextlib.contextmanager
 def cuda_memory_cap(gb: float | None):
-    """Cap this process's CUDA allocations at ``gb`` GiB inside the block (a big card behaves like a small
-    one), then restore the cap that was there (``LAB_GPU_MEMORY_GB`` or none). Does nothing without CUDA."""
-    import os
-
-    from .env import set_memory_budget
-
-    if not gb or not torch.cuda.is_available():
+    """Inside the block this GPU behaves like a ``gb``-GiB card: the allocator is capped at ``gb`` GiB minus the
+    memory that lives outside it (CUDA context, libraries), never above a cap already set (``LAB_GPU_MEMORY_GB``
+    or the user's own); the previous cap is restored exactly afterwards. Yields the allocator's cap in bytes,
+    or None without CUDA (nothing to cap)."""
+    if not gb or not dev.cuda_available():
         yield None
         return
-    fraction = set_memory_budget(gb)
-    try:
-        yield fraction
-    finally:
-        torch.cuda.empty_cache()
-        before = os.environ.get("LAB_GPU_MEMORY_GB")
-        if before:
-            set_memory_budget(float(before))
-        else:
-            torch.cuda.set_per_process_memory_fraction(1.0)
+    with dev.memory_cap(dev.card_allocator_bytes(gb)):
+        yield dev.cap_bytes()
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Allocator traces: CUDA snapshots and a CPU stand-in in the same format
 # ----------------------------------------------------------------------------------------------------------
+_BACKWARD_NODE = re.compile(r"(?:generated::|autograd::)(\w*Backward\w*)")
 _INTERNAL = ("/torch/", "/site-packages/torch", "<frozen", "/tqdm/", "/contextlib.py", "/threading.py")
 
 
@@ -129,6 +122,14 @@ def _site(frames: list[dict]) -> str:
         fn = f.get("filename", "")
         if fn and not any(s in fn for s in _INTERNAL):
             return fmt(f, 2)
+    # No Python frame of ours: backward runs on autograd's own thread, so its allocations have only C++ frames
+    # (recorded with stacks="all"). The autograd node that allocated says what the memory is for.
+    for f in frames or []:
+        m = _BACKWARD_NODE.search(f.get("name", ""))
+        if m:
+            return f"backward: {m.group(1)}"
+    if any("autograd" in f.get("name", "") for f in frames or []):
+        return "backward (autograd engine)"
     return fmt(frames[0], 1) if frames else "(no stack)"
 
 
@@ -179,7 +180,7 @@ def trace_summary(snapshot: dict, device: int = 0, start_bytes: int = 0, top: in
             "events": len(ys)}
 
 
-class _RecordingStorages(_LiveStorages):
+class _RecordingStorages(LiveStorages):
     """The CPU tracker's storage counting, writing alloc/free_completed entries like the CUDA allocator."""
 
     def __init__(self, site_of):
@@ -263,6 +264,28 @@ class CPUTraceRecorder:
 
     def snapshot(self) -> dict:
         return {"segments": [], "device_traces": [list(self._mode.trace)]}
+
+
+def range_times(events, names=("forward", "backward", "optimizer_step")) -> list[dict]:
+    """One row per ``record_function`` range of a profile (``prof.events()``): calls and CPU time from the
+    range's CPU-side event; device time from the range's own span on the GPU timeline.
+
+    With CUDA activity the profiler records each range twice, on the CPU and as a GPU user annotation, so a
+    ``key_averages()`` table lists it twice; and the CPU-side event's device time only counts kernels launched
+    from its own thread: ``backward``'s kernels are launched by autograd's worker thread, so it reads ~0.
+    Without GPU events the device time is None."""
+    from torch.autograd import DeviceType
+
+    rows = []
+    for name in names:
+        cpu = [e for e in events if e.name == name and e.device_type == DeviceType.CPU]
+        gpu = [e for e in events if e.name == name and e.device_type != DeviceType.CPU]
+        if not cpu and not gpu:
+            continue
+        rows.append({"range": name, "calls": len(cpu) or len(gpu),
+                     "cpu time (ms)": sum(e.time_range.elapsed_us() for e in cpu) / 1e3 if cpu else None,
+                     "device time (ms)": sum(e.time_range.elapsed_us() for e in gpu) / 1e3 if gpu else None})
+    return rows
 
 
 def byte_unit(max_bytes: float) -> tuple[int, str]:

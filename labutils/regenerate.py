@@ -428,9 +428,9 @@ def regenerate(notebooks: list[Path], out: Path, *, smoke: bool, gpu_memory_gb: 
 
 
 def _cuda_available() -> bool:
-    import torch
+    from . import device as dev
 
-    return torch.cuda.is_available()
+    return dev.cuda_available()
 
 
 def _summary(outcomes: list[Outcome], seconds: float) -> str:
@@ -444,6 +444,18 @@ def _summary(outcomes: list[Outcome], seconds: float) -> str:
         if o.kernel_log:
             lines.append(f"    the kernel process's own output: {o.kernel_log}")
     return "\n".join(lines)
+
+
+def run_doctor_first(out: Path, gpu_memory_gb: float | None) -> int:
+    """``python -m labutils doctor`` in its own process, with the notebooks' memory budget; its JSON goes to
+    ``<out>/doctor.json``. Returns its exit code (1: something failed)."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "LAB_GPU_MEMORY_GB"}
+    if gpu_memory_gb:
+        env["LAB_GPU_MEMORY_GB"] = f"{gpu_memory_gb:g}"
+    print("regenerate: checking this machine first (python -m labutils doctor)", flush=True)
+    return subprocess.run([sys.executable, "-m", "labutils", "doctor", "--json", str(out / "doctor.json")],
+                          cwd=REPO_ROOT, env=env).returncode
 
 
 def cli_regenerate(args) -> int:
@@ -481,6 +493,13 @@ def cli_regenerate(args) -> int:
     print(f"regenerate: {len(notebooks)} notebook(s), {'smoke' if smoke else 'full'} mode, {cap}, "
           f"results -> {out}{where}")
     t0 = time.perf_counter()
+    if not smoke and not getattr(args, "skip_doctor", False):
+        code = run_doctor_first(out, gb)
+        if code != 0:
+            print(f"regenerate: `python -m labutils doctor` failed (exit {code}; its table is above, its JSON in "
+                  f"{out / 'doctor.json'}): no notebook was run. Fix what failed, or pass --skip-doctor to run "
+                  f"the labs anyway.", file=sys.stderr)
+            return 1
     outcomes = regenerate(notebooks, out, smoke=smoke, gpu_memory_gb=gb, readme=readme)
     print(_summary(outcomes, time.perf_counter() - t0))
     return 0 if all(o.ok for o in outcomes) else 1

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from . import device as dev
 from . import env as _env
 from .config import Config
 from .data import LMDataset, build_dataset
@@ -249,7 +250,7 @@ def run(cfg: Config, device: torch.device | str | None = None, *, progress: bool
     oom = diverged = None
     if device.type == "cuda":
         release()
-        torch.cuda.reset_peak_memory_stats(device)
+        dev.reset_peak(device)
     try:
         loaded, dataset = prepare(cfg, device, verbose=verbose)
         env["weights"] = loaded.weights
@@ -268,7 +269,7 @@ def run(cfg: Config, device: torch.device | str | None = None, *, progress: bool
                            effective_batch_size=cfg.effective_batch_size)
     if oom is not None:
         env.setdefault("weights", None)
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        peak = dev.peak_allocated(device)
         result = RunResult(config=cfg.to_dict(), env=env, status="oom", error=oom,
                            effective_batch_size=cfg.effective_batch_size, peak_memory_bytes=peak)
     return result

@@ -1,0 +1,334 @@
+"""Every difference between a CUDA GPU and the CPU that labutils needs, in one place.
+
+No other labutils module calls ``torch.cuda`` (a lab notebook may, where that API is its lesson; each such call
+is also one of ``python -m labutils doctor``'s checks). Each function takes a device (``torch.device``, "cuda",
+"cuda:1", "cpu" or None = the default device) and does the CPU equivalent, or returns None, where CUDA has no
+counterpart. CUDA functions always get an explicit device *index*: ``torch.device("cuda")`` has none, and
+several ``torch.cuda`` functions refuse it.
+
+Memory budget ("behave like a G-GiB card"): a GPU's memory holds the CUDA context and library workspaces
+outside PyTorch's caching allocator, so capping the allocator at G GiB would model a bigger card than a
+student's G GB one. :func:`card_budget` caps the allocator at G GiB minus what lives outside it on this GPU,
+measured with ``cudaMemGetInfo`` (:func:`outside_allocator_bytes`).
+
+API versions (the floor in pyproject.toml is torch 2.6): ``torch.OutOfMemoryError`` (2.5),
+``torch.cuda.get_per_process_memory_fraction`` (2.8; older torch: we remember what we set),
+``torch.cuda.is_bf16_supported(including_emulation=)`` (2.3), ``torch._C._host_emptyCache`` (2.5, guarded),
+``torch.cuda.memory._record_memory_history(enabled=, max_entries=, stacks=)`` (2.1), ``_snapshot`` /
+``_dump_snapshot`` (2.1).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+
+import torch
+
+GiB = 2**30
+# Memory outside the caching allocator (CUDA context, cuBLAS/cuDNN handles and kernels) when it cannot be
+# measured: within the 0.3-0.8 GiB range seen on consumer and datacentre cards with recent drivers.
+DEFAULT_OUTSIDE_ALLOCATOR_BYTES = GiB // 2
+_state: dict = {}  # outside-allocator measurement, cap we set (torch < 2.8 cannot read it back)
+
+
+# ------------------------------------------------------------------------------------------------- which device
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if cuda_available() else "cpu")
+
+
+def resolve(device=None) -> torch.device:
+    """A ``torch.device`` with an explicit index on CUDA (``cuda`` -> ``cuda:<current>``)."""
+    device = torch.device(device) if device is not None else default_device()
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def is_cuda(device=None) -> bool:
+    return resolve(device).type == "cuda"
+
+
+def _index(device) -> int:
+    return resolve(device).index
+
+
+# ------------------------------------------------------------------------------------------------------- memory
+def synchronize(device=None) -> None:
+    """Wait for the GPU's queued work (timings and memory readings are only real after it); no-op on CPU."""
+    if is_cuda(device):
+        torch.cuda.synchronize(_index(device))
+
+
+def allocated(device=None) -> int | None:
+    """Bytes of live tensors the caching allocator holds now (None on CPU: see ``MemoryTracker``)."""
+    return torch.cuda.memory_allocated(_index(device)) if is_cuda(device) else None
+
+
+def peak_allocated(device=None) -> int | None:
+    """Peak of :func:`allocated` since the last :func:`reset_peak` (None on CPU)."""
+    return torch.cuda.max_memory_allocated(_index(device)) if is_cuda(device) else None
+
+
+def reset_peak(device=None) -> None:
+    if is_cuda(device):
+        torch.cuda.reset_peak_memory_stats(_index(device))
+
+
+def reserved(device=None) -> int | None:
+    """Bytes the caching allocator has taken from the driver (live tensors + cached free blocks)."""
+    return torch.cuda.memory_reserved(_index(device)) if is_cuda(device) else None
+
+
+def memory_stats(device=None) -> dict:
+    """The allocator's counters (``torch.cuda.memory_stats``); {} on CPU."""
+    return torch.cuda.memory_stats(_index(device)) if is_cuda(device) else {}
+
+
+def mem_info(device=None) -> tuple[int, int] | None:
+    """(free, total) bytes of the whole GPU as the driver sees it (other processes included); None on CPU."""
+    return torch.cuda.mem_get_info(_index(device)) if is_cuda(device) else None
+
+
+def total_memory(device=None) -> int | None:
+    return torch.cuda.get_device_properties(_index(device)).total_memory if is_cuda(device) else None
+
+
+def empty_caches(device=None) -> None:
+    """Return cached blocks to the driver: the device allocator's, and pinned host memory (``save_on_cpu``
+    pins host RAM through a caching host allocator that ``empty_cache`` alone never frees)."""
+    if not cuda_available():
+        return
+    synchronize(device)
+    torch.cuda.empty_cache()
+    if hasattr(torch._C, "_host_emptyCache"):  # torch >= 2.5
+        torch._C._host_emptyCache()
+
+
+def pinned_host_bytes() -> int | None:
+    """Bytes of pinned host memory the caching host allocator holds (None without CUDA)."""
+    if not cuda_available():
+        return None
+    stats = torch.cuda.host_memory_stats()
+    return int(stats.get("reserved_bytes.current", stats.get("allocated_bytes.current", 0)))
+
+
+# ------------------------------------------------------------------------------------------------ memory budget
+def get_cap_fraction(device=None) -> float | None:
+    """The allocator's cap as a fraction of the card (1.0 = none); None on CPU."""
+    if not is_cuda(device):
+        return None
+    i = _index(device)
+    if hasattr(torch.cuda, "get_per_process_memory_fraction"):  # torch >= 2.8
+        return float(torch.cuda.get_per_process_memory_fraction(i))
+    return _state.get(("fraction", i), 1.0)
+
+
+def set_cap_fraction(fraction: float, device=None) -> float | None:
+    """Cap the allocator at ``fraction`` of the card (clamped to [0, 1]); returns what was set (None on CPU)."""
+    if not is_cuda(device):
+        return None
+    i = _index(device)
+    fraction = float(min(1.0, max(0.0, fraction)))
+    torch.cuda.set_per_process_memory_fraction(fraction, i)
+    _state[("fraction", i)] = fraction
+    return fraction
+
+
+def cap_bytes(device=None) -> int | None:
+    """What the allocator may hold under the current cap (the card's total without one); None on CPU."""
+    if not is_cuda(device):
+        return None
+    return int(get_cap_fraction(device) * total_memory(device))
+
+
+def outside_allocator_bytes(device=None) -> tuple[int, str]:
+    """Bytes of GPU memory this process uses outside the caching allocator (CUDA context, library handles and
+    kernels), and how that number was obtained. Measured once per process, after the context exists and
+    cuBLAS has run: (total - free) - reserved. On a GPU that other processes also use, their memory counts too
+    (so the budget errs on the small side)."""
+    if not is_cuda(device):
+        return 0, "no CUDA context on the CPU"
+    i = _index(device)
+    if ("outside", i) not in _state:
+        how = "measured with cudaMemGetInfo after CUDA and cuBLAS init"
+        try:
+            a = torch.ones(64, 64, device=f"cuda:{i}")
+            (a @ a).sum().item()  # loads cuBLAS: its handle and kernels live outside the allocator
+            del a
+        except RuntimeError:  # measure all the same, without the libraries' share
+            how = "measured with cudaMemGetInfo after CUDA init (cuBLAS not loaded)"
+        try:
+            free, total = torch.cuda.mem_get_info(i)
+            _state[("outside", i)] = (max(0, int(total - free - torch.cuda.memory_reserved(i))), how)
+        except RuntimeError as exc:  # a driver that cannot answer: the documented default
+            _state[("outside", i)] = (DEFAULT_OUTSIDE_ALLOCATOR_BYTES,
+                                      f"default {DEFAULT_OUTSIDE_ALLOCATOR_BYTES / GiB:.1f} GiB "
+                                      f"(could not measure: {str(exc).splitlines()[0][:80]})")
+    return _state[("outside", i)]
+
+
+def card_allocator_bytes(gb: float, device=None) -> int:
+    """What PyTorch's allocator can hold on a ``gb``-GiB card like this one: ``gb`` GiB minus the memory that
+    lives outside the allocator here (on the CPU, all of it)."""
+    return max(0, int(gb * GiB) - outside_allocator_bytes(device)[0])
+
+
+def card_budget(gb: float | None, device=None) -> dict | None:
+    """Make this GPU behave like a ``gb``-GiB card: cap the allocator at ``gb`` GiB minus the memory that lives
+    outside it here. Never raises a lower cap already set. Returns what was done (recorded with results):
+    ``{"card_gib", "outside_allocator_bytes", "how", "allocator_cap_bytes", "fraction"}``; None on CPU or when
+    ``gb`` is None (no cap). ``gb`` must be > 0 (the CLI and ``setup`` check this first)."""
+    if gb is None or not is_cuda(device):
+        return None
+    if not gb > 0:
+        raise ValueError(f"a card budget must be > 0 GiB, got {gb!r}")
+    outside, how = outside_allocator_bytes(device)
+    total = total_memory(device)
+    allocator = card_allocator_bytes(gb, device)
+    fraction = min(get_cap_fraction(device), allocator / total)
+    set_cap_fraction(fraction, device)
+    info = {"card_gib": float(gb), "outside_allocator_bytes": outside, "how": how,
+            "allocator_cap_bytes": int(fraction * total), "fraction": fraction}
+    _state["budget"] = info
+    return info
+
+
+def current_budget() -> dict | None:
+    """What the last :func:`card_budget` did in this process (None if nothing was capped)."""
+    return _state.get("budget")
+
+
+def budget_from_env() -> float | None:
+    """``LAB_GPU_MEMORY_GB`` as a number of GiB (None when unset or empty). Raises ValueError with one line
+    naming the variable when it is not a positive, finite number."""
+    raw = os.environ.get("LAB_GPU_MEMORY_GB", "").strip()
+    if not raw:
+        return None
+    try:
+        gb = float(raw)
+    except ValueError:
+        gb = float("nan")
+    if not (gb > 0 and gb < float("inf")):
+        raise ValueError(f"environment variable LAB_GPU_MEMORY_GB = {raw[:40]!r}: must be a positive number of GiB "
+                         f"(the card to behave like, e.g. 8); unset it for no cap")
+    return gb
+
+
+@contextlib.contextmanager
+def memory_cap(budget_bytes: int | None, device=None):
+    """Inside the block the allocator may hold at most ``budget_bytes`` (never more than a cap already set),
+    restored exactly afterwards, cached memory released on both sides. On CPU there is nothing to cap: yields
+    ``budget_bytes`` for the CPU tracker's simulated budget (``MemoryTracker(cpu_budget_bytes=...)``); on CUDA
+    yields None."""
+    if budget_bytes is None or not is_cuda(device):
+        yield budget_bytes
+        return
+    previous = get_cap_fraction(device)
+    empty_caches(device)
+    set_cap_fraction(min(previous, budget_bytes / total_memory(device)), device)
+    try:
+        yield None
+    finally:
+        empty_caches(device)
+        set_cap_fraction(previous, device)
+
+
+def is_oom(exc: BaseException) -> bool:
+    """An out-of-memory error of the device allocator, or a failed pinned host allocation (which torch raises as
+    a plain RuntimeError)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "cudahostalloc" in text
+                                              or "pinned memory" in text)
+
+
+# ------------------------------------------------------------------------------------------- allocator snapshots
+def record_history(enabled: bool = True, max_entries: int = 100_000, stacks: str = "all") -> bool:
+    """Start (or stop) recording allocator events for :func:`snapshot`. ``stacks="all"`` keeps C++ frames too:
+    allocations made during backward run on autograd's thread and have no Python frames, and only the C++
+    frames say which backward node made them. Returns False on CPU (nothing recorded)."""
+    if not cuda_available():
+        return False
+    if enabled:
+        torch.cuda.memory._record_memory_history(enabled="all", max_entries=max_entries, stacks=stacks)
+    else:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    return True
+
+
+def snapshot() -> dict | None:
+    """The allocator's snapshot (segments and the recorded trace); None on CPU."""
+    return torch.cuda.memory._snapshot() if cuda_available() else None
+
+
+def dump_snapshot(path: str | os.PathLike) -> bool:
+    """Write the snapshot as a pickle for pytorch.org/memory_viz; False on CPU."""
+    if not cuda_available():
+        return False
+    torch.cuda.memory._dump_snapshot(str(path))
+    return True
+
+
+# ------------------------------------------------------------------------------------------ formats and facts
+def bf16_support(device=None) -> tuple[bool, str]:
+    """BF16 autocast on this device, and a reason a student can read: native on CUDA from Ampere (8.0) on;
+    the CPU supports it by emulation."""
+    device = resolve(device)
+    if device.type != "cuda":
+        return True, "CPU autocast supports bfloat16 (emulated: slow, for correctness only)"
+    major, minor = torch.cuda.get_device_capability(device.index)
+    name = torch.cuda.get_device_name(device.index)
+    ok = major >= 8
+    return ok, (f"{name} (compute capability {major}.{minor}) has native BF16" if ok else
+                f"{name} (compute capability {major}.{minor}) has no native BF16 (needs Ampere, 8.0, or newer)")
+
+
+def tf32_support(device=None) -> tuple[bool, str]:
+    device = resolve(device)
+    if device.type != "cuda":
+        return False, "TF32 is a tensor-core format of NVIDIA Ampere and newer GPUs; this run has no GPU"
+    major, minor = torch.cuda.get_device_capability(device.index)
+    name = torch.cuda.get_device_name(device.index)
+    if major >= 8:
+        return True, f"{name} (compute capability {major}.{minor}) has TF32 tensor cores"
+    return False, f"{name} (compute capability {major}.{minor}) predates Ampere: no TF32"
+
+
+def name(device=None) -> str:
+    """The GPU's name as the driver reports it (what ``peak_tflops`` matches), or "CPU"."""
+    device = resolve(device)
+    return torch.cuda.get_device_name(device.index) if device.type == "cuda" else "CPU"
+
+
+def driver_version() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=5)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def facts(device=None) -> dict | None:
+    """The GPU's facts for provenance (None on CPU): name, memory, compute capability, CUDA, driver, budget."""
+    device = resolve(device)
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device.index)
+    budget = current_budget()
+    return {"name": props.name, "total_memory_bytes": props.total_memory,
+            "compute_capability": f"{props.major}.{props.minor}", "cuda": torch.version.cuda,
+            "driver": driver_version(), "budget_bytes": cap_bytes(device),
+            "card_gib": budget["card_gib"] if budget else None,
+            "outside_allocator_bytes": budget["outside_allocator_bytes"] if budget else None}
+
+
+def pin_memory_default(device_type: str) -> bool:
+    """Whether host copies for ``device_type`` should be pinned (only with a GPU: pinning needs its driver)."""
+    return device_type == "cuda" and cuda_available()

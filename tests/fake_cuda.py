@@ -1,0 +1,181 @@
+"""A pretend GPU for a CPU-only torch: only the driver entry points are replaced, torch's Python layer stays real.
+
+What is replaced: the ``torch._C._cuda_*`` functions a CPU build lacks (device count, init, current device,
+synchronize, allocator statistics, memory fraction, snapshots, host allocator), ``torch.cuda._cudart``
+(``cudaMemGetInfo``), the device-properties getter that ``_cuda_init`` would install, ``torch.version.cuda``,
+and the per-device default generators. What stays real: ``torch.cuda.is_available``, ``_lazy_init``,
+``_get_device_index`` (so ``torch.device("cuda")`` without an index is refused where torch refuses it), the
+fraction range and type checks of ``set_per_process_memory_fraction``, ``memory_stats`` flattening,
+``mem_get_info``, ``_record_memory_history`` / ``_snapshot`` / ``_dump_snapshot``.
+
+Tensors cannot live on the pretend GPU (a CPU build has no CUDA kernels). The pretend allocator has counters
+instead: ``gpu.alloc(n, frames)`` / ``gpu.free(addr)`` move them as a real allocation would, raise
+``torch.OutOfMemoryError`` past the memory fraction, and record trace events for snapshots.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+
+GiB = 2**30
+
+
+@dataclass
+class Profile:
+    name: str
+    total: int
+    major: int
+    minor: int
+    outside: int = 400 * 2**20      # what the CUDA context holds outside the allocator
+    mem_info_fails: bool = False     # a driver that cannot answer cudaMemGetInfo
+
+
+PROFILES = {
+    "rtx3070-8gb": Profile("NVIDIA GeForce RTX 3070", 8 * GiB - 200 * 2**20, 8, 6, outside=350 * 2**20),
+    "t4": Profile("Tesla T4", 15 * GiB, 7, 5, outside=300 * 2**20),
+    "h100": Profile("NVIDIA H100 80GB HBM3", 80 * GiB - 500 * 2**20, 9, 0, outside=520 * 2**20),
+}
+
+
+@dataclass
+class FakeGPU:
+    profile: Profile
+    allocated: int = 0
+    peak: int = 0
+    reserved: int = 0
+    fraction: float = 1.0
+    fraction_calls: list = field(default_factory=list)
+    host_pinned: int = 0
+    host_empty_calls: int = 0
+    empty_cache_calls: int = 0
+    sync_calls: int = 0
+    recording: dict | None = None
+    trace: list = field(default_factory=list)
+    live: dict = field(default_factory=dict)
+    _addr: itertools.count = field(default_factory=lambda: itertools.count(0x7F0000000000, 512))
+
+    # ------------------------------------------------------------------ what a program does on the GPU
+    def alloc(self, nbytes: int, frames=None) -> int:
+        limit = int(self.fraction * self.profile.total)
+        if self.allocated + nbytes > limit:
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate {nbytes} bytes. GPU 0 has a total capacity of "
+                f"{self.profile.total} bytes; this process has {self.allocated} allocated (fraction {self.fraction})")
+        addr = next(self._addr)
+        self.live[addr] = nbytes
+        self.allocated += nbytes
+        self.peak = max(self.peak, self.allocated)
+        self.reserved = max(self.reserved, self.allocated)
+        if self.recording is not None:
+            self.trace.append({"action": "alloc", "addr": addr, "size": nbytes, "stream": 0,
+                               "frames": list(frames or []), "time_us": len(self.trace)})
+        return addr
+
+    def free(self, addr: int) -> None:
+        nbytes = self.live.pop(addr)
+        self.allocated -= nbytes
+        if self.recording is not None:
+            self.trace.append({"action": "free_completed", "addr": addr, "size": nbytes, "stream": 0,
+                               "frames": [], "time_us": len(self.trace)})
+
+    # ------------------------------------------------------------------------------ driver entry points
+    def _stats(self, device):
+        assert isinstance(device, int), f"the C layer gets an index, got {device!r}"
+        def stat(cur, peak):
+            return {"all": {"current": cur, "peak": peak, "allocated": peak, "freed": peak - cur}}
+        return {"allocated_bytes": stat(self.allocated, self.peak), "reserved_bytes": stat(self.reserved, self.reserved),
+                "active_bytes": stat(self.allocated, self.peak), "num_alloc_retries": 0, "num_ooms": 0}
+
+    def _reset_peak(self, device):
+        assert isinstance(device, int)
+        self.peak = self.allocated
+
+    def _set_fraction(self, fraction, device):
+        assert isinstance(fraction, float) and isinstance(device, int)
+        self.fraction = fraction
+        self.fraction_calls.append(fraction)
+
+    def _get_fraction(self, device):
+        assert isinstance(device, int)
+        return self.fraction
+
+    def _empty_cache(self):
+        self.empty_cache_calls += 1
+        self.reserved = self.allocated
+
+    def _host_empty(self):
+        self.host_empty_calls += 1
+        self.host_pinned = 0
+
+    def _host_stats(self):
+        return {"allocated_bytes": {"current": self.host_pinned, "peak": self.host_pinned},
+                "reserved_bytes": {"current": self.host_pinned}}
+
+    def _mem_get_info(self, device):
+        if self.profile.mem_info_fails:
+            raise RuntimeError("CUDA error: the driver could not be queried (pretend)")
+        used = self.profile.outside + self.reserved
+        return self.profile.total - used, self.profile.total
+
+    def _record_history(self, enabled, context=None, stacks=None, *rest):
+        self.recording = None if enabled is None else {"enabled": enabled, "context": context, "stacks": stacks}
+        if enabled is None:
+            pass
+        else:
+            self.trace = []
+
+    def _snapshot(self, *args):
+        segments = [{"address": a, "total_size": n, "allocated_size": n, "blocks": []} for a, n in self.live.items()]
+        return {"segments": segments, "device_traces": [list(self.trace)]}
+
+    def _properties(self, index):
+        p = self.profile
+        return SimpleNamespace(name=p.name, total_memory=p.total, major=p.major, minor=p.minor,
+                               multi_processor_count=80, is_integrated=False)
+
+    def install(self, monkeypatch) -> "FakeGPU":
+        C = torch._C
+        entry = {
+            "_cuda_getDeviceCount": lambda: 1,
+            "_cuda_init": lambda: None,
+            "_cuda_getDevice": lambda: 0,
+            "_cuda_setDevice": lambda i: None,
+            "_cuda_exchangeDevice": lambda i: 0,
+            "_cuda_maybeExchangeDevice": lambda i: 0,
+            "_cuda_synchronize": lambda: setattr(self, "sync_calls", self.sync_calls + 1),
+            "_cuda_emptyCache": self._empty_cache,
+            "_cuda_memoryStats": self._stats,
+            "_cuda_resetPeakMemoryStats": self._reset_peak,
+            "_cuda_resetAccumulatedMemoryStats": lambda d: None,
+            "_cuda_setMemoryFraction": self._set_fraction,
+            "_cuda_getMemoryFraction": self._get_fraction,
+            "_cuda_hostMemoryStats": self._host_stats,
+            "_host_emptyCache": self._host_empty,
+            "_cuda_record_memory_history": self._record_history,
+            "_cuda_memorySnapshot": self._snapshot,
+            "_cuda_getArchFlags": lambda: "sm_75 sm_80 sm_86 sm_90",
+        }
+        for k, v in entry.items():
+            monkeypatch.setattr(C, k, v, raising=False)
+        cudart = SimpleNamespace(cudaMemGetInfo=self._mem_get_info,
+                                 cudaError=SimpleNamespace(success=0), cudaGetErrorString=str)
+        monkeypatch.setattr(torch.cuda, "_cudart", cudart)
+        monkeypatch.setattr(torch.cuda, "_get_device_properties", self._properties, raising=False)
+        monkeypatch.setattr(torch.cuda, "_exchange_device", lambda i: 0)
+        monkeypatch.setattr(torch.cuda, "_maybe_exchange_device", lambda i: 0)
+        monkeypatch.setattr(torch.cuda, "_initialized", False)
+        monkeypatch.setattr(torch.cuda, "_cached_device_count", None)
+        monkeypatch.setattr(torch.cuda, "default_generators", (torch.Generator(),))
+        monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: -1)
+        monkeypatch.setattr(torch.version, "cuda", "12.8")
+        torch.cuda._check_bf16_tensor_supported.cache_clear()
+        return self
+
+
+def install(monkeypatch, profile: str = "rtx3070-8gb", **overrides) -> FakeGPU:
+    base = PROFILES[profile]
+    prof = Profile(**{**base.__dict__, **overrides})
+    return FakeGPU(prof).install(monkeypatch)
