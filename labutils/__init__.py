@@ -3,10 +3,12 @@
 Modules: config (YAML -> dataclasses), env (mode, device, versions), data (corpus, sampler), models (GPT-2
 sizes, offline fallback, checkpointing), memory (MemoryTracker), train (the one training loop), results (tables, figures, provenance), cli.
 """
+from . import device
 from .config import Config, ConfigError, load_config
 from .data import LMDataset, build_dataset, load_documents
-from .env import (bf16_supported, default_device, detect_mode, environment, matmul_precision, seed_everything,
-                  set_memory_budget, setup, tf32_supported)
+from .device import card_allocator_bytes
+from .env import (apply_budget_from_env, bf16_supported, default_device, detect_mode, environment, matmul_precision,
+                  seed_everything, set_memory_budget, setup, tf32_supported)
 from .memory import MemoryTracker, fmt_bytes, release, state_bytes
 from .models import enable_checkpointing, flops_per_token, load_model
 from .results import format_table, record_results, show_table

@@ -98,6 +98,22 @@ def held_model(cfg: Config, device=None):
         release()
 
 
+def max_relative_gap(xs, ys) -> float:
+    """Largest ``|x - y| / |y|`` over pairs of per-step numbers from two loops (losses, grad norms).
+
+    fp16 steps can overflow: then both loops see an inf (or nan) gradient norm and skip the step. The same
+    non-finite value on both sides is a match (gap 0); a non-finite value on one side only is a gap of inf."""
+    worst = 0.0
+    for x, y in zip(xs, ys, strict=True):
+        x, y = float(x), float(y)
+        if not (math.isfinite(x) and math.isfinite(y)):
+            same = (math.isnan(x) and math.isnan(y)) or x == y
+            worst = max(worst, 0.0 if same else math.inf)
+        else:
+            worst = max(worst, abs(x - y) / max(abs(y), 1e-30))
+    return worst
+
+
 def first_window(dataset: LMDataset, micro: int, accum: int, seed: int):
     return next(dataset.windows(micro, accum, seed))
 

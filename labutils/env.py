@@ -125,6 +125,7 @@ def setup(seed: int = 42, verbose: bool = True) -> dict:
         else:
             print("device: cpu (no CUDA GPU): numbers below are smoke-test numbers, not GPU results")
         print(f"torch {info['torch']}, transformers {info['transformers']}, python {info['python']}, seed {seed}")
+        print("new machine? run `python -m labutils doctor` once first: it checks every GPU path the labs use")
         print("model hub: " + ("reachable (pretrained GPT-2 weights)" if hub else
                                "unreachable, offline mode: random weights of the same architecture "
                                "(memory and speed identical, loss values not comparable to pretrained)"))

@@ -120,7 +120,7 @@ def _site(frames: list[dict]) -> str:
 
     for f in frames or []:
         fn = f.get("filename", "")
-        if fn and not any(s in fn for s in _INTERNAL):
+        if fn and not any(s in fn for s in _INTERNAL) and "::" not in f.get("name", ""):  # "::": a C++ frame
             return fmt(f, 2)
     # No Python frame of ours: backward runs on autograd's own thread, so its allocations have only C++ frames
     # (recorded with stacks="all"). The autograd node that allocated says what the memory is for.

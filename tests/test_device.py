@@ -1,0 +1,417 @@
+"""The CUDA paths, rehearsed on a CPU-only torch with a pretend GPU (tests/fake_cuda.py).
+
+Only the driver entry points are replaced; torch's own Python layer (device-index checks, fraction checks,
+statistics flattening, snapshots) stays real, so a call torch would refuse on a real GPU is refused here too.
+Each test names the row of issue 11 it guards; each failed before its fix.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+import stat
+import sys
+
+import pytest
+import torch
+
+import labutils as lu
+from labutils import accumulation as acc
+from labutils import checkpointing as ck
+from labutils import device as dev
+from labutils import env as lenv
+from labutils import profiling
+from tests import fake_cuda
+from tests.conftest import tiny_config
+
+GiB, MiB = 2**30, 2**20
+PROFILES = list(fake_cuda.PROFILES)
+
+
+@pytest.fixture
+def gpu(monkeypatch, request):
+    """The pretend GPU of the test's profile (parametrise ``gpu`` indirectly; default: an 8 GB RTX 3070)."""
+    monkeypatch.setattr(dev, "_state", {})
+    monkeypatch.delenv("LAB_GPU_MEMORY_GB", raising=False)
+    return fake_cuda.install(monkeypatch, getattr(request, "param", "rtx3070-8gb"))
+
+
+# ---------------------------------------------------------------------------------------------------- row 1
+@pytest.mark.parametrize("gpu", PROFILES, indirect=True)
+def test_setup_with_a_budget_runs_on_every_card(gpu, monkeypatch, capsys):
+    """Row 1: lu.setup() with LAB_GPU_MEMORY_GB set passed torch.device("cuda") (no index) to
+    set_per_process_memory_fraction, which raises on a GPU: every notebook died in its first cell."""
+    monkeypatch.setenv("LAB_GPU_MEMORY_GB", "8")
+    info = lu.setup(seed=1)
+    assert info["mode"] == "full" and info["device"] == torch.device("cuda", 0)
+    p = gpu.profile
+    expected = min(1.0, (8 * GiB - p.outside) / p.total)
+    assert gpu.fraction == pytest.approx(expected)
+    assert info["gpu"]["name"] == p.name and info["gpu"]["card_gib"] == 8.0
+    assert info["gpu"]["outside_allocator_bytes"] == p.outside
+    assert info["gpu_memory_budget_gb"] == 8.0
+    out = capsys.readouterr().out
+    assert "behaving like a 8 GiB card" in out and "doctor" in out
+
+
+def test_torch_refuses_a_device_without_index(gpu):
+    """The stand-in keeps torch's own check: the call labutils used to make fails here as on a real GPU."""
+    with pytest.raises(ValueError, match="specified index"):
+        torch.cuda.set_per_process_memory_fraction(0.5, torch.device("cuda"))
+
+
+# ---------------------------------------------------------------------------------------------------- row 2
+@pytest.mark.parametrize("gpu", ["h100"], indirect=True)
+def test_lab04_cap_never_raises_a_lower_cap_and_restores_it(gpu):
+    """Row 2: cuda_memory_cap raised the same ValueError on entry and restore, and could raise a lower cap."""
+    with profiling.cuda_memory_cap(8) as cap:
+        assert cap == pytest.approx(8 * GiB - gpu.profile.outside, rel=1e-6)
+    assert gpu.fraction == 1.0
+    torch.cuda.set_per_process_memory_fraction(0.04, 0)  # the user's own, lower cap (3.2 GB of 80)
+    with profiling.cuda_memory_cap(8):
+        assert gpu.fraction == pytest.approx(0.04)
+    assert gpu.fraction == pytest.approx(0.04)
+
+
+def test_lab04_cap_is_a_no_op_on_cpu():
+    with profiling.cuda_memory_cap(8) as cap:
+        assert cap is None
+
+
+# ---------------------------------------------------------------------------------------------------- row 3
+@pytest.mark.parametrize("missing", ["cudnn.conv", "both"])
+def test_matmul_precision_on_torch_without_fp32_precision(monkeypatch, missing):
+    """Row 3: torch 2.6-2.8 have no torch.backends.cudnn.conv; reading it first raised AttributeError."""
+    monkeypatch.delattr(type(torch.backends.cudnn), "conv")
+    if missing == "both":
+        monkeypatch.delattr(type(torch.backends.cuda.matmul), "fp32_precision", raising=False)
+    with lenv.matmul_precision(tf32=True):
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    with lenv.matmul_precision(tf32=False):
+        assert not torch.backends.cuda.matmul.allow_tf32
+
+
+# ---------------------------------------------------------------------------------------------------- row 4
+@pytest.mark.parametrize("xs, ys, gap", [
+    ([math.inf, 2.0], [math.inf, 2.0], 0.0),      # step 0 overflowed in both loops: a match
+    ([math.nan, 2.0], [math.nan, 2.0], 0.0),
+    ([math.inf, 2.0], [1.0, 2.0], math.inf),      # only one loop overflowed: not a match
+    ([1.0, 2.0], [1.0, 2.2], pytest.approx(0.2 / 2.2)),
+])
+def test_written_out_step_comparison_survives_an_overflowing_fp16_step(xs, ys, gap):
+    """Row 4: lab 02 compared with abs(a - b) / abs(b): inf - inf is nan, and its assert failed."""
+    assert acc.max_relative_gap(xs, ys) == gap
+    old = max(abs(a - b) / abs(b) for a, b in zip(xs, ys))  # the notebook's old expression
+    if xs[0] == ys[0] and not math.isfinite(xs[0]):
+        assert not old < 1e-3                                   # it would have failed the lab's assert
+
+
+# ---------------------------------------------------------------------------------------------------- row 5
+@torch.library.custom_op("labtest::fused_dropout_matmul", mutates_args=(),
+                         tags=(torch.Tag.nondeterministic_seeded,))
+def fused_dropout_matmul(x: torch.Tensor, w: torch.Tensor, dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like CUDA's fused attention with dropout: one op that multiplies and draws its dropout mask inside."""
+    mask = (torch.rand_like(x) >= dropout_p).to(x.dtype) / (1 - dropout_p)
+    return (x * mask) @ w, mask
+
+
+@fused_dropout_matmul.register_fake
+def _(x, w, dropout_p):
+    return x.new_empty(x.shape[0], w.shape[1]), torch.empty_like(x)
+
+
+def _setup(ctx, inputs, output):
+    x, w, _ = inputs
+    ctx.save_for_backward(x, w, output[1])
+
+
+def _backward(ctx, grad, _grad_mask):
+    x, w, mask = ctx.saved_tensors
+    return (grad @ w.T) * mask, (x * mask).T @ grad, None
+
+
+fused_dropout_matmul.register_autograd(_backward, setup_context=_setup)
+FUSED = torch.ops.labtest.fused_dropout_matmul.default
+
+
+def _block(x, w1, w2, p):
+    h = FUSED(x, w1, p)[0]
+    h = torch.nn.functional.dropout(h, p, training=True)   # a later dropout: must get the forward's mask again
+    return torch.tanh(h @ w2).sum()
+
+
+def _grads(policy, p):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 16, generator=g)
+    w1 = torch.randn(16, 16, generator=g, requires_grad=True)
+    w2 = torch.randn(16, 4, generator=g, requires_grad=True)
+    torch.manual_seed(7)
+    if policy is None:
+        loss = _block(x, w1, w2, p)
+    else:
+        context_fn = functools.partial(ck.create_selective_checkpoint_contexts, policy)
+        loss = torch.utils.checkpoint.checkpoint(_block, x, w1, w2, p, use_reentrant=False, context_fn=context_fn)
+    loss.backward()
+    return [w1.grad, w2.grad]
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_selective_checkpointing_is_exact_with_a_seeded_op_it_would_save(monkeypatch, p):
+    """Row 5: save_matmuls marked CUDA's fused attention (which draws its dropout mask inside) MUST_SAVE; the
+    recompute then skipped its random draw and every later dropout got another mask: wrong gradients."""
+    monkeypatch.setattr(ck, "SAVE_OPS", ck.SAVE_OPS | {FUSED})  # as CUDA's fused attention kernels are
+    ref = _grads(None, p)
+    got = _grads(ck.save_matmuls, p)
+    assert ck.max_rel_diff(got, ref) < 1e-6
+    if p == 0:  # deterministic: kept, as the policy intends (no recompute of the expensive op)
+        assert ck.save_matmuls(None, FUSED, torch.ones(1), torch.ones(1), 0.0) == ck.CheckpointPolicy.MUST_SAVE
+    else:
+        assert ck.draws_random_numbers(FUSED, (None, None, p), {})
+
+
+def test_sdpa_kernels_with_dropout_are_recomputed():
+    op = torch.ops.aten._scaled_dot_product_efficient_attention.default
+    q = torch.ones(1)
+    assert ck.save_matmuls(None, op, q, q, q, None, True, 0.1) == ck.CheckpointPolicy.PREFER_RECOMPUTE
+    assert ck.save_matmuls(None, op, q, q, q, None, True, 0.0) == ck.CheckpointPolicy.MUST_SAVE
+    assert ck.save_matmuls(None, op, q, q, q, None, True, dropout_p=0.2) == ck.CheckpointPolicy.PREFER_RECOMPUTE
+    assert ck.save_matmuls(None, torch.ops.aten.mm.default, q, q) == ck.CheckpointPolicy.MUST_SAVE
+
+
+# ---------------------------------------------------------------------------------------------------- row 6
+@pytest.mark.parametrize("gpu", PROFILES, indirect=True)
+def test_budget_models_a_card_not_just_the_allocator(gpu):
+    """Row 6: an 8 GiB allocator cap is a bigger card than a student's 8 GB one (the CUDA context and library
+    workspaces live outside the allocator). The cap is now 8 GiB minus what lives outside it here."""
+    info = lenv.set_memory_budget(8)
+    p = gpu.profile
+    assert info["outside_allocator_bytes"] == p.outside and "measured" in info["how"]
+    assert info["allocator_cap_bytes"] == pytest.approx(min(p.total, 8 * GiB - p.outside), abs=2)
+    assert lu.card_allocator_bytes(8) == 8 * GiB - p.outside
+    assert lenv.environment()["gpu"]["outside_allocator_bytes"] == p.outside
+
+
+def test_budget_falls_back_to_a_documented_default(monkeypatch):
+    monkeypatch.setattr(dev, "_state", {})
+    fake_cuda.install(monkeypatch, "t4", mem_info_fails=True)
+    info = lenv.set_memory_budget(8)
+    assert info["outside_allocator_bytes"] == dev.DEFAULT_OUTSIDE_ALLOCATOR_BYTES and "default" in info["how"]
+
+
+@pytest.mark.parametrize("raw", ["0", "-8", "nan", "inf", "eight"])
+def test_bad_budget_variable_is_refused_with_its_name(monkeypatch, raw):
+    monkeypatch.setenv("LAB_GPU_MEMORY_GB", raw)
+    with pytest.raises(ValueError, match="LAB_GPU_MEMORY_GB"):
+        dev.budget_from_env()
+
+
+# ---------------------------------------------------------------------------------------------------- row 7
+def _event(i, name, start, end, device_type):
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+    return FunctionEvent(i, name, thread=0, start_us=start, end_us=end, device_type=getattr(DeviceType, device_type),
+                         is_user_annotation=device_type == "CUDA")
+
+
+def test_profiler_ranges_once_each_with_gpu_time():
+    """Row 7: with CUDA activity each range is recorded on the CPU and again as a GPU annotation (two rows in
+    key_averages), and the CPU backward range's device time is ~0 (kernels launched from autograd's thread)."""
+    events = [_event(1, "forward", 0, 100, "CPU"), _event(2, "forward", 5, 180, "CUDA"),
+              _event(3, "backward", 100, 110, "CPU"), _event(4, "backward", 180, 500, "CUDA"),
+              _event(5, "optimizer_step", 110, 130, "CPU")]
+    rows = profiling.range_times(events)
+    assert [r["range"] for r in rows] == ["forward", "backward", "optimizer_step"]
+    assert [r["calls"] for r in rows] == [1, 1, 1]
+    assert rows[1]["device time (ms)"] == pytest.approx(0.32) and rows[1]["cpu time (ms)"] == pytest.approx(0.01)
+    assert rows[2]["device time (ms)"] is None
+
+
+# ---------------------------------------------------------------------------------------------------- row 8
+def test_backward_allocations_are_attributed_to_their_autograd_node(gpu):
+    """Row 8: with stacks="python", allocations made during backward have no frames: "(no stack)" topped the
+    table. The course records C++ frames too and names the backward node that allocated."""
+    assert dev.record_history(True)
+    assert gpu.recording["stacks"] == "all"
+    gpu.alloc(10 * MiB, [{"filename": "/work/labs/model.py", "line": 3, "name": "forward"}])
+    gpu.alloc(30 * MiB, [{"filename": "/pytorch/torch/csrc/autograd/generated/Functions.cpp", "line": 0,
+                          "name": "torch::autograd::generated::MmBackward0::apply(...)"},
+                         {"filename": "/pytorch/torch/csrc/autograd/engine.cpp", "line": 0,
+                          "name": "torch::autograd::Engine::evaluate_function(...)"}])
+    gpu.alloc(5 * MiB, [{"filename": "??", "line": 0, "name": "torch::autograd::Engine::thread_main"}])
+    summary = profiling.trace_summary(dev.snapshot())
+    sites = [r["site"] for r in summary["top_at_peak"]]
+    assert sites[0] == "backward: MmBackward0" and "backward (autograd engine)" in sites
+    assert "(no stack)" not in sites
+    assert dev.record_history(False) and gpu.recording is None
+
+
+# ---------------------------------------------------------------------------------------------------- row 9
+def test_release_frees_pinned_host_memory(gpu):
+    """Row 9: CPU offload pins host RAM that lu.release() never returned (only the device cache was emptied)."""
+    gpu.host_pinned = 6 * GiB
+    lu.release()
+    assert gpu.host_empty_calls == 1 and dev.pinned_host_bytes() == 0
+
+
+def test_failed_pinned_allocation_is_an_out_of_memory_error(gpu):
+    """Row 9: a failed pinned allocation is a RuntimeError, not OutOfMemoryError, so no OOM row was written.
+    On this CPU-only torch the pinned allocation fails for real (no CUDA host allocator)."""
+    hooks = ck.CountingSaveOnCPU("cuda")
+    assert hooks.pinned
+    x = torch.randn(4, 4, requires_grad=True)
+    with pytest.raises(torch.OutOfMemoryError, match="pinned host memory"):
+        with hooks:
+            (x * x).sum()
+    assert dev.is_oom(torch.OutOfMemoryError("x")) and dev.is_oom(RuntimeError("cudaHostAlloc failed"))
+    assert not dev.is_oom(RuntimeError("shape mismatch")) and not dev.is_oom(ValueError("out of memory"))
+
+
+# --------------------------------------------------------------------------------------------------- row 10
+@pytest.mark.parametrize("command", ["run", "bench"])
+def test_cli_honours_the_budget_variable(gpu, monkeypatch, root, command):
+    """Row 10: `python -m labutils run/bench` ignored LAB_GPU_MEMORY_GB while the results reported it."""
+    from labutils import bench, cli
+    train = sys.modules["labutils.train"]  # (lu.train is the function)
+
+    seen = {}
+
+    def fake_run(cfg, *a, **k):  # training itself cannot run on a pretend GPU; the budget is what is tested
+        seen["fraction"] = gpu.fraction
+        return train.RunResult(config=cfg.to_dict(), env={}, status="oom", error="stand-in")
+
+    monkeypatch.setattr(train, "run", fake_run)
+    monkeypatch.setattr(bench, "bench", lambda cfg, **k: fake_run(cfg))
+    monkeypatch.setenv("LAB_GPU_MEMORY_GB", "6")
+    cli.main([command, str(root / "configs/fp32_config.yaml"), "--set", "train.steps=3"])
+    assert seen["fraction"] == pytest.approx((6 * GiB - gpu.profile.outside) / gpu.profile.total)
+
+
+def test_cli_refuses_a_bad_budget_variable(monkeypatch, root, capsys):
+    from labutils import cli
+    monkeypatch.setenv("LAB_GPU_MEMORY_GB", "lots")
+    assert cli.main(["run", str(root / "configs/fp32_config.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "LAB_GPU_MEMORY_GB" in err and len(err.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------ the device module, end to end
+def _fake_nvidia_smi(tmp_path, monkeypatch):
+    exe = tmp_path / "nvidia-smi"
+    exe.write_text("#!/bin/sh\necho 570.86.15\n")
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+
+
+def exercise_device_module(monkeypatch, tmp_path, profile: str) -> None:
+    """Every function of labutils.device under a pretend GPU of ``profile``, then on the CPU; also lu.setup()
+    with a cap, environment(), the tracker, lab 04's cap context and the snapshot helpers."""
+    with monkeypatch.context() as m:
+        m.setattr(dev, "_state", {})
+        gpu = fake_cuda.install(m, profile)
+        _fake_nvidia_smi(tmp_path, m)
+        m.setenv("LAB_GPU_MEMORY_GB", "8")
+        info = lu.setup(verbose=False)
+        assert info["gpu"]["driver"] == "570.86.15"
+        assert dev.default_device().type == "cuda" and dev.is_cuda("cuda") and dev.resolve("cuda:0").index == 0
+        with lu.MemoryTracker("cuda") as mt:
+            a = gpu.alloc(100 * MiB)
+            mt.mark("allocated")
+            gpu.free(a)
+        assert mt.peak_bytes - mt.start_bytes == 100 * MiB and mt.reserved_bytes >= 100 * MiB
+        assert mt.timeline[0][1] == 100 * MiB
+        assert dev.allocated() == 0 and dev.peak_allocated() == 100 * MiB
+        dev.reset_peak()
+        assert dev.peak_allocated() == 0 and dev.reserved() >= 0
+        assert dev.memory_stats()["allocated_bytes.all.current"] == 0
+        free, total = dev.mem_info()
+        assert free < total == dev.total_memory() == gpu.profile.total
+        cap_before = dev.get_cap_fraction()
+        with profiling.cuda_memory_cap(4):
+            assert dev.cap_bytes() <= 4 * GiB
+            with pytest.raises(torch.OutOfMemoryError):
+                gpu.alloc(5 * GiB)
+        assert dev.get_cap_fraction() == cap_before
+        with ck.memory_budget(2 * GiB) as cpu_budget:
+            assert cpu_budget is None and dev.cap_bytes() <= 2 * GiB
+        assert dev.current_budget()["card_gib"] == 8.0
+        gpu.host_pinned = 123
+        assert dev.pinned_host_bytes() == 123
+        lu.release()
+        assert dev.pinned_host_bytes() == 0 and gpu.empty_cache_calls > 0 and gpu.sync_calls > 0
+        assert dev.record_history(True, stacks="python") and gpu.recording["stacks"] == "python"
+        gpu.alloc(MiB, [{"filename": "/x/lab.py", "line": 1, "name": "f"}])
+        snap = dev.snapshot()
+        assert snap["device_traces"][0][0]["size"] == MiB
+        assert dev.dump_snapshot(tmp_path / "s.pickle") and (tmp_path / "s.pickle").stat().st_size > 0
+        dev.record_history(False)
+        ok_bf16, why = dev.bf16_support()
+        ok_tf32, why_tf = dev.tf32_support()
+        assert ok_bf16 == ok_tf32 == (gpu.profile.major >= 8) and gpu.profile.name in why + why_tf
+        assert dev.name() == gpu.profile.name and dev.pin_memory_default("cuda")
+        assert lu.bf16_supported()[0] == ok_bf16
+        env = lenv.environment()
+        assert env["gpu"]["compute_capability"] == f"{gpu.profile.major}.{gpu.profile.minor}"
+        assert dev.set_cap_fraction(1.5) == 1.0 and dev.card_budget(None) is None
+        with pytest.raises(ValueError):
+            dev.card_budget(0)
+        # torch < 2.8 has no get_per_process_memory_fraction: the module remembers what it set
+        m.delattr(torch.cuda, "get_per_process_memory_fraction")
+        dev.set_cap_fraction(0.25)
+        assert dev.get_cap_fraction() == 0.25
+    # the same functions on the CPU
+    assert dev.default_device().type == "cpu" and not dev.is_cuda()
+    assert dev.allocated() is None and dev.peak_allocated() is None and dev.reserved() is None
+    assert dev.memory_stats() == {} and dev.mem_info() is None and dev.total_memory() is None
+    assert dev.get_cap_fraction() is None and dev.set_cap_fraction(0.5) is None and dev.cap_bytes() is None
+    assert dev.card_budget(8) is None and dev.outside_allocator_bytes()[0] == 0
+    assert dev.card_allocator_bytes(8) == 8 * GiB
+    with dev.memory_cap(5) as b:
+        assert b == 5
+    dev.synchronize()
+    dev.reset_peak()
+    dev.empty_caches()
+    assert dev.pinned_host_bytes() is None and not dev.record_history(True)
+    assert dev.snapshot() is None and not dev.dump_snapshot(tmp_path / "none.pickle")
+    assert dev.bf16_support("cpu")[0] and not dev.tf32_support("cpu")[0] and dev.name("cpu") == "CPU"
+    assert dev.facts("cpu") is None and not dev.pin_memory_default("cuda")
+    with monkeypatch.context() as m:
+        m.setenv("PATH", str(tmp_path / "empty"))
+        assert dev.driver_version() is None
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_device_module_end_to_end(monkeypatch, tmp_path, profile):
+    exercise_device_module(monkeypatch, tmp_path, profile)
+
+
+@pytest.mark.skipif(sys.gettrace() is not None, reason="another tracer (coverage or a debugger) is running")
+def test_device_module_fully_covered(monkeypatch, tmp_path):
+    """The pretend GPU runs 100 % of labutils/device.py's lines (the report is printed)."""
+    import importlib
+
+    coverage = pytest.importorskip("coverage")
+    cov = coverage.Coverage(include=[dev.__file__], data_file=None)
+    cov.start()
+    try:
+        importlib.reload(dev)  # module-level lines count too
+        for profile in PROFILES:
+            exercise_device_module(monkeypatch, tmp_path, profile)
+        with monkeypatch.context() as m:
+            m.setattr(dev, "_state", {})
+            fake_cuda.install(m, "t4", mem_info_fails=True)
+            assert "default" in dev.outside_allocator_bytes()[1]
+        dev.is_oom(RuntimeError("x")), dev.is_oom(torch.OutOfMemoryError("x"))
+        for raw in ("8", "x", ""):
+            with monkeypatch.context() as m:
+                m.setenv("LAB_GPU_MEMORY_GB", raw)
+                try:
+                    dev.budget_from_env()
+                except ValueError:
+                    pass
+    finally:
+        cov.stop()
+    import io
+    report = io.StringIO()
+    percent = cov.report(show_missing=True, file=report)
+    print(report.getvalue())
+    assert percent == 100.0, report.getvalue()
