@@ -1,0 +1,57 @@
+"""``python -m labutils doctor``: on this CPU-only machine it must say there is no GPU, run the CPU checks and
+exit 0; `regenerate` (full mode) runs it first and stops if it fails."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+
+from labutils import regenerate as rg
+
+
+def test_doctor_on_a_cpu_machine(tmp_path, root):
+    out = tmp_path / "doctor.json"
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "labutils", "doctor", "--json", str(out)], cwd=root,
+                       capture_output=True, text=True, timeout=300)
+    seconds = time.perf_counter() - t0
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "no CUDA GPU found" in p.stdout and seconds < 120
+    report = json.loads(out.read_text())
+    assert set(report) >= {"checks", "env"} and report["env"]["device"] == "cpu"
+    checks = {c["name"]: c for c in report["checks"]}
+    assert all({"name", "status"} <= set(c) for c in report["checks"])
+    assert not [c for c in report["checks"] if c["status"] == "fail"]
+    assert checks["torch.cuda calls of lab 04"]["status"] == "skip"       # GPU checks are never "pass" on a CPU
+    assert checks["checkpointing grads: selective (dropout 0.1)"]["status"] == "pass"
+    assert {"train step fp32", "cap + OOM recovery", "snapshot record -> dump -> parse", "profiler ranges"} <= set(checks)
+
+
+def test_a_failing_check_fails_the_doctor(monkeypatch):
+    from labutils import doctor
+
+    def broken(c, device):
+        with c.check("broken on purpose"):
+            raise RuntimeError("boom")
+    monkeypatch.setattr(doctor, "check_matmul", broken)
+    for name in ("check_training", "check_checkpointing", "check_estimator", "check_snapshot", "check_profiler"):
+        monkeypatch.setattr(doctor, name, lambda *a: None)
+    report = doctor.run_doctor("cpu", verbose=False)
+    assert report["summary"]["fail"] == 1 and report["checks"][-1]["detail"] == "RuntimeError: boom"
+
+
+def test_full_regenerate_stops_when_the_doctor_fails(monkeypatch, tmp_path, capsys):
+    """The instructors' command checks the machine before it spends hours on the notebooks."""
+    from labutils import cli
+
+    monkeypatch.setattr(rg, "_cuda_available", lambda: True)        # past the "full needs a GPU" gate
+    monkeypatch.setattr(rg, "run_doctor_first", lambda out, gb: 1)  # a machine whose doctor fails
+    ran = []
+    monkeypatch.setattr(rg, "regenerate", lambda *a, **k: ran.append(a) or [])
+    assert cli.main(["regenerate", "--out", str(tmp_path / "r"), "--only", "01"]) == 1
+    assert not ran and "doctor" in capsys.readouterr().err
+    monkeypatch.setattr(rg, "run_doctor_first", lambda out, gb: 0)
+    cli.main(["regenerate", "--out", str(tmp_path / "r"), "--only", "01"])
+    assert ran
