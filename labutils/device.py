@@ -111,7 +111,7 @@ def empty_caches(device=None) -> None:
 
 def pinned_host_bytes() -> int | None:
     """Bytes of pinned host memory the caching host allocator holds (None without CUDA)."""
-    if not cuda_available():
+    if not cuda_available() or not hasattr(torch.cuda, "host_memory_stats"):
         return None
     stats = torch.cuda.host_memory_stats()
     return int(stats.get("reserved_bytes.current", stats.get("allocated_bytes.current", 0)))
@@ -250,10 +250,11 @@ def is_oom(exc: BaseException) -> bool:
 
 
 # ------------------------------------------------------------------------------------------- allocator snapshots
-def record_history(enabled: bool = True, max_entries: int = 100_000, stacks: str = "all") -> bool:
-    """Start (or stop) recording allocator events for :func:`snapshot`. ``stacks="all"`` keeps C++ frames too:
-    allocations made during backward run on autograd's thread and have no Python frames, and only the C++
-    frames say which backward node made them. Returns False on CPU (nothing recorded)."""
+def record_history(enabled: bool = True, max_entries: int = 100_000, stacks: str = "python") -> bool:
+    """Start (or stop) recording allocator events for :func:`snapshot`. On CUDA, backward runs on autograd's own
+    thread, so its allocations have no Python frames (``labutils.profiling`` labels them as backward's);
+    ``stacks="all"`` adds C++ frames that name the backward node, at the cost of symbolising them when the
+    snapshot is taken (slow on some systems). Returns False on CPU (nothing recorded)."""
     if not cuda_available():
         return False
     if enabled:

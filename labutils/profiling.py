@@ -130,7 +130,9 @@ def _site(frames: list[dict]) -> str:
             return f"backward: {m.group(1)}"
     if any("autograd" in f.get("name", "") for f in frames or []):
         return "backward (autograd engine)"
-    return fmt(frames[0], 1) if frames else "(no stack)"
+    # No frame at all, with stacks="python": on CUDA the autograd engine runs backward on its own thread,
+    # which has no Python frames; in a training step that is where such allocations come from.
+    return fmt(frames[0], 1) if frames else "backward (autograd thread: no Python frames)"
 
 
 def trace_summary(snapshot: dict, device: int = 0, start_bytes: int = 0, top: int = 10) -> dict:

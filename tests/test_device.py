@@ -33,6 +33,7 @@ def gpu(monkeypatch, request):
     """The pretend GPU of the test's profile (parametrise ``gpu`` indirectly; default: an 8 GB RTX 3070)."""
     monkeypatch.setattr(dev, "_state", {})
     monkeypatch.delenv("LAB_GPU_MEMORY_GB", raising=False)
+    monkeypatch.delenv("LAB_SMOKE", raising=False)  # CI sets it; with a GPU and no LAB_SMOKE the mode is full
     return fake_cuda.install(monkeypatch, getattr(request, "param", "rtx3070-8gb"))
 
 
@@ -230,7 +231,7 @@ def test_profiler_ranges_once_each_with_gpu_time():
 def test_backward_allocations_are_attributed_to_their_autograd_node(gpu):
     """Row 8: with stacks="python", allocations made during backward have no frames: "(no stack)" topped the
     table. The course records C++ frames too and names the backward node that allocated."""
-    assert dev.record_history(True)
+    assert dev.record_history(True, stacks="all")
     assert gpu.recording["stacks"] == "all"
     gpu.alloc(10 * MiB, [{"filename": "/work/labs/model.py", "line": 3, "name": "forward"}])
     gpu.alloc(30 * MiB, [{"filename": "/pytorch/torch/csrc/autograd/generated/Functions.cpp", "line": 0,
@@ -238,10 +239,11 @@ def test_backward_allocations_are_attributed_to_their_autograd_node(gpu):
                          {"filename": "/pytorch/torch/csrc/autograd/engine.cpp", "line": 0,
                           "name": "torch::autograd::Engine::evaluate_function(...)"}])
     gpu.alloc(5 * MiB, [{"filename": "??", "line": 0, "name": "torch::autograd::Engine::thread_main"}])
+    gpu.alloc(2 * MiB, [])  # stacks="python" (the default): backward's allocations have no frame at all
     summary = profiling.trace_summary(dev.snapshot())
     sites = [r["site"] for r in summary["top_at_peak"]]
     assert sites[0] == "backward: MmBackward0" and "backward (autograd engine)" in sites
-    assert "(no stack)" not in sites
+    assert "backward (autograd thread: no Python frames)" in sites and "(no stack)" not in sites
     assert dev.record_history(False) and gpu.recording is None
 
 
@@ -338,7 +340,7 @@ def exercise_device_module(monkeypatch, tmp_path, profile: str) -> None:
         assert dev.pinned_host_bytes() == 123
         lu.release()
         assert dev.pinned_host_bytes() == 0 and gpu.empty_cache_calls > 0 and gpu.sync_calls > 0
-        assert dev.record_history(True, stacks="python") and gpu.recording["stacks"] == "python"
+        assert dev.record_history(True) and gpu.recording["stacks"] == "python"
         gpu.alloc(MiB, [{"filename": "/x/lab.py", "line": 1, "name": "f"}])
         snap = dev.snapshot()
         assert snap["device_traces"][0][0]["size"] == MiB
