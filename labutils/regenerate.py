@@ -673,7 +673,7 @@ def _update_readme_file(readme: Path, out: Path, results: dict, outcomes: list[O
         return
     try:
         text = read_readme(readme)
-        prefix = Path(os.path.relpath(out.resolve(), readme.resolve().parent)).as_posix()
+        prefix = Path(os.path.relpath(out.resolve(), readme.parent.resolve())).as_posix()  # the link's folder
         blocks, refused = readme_blocks(results, "" if prefix == "." else f"{prefix}/")
         present = set(marker_spans(text))
         missing = sorted(set(blocks) - present)
