@@ -6,16 +6,49 @@ allowed; nothing runs.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
-from .config import ConfigError, load_config
-from .results import write_json
+from .config import ConfigError, load_config, shown
+from .results import OutputPathError, check_output_file, write_json  # noqa: F401 (estimate imports write_json here)
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2 (argparse's own code for usage errors)
-        self.exit(2, f"error: {message} (see python -m labutils {self.prog.split()[-1]} --help)\n")
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+# ------------------------------------------------------------------------------------ typed CLI numbers
+# argparse calls these on the raw text; ArgumentTypeError becomes "error: argument --x: <message>", exit 2.
+def _number(text: str, kind):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not {'an integer' if kind is int else 'a number'}") \
+            from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{shown(text)}: must be a finite number")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (--repeats, --gpus)."""
+    value = _number(text, int)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{shown(text)}: must be an integer >= 1")
+    return value
+
+
+def gpu_memory_gb(text: str) -> float:
+    """GiB of GPU memory, finite and >= 0; 0 means "no cap: the whole card" in every command."""
+    value = _number(text, float)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{shown(text)}: must be >= 0 GiB (0 = no cap: the whole card)")
+    return value
+
+
+GPU_MEMORY_HELP = "0 = no cap: the whole card"
 
 
 def _add_config_args(p):
@@ -61,7 +94,7 @@ def _apply_budget(verbose: bool = True) -> None:
         budget = apply_budget_from_env()
     except ValueError as exc:
         raise ConfigError("environment", "LAB_GPU_MEMORY_GB", os.environ.get("LAB_GPU_MEMORY_GB", "")[:40],
-                          "must be a positive number of GiB (the card to behave like); unset it for no cap") from exc
+                          "must be a number of GiB >= 0 (the card to behave like; 0 or unset = no cap)") from exc
     if budget and verbose:
         print(f"memory budget: like a {budget['card_gib']:g} GiB card (allocator cap "
               f"{budget['allocator_cap_bytes'] / 2**30:.2f} GiB; {budget['outside_allocator_bytes'] / 2**30:.2f} GiB "
@@ -69,12 +102,15 @@ def _apply_budget(verbose: bool = True) -> None:
 
 
 def cmd_run(args) -> int:
+    from .distributed import is_main_process
     from .env import detect_mode
     from .train import run
 
     mode, reason = detect_mode()
     cfg = load_config(args.config, args.overrides, mode=mode)
-    main_process = os.environ.get("RANK", "0") == "0"  # under accelerate/torchrun only rank 0 reports
+    main_process = is_main_process()  # a real launch of N processes: only rank 0 reports
+    if main_process and args.json:
+        check_output_file(args.json, "--json")  # before any work: a bad path must not cost the run
     _apply_budget(verbose=main_process)
     if main_process:
         print(f"mode: {mode} ({reason})")
@@ -101,6 +137,16 @@ def cmd_estimate(args) -> int:
     from .estimate import cli_estimate  # issue 6: the memory estimator and advisor
 
     cfg = load_config(args.config, args.overrides, mode="full")  # estimates are for the real sizes
+    if args.json:
+        check_output_file(args.json, "--json")
+    if args.gpu_memory_gb == 0:  # no cap: the whole card (as for regenerate), not a 0 GiB card
+        args.gpu_memory_gb = None
+        saved = os.environ.pop("LAB_GPU_MEMORY_GB", None)  # the default budget would apply this cap
+        try:
+            return cli_estimate(cfg, args)
+        finally:
+            if saved is not None:
+                os.environ["LAB_GPU_MEMORY_GB"] = saved
     return cli_estimate(cfg, args)
 
 
@@ -126,13 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("bench", help="labutils' loop against a bare 15-line loop: tokens/s of both and the ratio")
     _add_config_args(p)
-    p.add_argument("--repeats", type=int, default=3, help="alternating repeats of each loop (default 3)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="alternating repeats of each loop (default 3)")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("estimate", help="predict memory (params, grads, optimizer, activations, peak) and advise")
     _add_config_args(p)
-    p.add_argument("--gpu-memory-gb", type=float, default=None, metavar="G",
-                   help="memory to fit in, in GiB (default: this GPU's, else 8)")
-    p.add_argument("--gpus", type=int, default=8, metavar="N",
+    p.add_argument("--gpu-memory-gb", type=gpu_memory_gb, default=None, metavar="G",
+                   help=f"memory to fit in, in GiB (default: this GPU's or its LAB_GPU_MEMORY_GB cap, else 8; "
+                        f"{GPU_MEMORY_HELP})")
+    p.add_argument("--gpus", type=positive_int, default=8, metavar="N",
                    help="also print per-GPU memory under DDP / ZeRO-1/2/3 for 1..N GPUs (default 8)")
     p.add_argument("--json", metavar="PATH", help="write the estimate and recommendation as JSON")
     p.set_defaults(func=cmd_estimate)
@@ -143,8 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true", help="smoke mode (tiny model, CPU is fine); never writes results/")
     p.add_argument("--only", metavar="01,03", help="comma-separated lab numbers (default: all four)")
     p.add_argument("--out", metavar="DIR", help="output folder (default: results/, or a temp folder with --smoke)")
-    p.add_argument("--gpu-memory-gb", type=float, default=8.0, metavar="G",
-                   help="cap CUDA memory to G GiB so any card behaves like the students' (default 8; 0 = no cap)")
+    p.add_argument("--notebooks", metavar="DIR", help="folder of the NN-*.ipynb notebooks to run (default: the "
+                                                      "repository's labs; another folder never updates README.md)")
+    p.add_argument("--gpu-memory-gb", type=gpu_memory_gb, default=8.0, metavar="G",
+                   help=f"cap CUDA memory to G GiB so any card behaves like the students' (default 8; "
+                        f"{GPU_MEMORY_HELP})")
     p.add_argument("--skip-doctor", action="store_true",
                    help="full mode runs `python -m labutils doctor` first and stops if it fails; skip that check")
     p.set_defaults(func=cmd_regenerate)
@@ -152,10 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # usage errors (exit 2, one line already printed) and --help (0) return a code too
+        return exc.code if isinstance(exc.code, int) else 2
     try:
         return args.func(args)
-    except ConfigError as exc:
+    except (ConfigError, OutputPathError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -7,7 +7,9 @@ what is allowed; the CLI turns it into exit code 2.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import reprlib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -19,6 +21,25 @@ PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 PRETRAINED = ("auto", "true", "false")
 ATTENTION = ("sdpa", "eager")
 MAX_POSITIONS = 1024  # GPT-2's learned position table
+MAX_SEED = 2**32 - 1  # numpy.random.seed's limit (torch accepts more)
+MAX_DATASET_TOKENS = 2**24  # num_samples x seq_length: the tokenised dataset is held in memory (3 int64 tensors)
+MAX_EFFECTIVE_BATCH = 2**16  # micro_batch_size x accumulation_steps: sequences per optimizer step
+SHOWN_CHARS = 80  # at most this much of a bad value (or key) is quoted in a message
+
+
+class _Short(reprlib.Repr):
+    """A bounded repr: a value built by YAML aliases can be huge when expanded; only its start is shown."""
+
+    def __init__(self):
+        super().__init__()
+        self.maxlevel, self.maxdict, self.maxlist, self.maxtuple, self.maxset = 2, 3, 4, 4, 4
+        self.maxstring = self.maxother = self.maxlong = SHOWN_CHARS
+
+
+def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
+    """``repr(value)`` cut to about ``limit`` characters, whatever the value's size."""
+    text = _Short().repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 class ConfigError(ValueError):
@@ -26,9 +47,10 @@ class ConfigError(ValueError):
 
     def __init__(self, source: str, key: str | None, value: Any, allowed: str):
         self.source, self.key, self.value, self.allowed = source, key, value, allowed
+        key = key if key is None or len(key) <= SHOWN_CHARS else shown(key)
         where = f"{source}: {key}" if key else source
-        shown = "" if value is _MISSING else f" = {value!r}"
-        super().__init__(f"{where}{shown}: {allowed}")
+        quoted = "" if value is _MISSING else f" = {shown(value)}"
+        super().__init__(f"{where}{quoted}: {allowed}")
 
 
 _MISSING = object()
@@ -73,6 +95,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     mode: str = "full"  # set by load_config: "full" or "smoke"; not a YAML key
     source: str = "<defaults>"
+    # where each explicitly set key came from ("--set", "override"), so a message names it, not the file
+    origins: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def effective_batch_size(self) -> int:
@@ -84,8 +108,8 @@ class Config:
     def override(self, overrides: Mapping[str, Any] | Iterable[str] | None = None, **kw) -> "Config":
         """A validated copy with explicit overrides: ``cfg.override({"train.precision": "bf16"})``,
         ``cfg.override(["train.steps=3"])`` or ``cfg.override(train__steps=3)``."""
-        new = dataclasses.replace(self, model=dataclasses.replace(self.model),
-                                  data=dataclasses.replace(self.data), train=dataclasses.replace(self.train))
+        new = dataclasses.replace(self, model=dataclasses.replace(self.model), data=dataclasses.replace(self.data),
+                                  train=dataclasses.replace(self.train), origins=dict(self.origins))
         items = _override_items(overrides, source="override")
         items += [(k.replace("__", "."), v) for k, v in kw.items()]
         for key, value in items:
@@ -130,7 +154,13 @@ def _coerce(source: str, key: str, value: Any, f: dataclasses.Field):
             except ValueError:
                 raise ConfigError(source, key, value, "must be a number") from None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                value = float(value)
+            except OverflowError:  # an integer too large for a float
+                raise ConfigError(source, key, value, "must be a finite number") from None
+            if not math.isfinite(value):  # nan, inf, .inf pass every range check: refuse them here
+                raise ConfigError(source, key, value, "must be a finite number" + (" or null" if optional else ""))
+            return value
         raise ConfigError(source, key, value, "must be a number" + (" or null" if optional else ""))
     if base == "str":
         if key == "model.pretrained" and isinstance(value, bool):
@@ -151,6 +181,8 @@ def _assign(cfg: Config, key: str, value: Any, source: str) -> None:
     if name not in flds:
         raise ConfigError(source, key, value, f"unknown key; allowed in '{section}': {', '.join(flds)}")
     setattr(getattr(cfg, section), name, _coerce(source, key, value, flds[name]))
+    if source != cfg.source:
+        cfg.origins[key] = source
 
 
 def _choice(source, key, value, allowed):
@@ -169,42 +201,79 @@ def _range(source, key, value, lo=None, hi=None, lo_open=False, allow_none=False
                           + (" (or null)" if allow_none else ""))
 
 
+def _is_file(path: str) -> bool:
+    try:
+        return Path(path).is_file()
+    except (OSError, ValueError):  # a name too long, a NUL byte
+        return False
+
+
+def _has_trainable_document(path: str) -> bool:
+    """At least one document (blank-line separated) of two or more words: two words are two tokens or more
+    under any GPT-2 tokenizer (BPE never merges across a space) and the byte-level stand-in alike, and a
+    sample needs two tokens (one input, one target)."""
+    import re
+
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    return any(len(d.split()) >= 2 for d in re.split(r"\n\s*\n", text))
+
+
 def validate(cfg: Config) -> Config:
-    s, m, d, t = cfg.source, cfg.model, cfg.data, cfg.train
-    _choice(s, "model.name", m.name, MODEL_NAMES)
-    _choice(s, "model.pretrained", m.pretrained, PRETRAINED)
-    _choice(s, "model.attn_implementation", m.attn_implementation, ATTENTION)
+    m, d, t = cfg.model, cfg.data, cfg.train
+
+    def s(key):  # the source that set a key: the file, or "--set" / "override" for what those set
+        return cfg.origins.get(key, cfg.source)
+
+    def rng(key, value, *a, **k):
+        _range(s(key), key, value, *a, **k)
+
+    def choice(key, value, allowed):
+        _choice(s(key), key, value, allowed)
+
+    choice("model.name", m.name, MODEL_NAMES)
+    choice("model.pretrained", m.pretrained, PRETRAINED)
+    choice("model.attn_implementation", m.attn_implementation, ATTENTION)
     if m.name == "tiny" and m.pretrained == "true":
-        raise ConfigError(s, "model.pretrained", m.pretrained, "the tiny model has no pretrained weights; "
-                                                               "use auto or false")
-    _range(s, "model.dropout", m.dropout, 0.0, 0.99, allow_none=True)
-    _range(s, "data.seq_length", d.seq_length, 2, MAX_POSITIONS)
-    _range(s, "data.num_samples", d.num_samples, 1)
+        raise ConfigError(s("model.pretrained"), "model.pretrained", m.pretrained,
+                          "the tiny model has no pretrained weights; use auto or false")
+    rng("model.dropout", m.dropout, 0.0, 0.99, allow_none=True)
+    rng("data.seq_length", d.seq_length, 2, MAX_POSITIONS)
+    rng("data.num_samples", d.num_samples, 1, MAX_DATASET_TOKENS // d.seq_length)
     if d.corpus != "builtin":
-        p = Path(d.corpus)
-        if not p.is_file():
-            raise ConfigError(s, "data.corpus", d.corpus, "must be 'builtin' or the path of an existing .txt file")
-        if not p.read_text(encoding="utf-8", errors="replace").strip():
-            raise ConfigError(s, "data.corpus", d.corpus, "the file is empty; it needs documents separated by "
-                                                          "blank lines")
-    _range(s, "train.steps", t.steps, 1)
-    _range(s, "train.micro_batch_size", t.micro_batch_size, 1)
-    _range(s, "train.accumulation_steps", t.accumulation_steps, 1)
-    _choice(s, "train.precision", t.precision, PRECISIONS)
-    _range(s, "train.checkpoint_every_n_layers", t.checkpoint_every_n_layers, 1)
-    _range(s, "train.lr", t.lr, 0.0, lo_open=True)
-    _range(s, "train.weight_decay", t.weight_decay, 0.0)
-    _range(s, "train.warmup_steps", t.warmup_steps, 0)
-    _range(s, "train.max_grad_norm", t.max_grad_norm, 0.0, lo_open=True, allow_none=True)
-    _range(s, "train.seed", t.seed, 0)
-    _range(s, "train.timing_warmup_steps", t.timing_warmup_steps, 0)
+        if not _is_file(d.corpus):
+            raise ConfigError(s("data.corpus"), "data.corpus", d.corpus,
+                              "must be 'builtin' or the path of an existing .txt file")
+        try:
+            empty = not Path(d.corpus).read_text(encoding="utf-8", errors="replace").strip()
+            trainable = empty or _has_trainable_document(d.corpus)
+        except OSError as exc:
+            raise ConfigError(s("data.corpus"), "data.corpus", d.corpus,
+                              f"cannot be read ({exc.strerror or exc})") from None
+        if empty:
+            raise ConfigError(s("data.corpus"), "data.corpus", d.corpus, "the file is empty; it needs documents "
+                                                                         "separated by blank lines")
+        if not trainable:
+            raise ConfigError(s("data.corpus"), "data.corpus", d.corpus,
+                              "every document is too short to train on; a document (paragraphs are separated "
+                              "by blank lines) needs two or more words")
+    rng("train.steps", t.steps, 1)
+    rng("train.micro_batch_size", t.micro_batch_size, 1, MAX_EFFECTIVE_BATCH)
+    rng("train.accumulation_steps", t.accumulation_steps, 1, MAX_EFFECTIVE_BATCH // t.micro_batch_size)
+    choice("train.precision", t.precision, PRECISIONS)
+    rng("train.checkpoint_every_n_layers", t.checkpoint_every_n_layers, 1)
+    rng("train.lr", t.lr, 0.0, lo_open=True)
+    rng("train.weight_decay", t.weight_decay, 0.0)
+    rng("train.warmup_steps", t.warmup_steps, 0)
+    rng("train.max_grad_norm", t.max_grad_norm, 0.0, lo_open=True, allow_none=True)
+    rng("train.seed", t.seed, 0, MAX_SEED)
+    rng("train.timing_warmup_steps", t.timing_warmup_steps, 0)
     return cfg
 
 
 def parse_set(item: str, source: str = "--set") -> tuple[str, Any]:
     """``a.b=value`` -> (key, YAML-typed value)."""
     if "=" not in item:
-        raise ConfigError(source, None, item, f"malformed override {item!r}; expected KEY=VALUE such as "
+        raise ConfigError(source, None, item, f"malformed override {shown(item)}; expected KEY=VALUE such as "
                                               "train.steps=3")
     key, raw = item.split("=", 1)
     key = key.strip()
@@ -227,12 +296,40 @@ def _override_items(overrides, source: str) -> list[tuple[str, Any]]:
     return [parse_set(o, source) for o in overrides]
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key repeated in one mapping is an error (YAML says keys are unique;
+    PyYAML silently keeps the last one)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node)
+            except TypeError:  # an unhashable key: let PyYAML report it
+                continue
+            if first is not key_node:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {shown(key)} (first on line {first.start_mark.line + 1}); "
+                                "each key may appear once", key_node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
 def _read_yaml(path: Path) -> dict:
     src = str(path)
-    if not path.is_file():
+    if not _is_file(src):
         raise ConfigError(src, None, _MISSING, "config file not found")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(src, None, _MISSING, f"cannot be read ({exc.strerror or exc})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(src, None, _MISSING, f"not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
+                                               f"{exc.start}); save the config as UTF-8") from None
+    try:
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark else ""

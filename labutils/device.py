@@ -205,8 +205,9 @@ def current_budget() -> dict | None:
 
 
 def budget_from_env() -> float | None:
-    """``LAB_GPU_MEMORY_GB`` as a number of GiB (None when unset or empty). Raises ValueError with one line
-    naming the variable when it is not a positive, finite number."""
+    """``LAB_GPU_MEMORY_GB`` as a number of GiB; None (no cap) when unset, empty or 0, as ``--gpu-memory-gb 0``
+    means in every command. Raises ValueError with one line naming the variable when it is not a finite
+    number >= 0."""
     raw = os.environ.get("LAB_GPU_MEMORY_GB", "").strip()
     if not raw:
         return None
@@ -214,10 +215,10 @@ def budget_from_env() -> float | None:
         gb = float(raw)
     except ValueError:
         gb = float("nan")
-    if not (gb > 0 and gb < float("inf")):
-        raise ValueError(f"environment variable LAB_GPU_MEMORY_GB = {raw[:40]!r}: must be a positive number of GiB "
-                         f"(the card to behave like, e.g. 8); unset it for no cap")
-    return gb
+    if not (gb >= 0 and gb < float("inf")):
+        raise ValueError(f"environment variable LAB_GPU_MEMORY_GB = {raw[:40]!r}: must be a number of GiB >= 0 "
+                         f"(the card to behave like, e.g. 8; 0 or unset = no cap)")
+    return gb or None
 
 
 @contextlib.contextmanager

@@ -21,9 +21,52 @@ from .config import Config, ConfigError
 MIXED = {"fp32": "no", "tf32": "no", "fp16": "fp16", "bf16": "bf16"}
 
 
-def launched_by_accelerate() -> bool:
+LAUNCHER_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def launcher_env(environ=None) -> dict[str, int]:
+    """The launcher variables that are set, as integers; a malformed one raises ConfigError (one line).
+
+    torchrun and ``accelerate launch`` set WORLD_SIZE, RANK, LOCAL_RANK (and LOCAL_WORLD_SIZE); a value left in a
+    shell by hand is checked too, so a typo never silently decides which process reports."""
+    environ = os.environ if environ is None else environ
+    allowed = "set by torchrun / accelerate launch; unset it when not launching several processes"
+    got = {}
+    for name in LAUNCHER_VARS:
+        raw = environ.get(name)
+        if raw is None:
+            continue
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            raise ConfigError("environment", name, raw, f"must be a whole number ({allowed})") from None
+        low = 1 if name.endswith("WORLD_SIZE") else 0
+        if value < low:
+            raise ConfigError("environment", name, raw, f"must be >= {low} ({allowed})")
+        got[name] = value
+    world = got.get("WORLD_SIZE", 1)
+    if world > 1 and "RANK" not in got:
+        raise ConfigError("environment", "RANK", None, f"must be set when WORLD_SIZE={world} ({allowed})")
+    if world > 1 and got["RANK"] >= world:
+        raise ConfigError("environment", "RANK", environ["RANK"], f"must be < WORLD_SIZE={world} ({allowed})")
+    return got
+
+
+def launched_by_accelerate(environ=None) -> bool:
     """``accelerate launch`` (which always sets ACCELERATE_MIXED_PRECISION) or ``torchrun`` with >1 process."""
-    return "ACCELERATE_MIXED_PRECISION" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
+    environ = os.environ if environ is None else environ
+    return "ACCELERATE_MIXED_PRECISION" in environ or launcher_env(environ).get("WORLD_SIZE", 1) > 1
+
+
+def is_main_process(environ=None) -> bool:
+    """Whether this process reports (prints the summary, writes --json): always, unless this is a real launch of
+    several processes (WORLD_SIZE > 1), where only RANK 0 does. A RANK left in the environment without a launch
+    does not silence a run."""
+    environ = os.environ if environ is None else environ
+    env = launcher_env(environ)
+    if env.get("WORLD_SIZE", 1) <= 1:
+        return True
+    return env["RANK"] == 0
 
 
 def maybe_accelerator(cfg: Config):

@@ -781,11 +781,15 @@ def _amp_dtype(cfg) -> tuple[str, str | None]:
 
 
 def default_budget_bytes() -> tuple[int, str]:
-    """This GPU's memory for PyTorch's allocator (its cap, if one is set); 8 GiB without a GPU."""
+    """The card to fit on: this GPU's memory, or the card it was told to behave like (``LAB_GPU_MEMORY_GB``);
+    8 GiB without a GPU. ``fits`` then leaves room for the CUDA context itself."""
     from . import device as dev
 
     if dev.cuda_available():
-        return dev.cap_bytes(), f"this GPU ({dev.name()})"
+        budget = dev.current_budget() or dev.card_budget(dev.budget_from_env())
+        if budget:
+            return int(budget["card_gib"] * GiB), f"this GPU ({dev.name()}) behaving like a {budget['card_gib']:g} GiB card"
+        return dev.total_memory(), f"this GPU ({dev.name()})"
     return 8 * GiB, "no GPU here: an 8 GiB card"
 
 

@@ -14,16 +14,26 @@ whose notebook fell back to smoke (no GPU after all) never lands smoke numbers i
 Executed copies (with outputs and tracebacks) go to ``<out>/executed/``; the repository's notebooks are only
 read. Rendering is pure: :func:`render_lab` (one JSON -> Markdown) and :func:`update_readme` (README text +
 blocks -> README text, between ``<!-- results:NN -->`` and ``<!-- /results:NN -->``).
+
+Nothing a user types loses work: bad options, an --out that cannot be written, a corrupt results file or broken
+README markers are refused (exit 2, one line) before any notebook runs. Results are keyed by the notebook that
+wrote them (``<stem>.json``), so a stale ``NN-Old_Name.json`` never shadows a lab. The README is rewritten only
+between well-formed markers, keeping every other byte, its line endings, its mode, and a symlink as a symlink.
+Ctrl-C / SIGTERM stop the run within seconds (the kernel is killed, no further notebook starts, nothing
+half-written is left) with exit code 130 / 143 and one line saying what finished and what did not.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,10 +55,14 @@ def lab_id(stem: str) -> str:
 def find_notebooks(folder: str | os.PathLike, only: str | list[str] | None = None) -> list[Path]:
     """The lab notebooks in ``folder`` (``NN-Name.ipynb``), optionally only the labs listed ("01,3" or [...])."""
     notebooks = sorted(Path(folder).glob(NOTEBOOK_GLOB))
+    labs = {lab_id(nb.stem): nb for nb in notebooks}
+    if len(labs) < len(notebooks):
+        ids = [lab_id(nb.stem) for nb in notebooks]
+        raise ValueError(f"{folder}: several notebooks for lab {', '.join(sorted({i for i in ids if ids.count(i) > 1}))}"
+                         "; results are keyed by lab number, so keep one notebook per NN-")
     if not only:
         return notebooks
     wanted = [w.strip() for w in (only.split(",") if isinstance(only, str) else only) if w.strip()]
-    labs = {lab_id(nb.stem): nb for nb in notebooks}
     chosen, unknown = [], []
     for w in wanted:
         key = w.zfill(2) if w.isdigit() else lab_id(Path(w).stem)
@@ -137,8 +151,104 @@ def _culprit_line(cell) -> str | None:
     return None
 
 
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM arrived: stop now. A BaseException, like KeyboardInterrupt, so that no ``except Exception``
+    on the way swallows it. ``finished``/``current``/``not_started`` are filled in by :func:`regenerate`."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+        self.finished: list[Outcome] = []
+        self.current: str | None = None
+        self.not_started: list[str] = []
+        self.rendered = False  # the signal came while the results pages were being written: they are complete
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+
+    def summary(self) -> str:
+        """One line: what finished, what was stopped, what never started."""
+        done = ", ".join(f"{o.stem} ({'ok' if o.ok else 'failed'})" for o in self.finished) or "none"
+        parts = [f"interrupted by {self.name}: finished {done}"]
+        if self.current:
+            parts.append(f"stopped {self.current} (kernel shut down, nothing of it kept)")
+        if self.not_started:
+            parts.append(f"not started {', '.join(self.not_started)}")
+        parts.append("results pages written" if self.rendered else "README-results.md and README.md not updated")
+        return "; ".join(parts)
+
+
+class SignalGuard:
+    """While active (main thread only), SIGINT and SIGTERM raise :class:`Interrupted` in the main thread, which
+    then shuts the kernel down itself. Inside ``critical()`` (moving results into place, writing a README) a
+    signal is held until the block ends, so a file is never half replaced. nbclient installs its own handlers on
+    the event loop it runs in; that loop runs in a worker thread (see :func:`execute_notebook`), where nbclient
+    cannot install them, so ours stay in charge."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.pending: int | None = None
+        self.depth = 0
+        self.stopping = False
+        self._saved: dict = {}
+
+    def __enter__(self) -> "SignalGuard":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._saved[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+        self._saved.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.stopping:  # already stopping: a second Ctrl-C must not cut the clean-up short
+            return
+        if self.depth:
+            self.pending = self.pending or signum
+            return
+        self.stopping = True
+        raise Interrupted(signum)
+
+    @contextlib.contextmanager
+    def critical(self):
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+            if not self.depth and self.pending and not self.stopping:
+                signum, self.pending, self.stopping = self.pending, None, True
+                raise Interrupted(signum)
+
+
+NO_GUARD = SignalGuard()  # never entered: critical() only nests
+STOP_GRACE = 5.0  # s to wait for the execution thread once the kernel is killed
+
+
+def _kill_kernel(km) -> None:
+    """Kill the kernel's process group now (jupyter_client starts each kernel in a session of its own)."""
+    prov = getattr(km, "provisioner", None)
+    proc = getattr(prov, "process", None)
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(getattr(prov, "pgid", None) or proc.pid, signal.SIGKILL)
+    except OSError:
+        with contextlib.suppress(OSError):
+            proc.kill()
+
+
 def execute_notebook(path: Path, env: dict, *, cwd: Path = REPO_ROOT, timeout: int | None = SMOKE_CELL_TIMEOUT,
-                     executed_dir: Path | None = None, on_cell=None) -> Outcome:
+                     executed_dir: Path | None = None, on_cell=None, guard: SignalGuard = NO_GUARD) -> Outcome:
     """Run one notebook top to bottom in a fresh kernel; never raises for the notebook's own errors.
 
     Why nbclient: it is the library underneath ``jupyter execute``/``nbconvert --execute`` and papermill, already
@@ -146,6 +256,9 @@ def execute_notebook(path: Path, env: dict, *, cwd: Path = REPO_ROOT, timeout: i
     failing cell's index for the summary, progress), the kernel's env and cwd, and the executed notebook object
     to save somewhere other than the repository. papermill would add a dependency for parameter injection we
     don't use (the notebooks read their mode from the environment, as they do for students and CI).
+
+    nbclient runs in a worker thread: the main thread only waits, so a signal reaches our handler (see
+    :class:`SignalGuard`); on :class:`Interrupted` the kernel is killed, nothing is written, and it propagates.
     """
     import nbformat
     from nbclient import NotebookClient
@@ -153,9 +266,11 @@ def execute_notebook(path: Path, env: dict, *, cwd: Path = REPO_ROOT, timeout: i
 
     nb = nbformat.read(path, as_version=4)
     n_code = sum(c.cell_type == "code" for c in nb.cells)
-    state = {"index": None}
+    state = {"index": None, "stop": False}
 
     def cell_started(cell, cell_index, **_):
+        if state["stop"]:  # interrupted while the kernel was starting: run no cell
+            raise RuntimeError("interrupted")
         state["index"] = cell_index
         if on_cell and cell.cell_type == "code":
             on_cell(cell_index, n_code)
@@ -166,31 +281,66 @@ def execute_notebook(path: Path, env: dict, *, cwd: Path = REPO_ROOT, timeout: i
     t0 = time.perf_counter()
     outcome = Outcome(path.stem, ok=True, seconds=0.0)
     # the kernel process's own stdout/stderr (C++ libraries writing to the fd, crash messages) go to a log
-    # beside the executed copy instead of interleaving with the progress lines; what cells print is in the copy
-    if executed_dir is not None:
-        executed_dir.mkdir(parents=True, exist_ok=True)
-        outcome.kernel_log = executed_dir / f"{path.stem}.kernel.log"
-    log = open(outcome.kernel_log, "wb") if outcome.kernel_log else subprocess.DEVNULL
+    # beside the executed copy instead of interleaving with the progress lines; what cells print is in the copy.
+    # It is written under a name of this run's own and renamed at the end, so that runs into one folder at the
+    # same time never write to, or delete, each other's log.
+    log_tmp, log = None, subprocess.DEVNULL
+    failure: list[BaseException] = []
+
+    def work():
+        try:
+            # cleanup_kc: nbclient shuts down only kernels it created itself; without it this kernel (and its GPU
+            # memory) would live on beside the next notebook's until we exit
+            client.execute(env=env, cwd=str(cwd), cleanup_kc=True, stdout=log, stderr=log)
+        except BaseException as exc:  # handed to the main thread
+            failure.append(exc)
+
+    interrupted = True
     try:
-        # cleanup_kc: nbclient shuts down only kernels it created itself; without it this kernel (and its GPU
-        # memory) would live on beside the next notebook's until we exit
-        client.execute(env=env, cwd=str(cwd), cleanup_kc=True, stdout=log, stderr=log)
-    except CellExecutionError as exc:
-        outcome.ok, outcome.error = False, f"{exc.ename}: {exc.evalue}".strip().splitlines()[-1]
-    except CellTimeoutError:
-        outcome.ok, outcome.error = False, f"timed out (a cell ran longer than {timeout} s)"
-    except DeadKernelError as exc:
-        outcome.ok, outcome.error = False, f"the kernel died ({exc}); out of host memory?"
-    except Exception as exc:  # kernel failed to start, bad notebook JSON...
-        outcome.ok, outcome.error = False, f"{type(exc).__name__}: {exc}".splitlines()[0]
+        if executed_dir is not None:
+            executed_dir.mkdir(parents=True, exist_ok=True)
+            fd, log_tmp = tempfile.mkstemp(dir=executed_dir, prefix=f".{path.stem}.kernel.", suffix=".log.tmp")
+            log = os.fdopen(fd, "wb")
+        worker = threading.Thread(target=work, name=f"nbclient {path.stem}", daemon=True)
+        worker.start()
+        try:
+            while worker.is_alive():
+                worker.join(0.2)  # signals are handled between waits
+        except Interrupted:
+            state["stop"] = True
+            deadline = time.monotonic() + STOP_GRACE
+            while worker.is_alive() and time.monotonic() < deadline:
+                _kill_kernel(km)  # again each turn: a kernel may have been starting at the first try
+                worker.join(0.2)
+            raise
+        interrupted = False
+        exc = failure[0] if failure else None
+        if isinstance(exc, CellExecutionError):
+            outcome.ok, outcome.error = False, f"{exc.ename}: {exc.evalue}".strip().splitlines()[-1]
+        elif isinstance(exc, CellTimeoutError):
+            outcome.ok, outcome.error = False, f"timed out (a cell ran longer than {timeout} s)"
+        elif isinstance(exc, DeadKernelError):
+            outcome.ok, outcome.error = False, f"the kernel died ({exc}); out of host memory?"
+        elif isinstance(exc, Exception):  # kernel failed to start, bad notebook JSON...
+            outcome.ok, outcome.error = False, f"{type(exc).__name__}: {exc}".splitlines()[0]
+        elif exc is not None:
+            raise exc
     finally:
         if km.has_kernel:  # belt and braces: never leave a kernel behind
-            km.shutdown_kernel(now=True)
-        if outcome.kernel_log:
+            if interrupted:
+                _kill_kernel(km)
+            with contextlib.suppress(Exception):
+                km.shutdown_kernel(now=True)
+        if log is not subprocess.DEVNULL:
             log.close()
-            if outcome.kernel_log.stat().st_size == 0:
-                outcome.kernel_log.unlink()
-                outcome.kernel_log = None
+        if log_tmp:
+            final = executed_dir / f"{path.stem}.kernel.log"
+            with contextlib.suppress(FileNotFoundError):
+                if not interrupted and os.path.getsize(log_tmp) > 0:
+                    os.replace(log_tmp, final)
+                    outcome.kernel_log = final
+                else:
+                    os.unlink(log_tmp)
     outcome.seconds = time.perf_counter() - t0
     if not outcome.ok and state["index"] is not None:
         outcome.cell_index = state["index"]
@@ -200,47 +350,92 @@ def execute_notebook(path: Path, env: dict, *, cwd: Path = REPO_ROOT, timeout: i
             outcome.error = f"{outcome.error.rstrip(': ')} (line {culprit})"
     if executed_dir is not None:
         outcome.executed_path = executed_dir / path.name
-        tmp = outcome.executed_path.with_name(f".{path.name}.tmp")
-        nbformat.write(nb, tmp)
-        os.replace(tmp, outcome.executed_path)
+        with guard.critical():
+            _write_atomic(outcome.executed_path, nbformat.writes(nb).encode("utf-8"))
     return outcome
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temp file of this call's own (removed whatever happens)."""
+    from .results import replace_mode
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        replace_mode(tmp, path)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def promote(staging: Path, out: Path, stem: str, expected_mode: str) -> tuple[Path | None, str | None]:
     """Check what a notebook recorded in ``staging`` and move it into ``out``.
 
-    Returns (json path, None), (json path, a note) or (None, why nothing was kept).
+    Results are keyed by the notebook that wrote them: only ``<stem>.json`` (the notebook's own name) is kept.
+    Returns (json path, None) or (None, why nothing was kept).
     """
-    found = {js: json.loads(js.read_text(encoding="utf-8")) for js in sorted(staging.glob("*.json"))}
+    found = sorted(staging.glob("*.json"))
     if not found:
         return None, "no results recorded (the notebook's last cell should call lu.record_results)"
-    for js, data in found.items():
-        if data.get("mode") != expected_mode:
-            return None, (f"{js.name} was recorded in {data.get('mode')} mode, not {expected_mode}: not kept"
-                          + (" (no CUDA GPU in the kernel?)" if expected_mode == "full" else ""))
-        missing = [f for f in data.get("figures") or [] if not (staging / f).is_file()]
-        if missing:
-            return None, f"{js.name} lists figures that were not written: {', '.join(missing)}"
+    if [js.stem for js in found] != [stem]:
+        names = ", ".join(js.stem for js in found)
+        return None, (f"recorded as {names}, not {stem!r}: not kept (record_results' first argument must be the "
+                      "notebook's own name, so that results are keyed by the notebook that wrote them)")
+    js = found[0]
+    try:
+        data = json.loads(js.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as exc:
+        return None, f"{js.name} is not readable JSON ({str(exc).splitlines()[0][:120]}): not kept"
+    if not isinstance(data, dict) or data.get("mode") != expected_mode:
+        mode = data.get("mode") if isinstance(data, dict) else None
+        return None, (f"{js.name} was recorded in {mode} mode, not {expected_mode}: not kept"
+                      + (" (no CUDA GPU in the kernel?)" if expected_mode == "full" else ""))
+    figures = data.get("figures") or []
+    missing = [f for f in figures if not (staging / f).is_file()]
+    if missing:
+        return None, f"{js.name} lists figures that were not written: {', '.join(missing)}"
     (out / "figures").mkdir(parents=True, exist_ok=True)
-    for js, data in found.items():
-        for old in (out / "figures").glob(f"{js.stem}-*.png"):  # this lab's figures from an earlier run
-            old.unlink()
-        for fig in data.get("figures") or []:
-            (out / fig).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(staging / fig, out / fig)
-        os.replace(js, out / js.name)  # the JSON last: it is what says the lab's results are complete
-    if stem not in {js.stem for js in found}:
-        first = next(iter(found))
-        return out / first.name, f"recorded as {first.stem!r}, not {stem!r} (record_results' first argument)"
+    for old in (out / "figures").glob(f"{stem}-*.png"):  # this lab's figures from an earlier run
+        old.unlink(missing_ok=True)  # missing_ok: a run beside this one may have moved it already
+    for fig in figures:
+        (out / fig).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staging / fig, out / fig)
+    os.replace(js, out / js.name)  # the JSON last: it is what says the lab's results are complete
     return out / f"{stem}.json", None
 
 
 # ---------------------------------------------------------------------------------------------------- rendering
-def load_results(out: str | os.PathLike) -> dict[str, dict]:
-    """{lab id: recorded JSON} for every ``NN-*.json`` in ``out``."""
+class ResultsError(ValueError):
+    """A results file that cannot be read: one line naming it."""
+
+
+def load_results(out: str | os.PathLike, stems: list[str] | None = None) -> dict[str, dict]:
+    """{lab id: recorded JSON}, keyed by the notebook that wrote it: ``<stem>.json`` for each notebook stem, so a
+    stale or renamed ``NN-Old_Name.json`` lying in ``out`` never stands in for the current lab. Without
+    ``stems``, every ``NN-*.json`` in ``out`` (one per lab id, else ResultsError). A file that is not a JSON
+    object raises ResultsError (one line)."""
+    out = Path(out)
+    if stems is None:
+        files = sorted(out.glob("[0-9][0-9]-*.json"))
+        ids = [lab_id(js.stem) for js in files]
+        twice = sorted({i for i in ids if ids.count(i) > 1})
+        if twice:
+            raise ResultsError(f"{out}: several results files for lab {', '.join(twice)}; name the notebooks")
+    else:
+        files = [out / f"{stem}.json" for stem in stems if (out / f"{stem}.json").is_file()]
     results = {}
-    for js in sorted(Path(out).glob("[0-9][0-9]-*.json")):
-        results[lab_id(js.stem)] = json.loads(js.read_text(encoding="utf-8"))
+    for js in files:
+        try:
+            data = json.loads(js.read_text(encoding="utf-8"))
+        except (ValueError, OSError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            raise ResultsError(f"{js}: not a readable results file ({str(exc).splitlines()[0][:120]}); "
+                               "restore it (git checkout) or delete it") from None
+        if not isinstance(data, dict) or not isinstance(data.get("tables", {}), dict):
+            raise ResultsError(f"{js}: not a results file (a JSON object with 'tables' expected); restore it "
+                               "(git checkout) or delete it")
+        results[lab_id(js.stem)] = data
     return results
 
 
@@ -339,92 +534,159 @@ def readme_blocks(results: dict[str, dict], figure_prefix: str = f"{RESULTS}/") 
     return blocks, refused
 
 
-def _marker_re(lab: str) -> re.Pattern:
-    return re.compile(rf"(<!-- results:{re.escape(lab)} -->)(.*?)(<!-- /results:{re.escape(lab)} -->)", re.S)
+_MARKER = re.compile(r"<!-- (/?)results:(\d+) -->")
+
+
+def marker_spans(text: str) -> dict[str, tuple[int, int]]:
+    """{lab: (start, end) of what lies between ``<!-- results:NN -->`` and ``<!-- /results:NN -->``}.
+
+    Every marker in ``text`` is checked, whichever labs are being rendered: one block per lab, each closed by its
+    own closing marker before any other marker appears (no nesting, no interleaving, nothing unclosed, no stray
+    closing marker). Any problem raises ValueError with one line naming the line and the marker."""
+    spans: dict[str, tuple[int, int]] = {}
+    opened = None  # (lab, content start, line)
+    for m in _MARKER.finditer(text):
+        closing, lab, line = m.group(1) == "/", m.group(2), text.count("\n", 0, m.start()) + 1
+        if not closing:
+            if opened:
+                raise ValueError(f"line {line}: '<!-- results:{lab} -->' inside lab {opened[0]}'s block (opened on "
+                                 f"line {opened[2]}, not yet closed); blocks must not nest or interleave")
+            if lab in spans:
+                raise ValueError(f"line {line}: a second '<!-- results:{lab} -->' block; need exactly one per lab")
+            opened = (lab, m.end(), line)
+        elif not opened:
+            raise ValueError(f"line {line}: '<!-- /results:{lab} -->' closes no open block")
+        elif opened[0] != lab:
+            raise ValueError(f"line {line}: '<!-- /results:{lab} -->' inside lab {opened[0]}'s block (opened on "
+                             f"line {opened[2]}); blocks must not nest or interleave")
+        else:
+            spans[lab] = (opened[1], m.start())
+            opened = None
+    if opened:
+        raise ValueError(f"line {opened[2]}: '<!-- results:{opened[0]} -->' is never closed by "
+                         f"'<!-- /results:{opened[0]} -->'")
+    return spans
 
 
 def readme_labs(text: str) -> list[str]:
-    """Labs that have a marker pair in ``text``."""
-    return [lab for lab in sorted(set(re.findall(r"<!-- results:(\d+) -->", text))) if _marker_re(lab).search(text)]
+    """Labs that have a marker pair in ``text`` (ValueError when the markers are broken)."""
+    return sorted(marker_spans(text))
 
 
 def update_readme(text: str, blocks: dict[str, str]) -> str:
     """Replace what is between each lab's markers with its block; everything else is left byte for byte.
 
     A lab without a block keeps what it had; a block without markers is ignored (see :func:`readme_labs`).
-    Unbalanced or repeated markers raise ValueError rather than guess.
-    """
-    for lab, block in blocks.items():
-        opens, closes = text.count(f"<!-- results:{lab} -->"), text.count(f"<!-- /results:{lab} -->")
-        if (opens, closes) == (0, 0):
-            continue
-        if (opens, closes) != (1, 1) or not _marker_re(lab).search(text):
-            raise ValueError(f"README markers for lab {lab}: need exactly one '<!-- results:{lab} -->' followed by "
-                             f"one '<!-- /results:{lab} -->' (found {opens} and {closes})")
-        text = _marker_re(lab).sub(lambda m: f"{m.group(1)}\n{block.strip()}\n{m.group(3)}", text, count=1)
+    Broken markers anywhere (see :func:`marker_spans`) raise ValueError rather than guess. The block takes the
+    text's line ending (CRLF stays CRLF)."""
+    spans = marker_spans(text)
+    newline = "\r\n" if "\r\n" in text else "\n"
+    for lab in sorted((lab for lab in blocks if lab in spans), key=lambda lab: spans[lab][0], reverse=True):
+        start, end = spans[lab]
+        body = blocks[lab].strip().replace("\r\n", "\n").replace("\n", newline)
+        text = f"{text[:start]}{newline}{body}{newline}{text[end:]}"
     return text
 
 
+def read_readme(path: Path) -> str:
+    """The README's text exactly as stored (no newline translation); ValueError (one line) when unreadable."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (offset {exc.start})") from None
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+
+
+def write_keeping_file(path: Path, text: str) -> None:
+    """Replace ``path``'s content atomically, keeping what the file is: through a symlink (the link stays, its
+    target is rewritten), with the file's mode, and the exact bytes of ``text`` (no newline translation)."""
+    _write_atomic(Path(os.path.realpath(path)), text.encode("utf-8"))
+
+
 def _write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    write_keeping_file(path, text)
 
 
 # ---------------------------------------------------------------------------------------------------- the command
 def regenerate(notebooks: list[Path], out: Path, *, smoke: bool, gpu_memory_gb: float | None,
-               readme: Path | None = None, timeout: int | None = None, log=print) -> list[Outcome]:
+               readme: Path | None = None, timeout: int | None = None, log=print,
+               stems: list[str] | None = None) -> list[Outcome]:
     """Execute ``notebooks``, keep what they record in ``out``, write ``out/README-results.md`` and, when
-    ``readme`` is given (full runs into results/ only), update its marked sections. Returns one Outcome each."""
+    ``readme`` is given (full runs into results/ only), update its marked sections. Returns one Outcome each.
+
+    ``stems``: the notebooks whose results are rendered (default: those run); results are keyed by them.
+    SIGINT/SIGTERM (main thread) stop it: the running notebook's kernel is killed, nothing more is run or
+    rendered, and :class:`Interrupted` propagates with what finished and what did not."""
     out.mkdir(parents=True, exist_ok=True)
     mode = "smoke" if smoke else "full"
     timeout = timeout or (SMOKE_CELL_TIMEOUT if smoke else FULL_CELL_TIMEOUT)
+    stems = stems or [nb.stem for nb in notebooks]
     tty = sys.stdout.isatty()
     outcomes = []
-    for i, nb in enumerate(notebooks, 1):
-        head = f"[{i}/{len(notebooks)}] {nb.stem:<28}"
-        log(f"{head} running", end="\r" if tty else "\n", flush=True)
-        progress = (lambda idx, n: print(f"{head} running cell {idx}", end="\r", flush=True)) if tty else None
-        staging = Path(tempfile.mkdtemp(dir=out, prefix=f".staging-{nb.stem}-"))
+    with SignalGuard() as guard:
+        current, rendered = None, False
         try:
-            o = execute_notebook(nb, kernel_env(staging, smoke, gpu_memory_gb), timeout=timeout,
-                                 executed_dir=out / "executed", on_cell=progress)
-            if o.ok:
-                o.json_path, why = promote(staging, out, nb.stem, mode)
-                if o.json_path is None:
-                    o.ok, o.error = False, why
-                elif why:
-                    log(f"  note: {why}")
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        outcomes.append(o)
-        status = "ok" if o.ok else "FAILED"
-        log(f"{head} {status:<6} {o.seconds:7.1f} s" + ("" if o.ok else f"  {o.where()[1:].lstrip()}") + " " * 12)
+            for i, nb in enumerate(notebooks, 1):
+                current = nb.stem
+                head = f"[{i}/{len(notebooks)}] {nb.stem:<28}"
+                log(f"{head} running", end="\r" if tty else "\n", flush=True)
+                progress = (lambda idx, n: print(f"{head} running cell {idx}", end="\r", flush=True)) if tty else None
+                staging = None
+                try:
+                    staging = Path(tempfile.mkdtemp(dir=out, prefix=f".staging-{nb.stem}-"))
+                    o = execute_notebook(nb, kernel_env(staging, smoke, gpu_memory_gb), timeout=timeout,
+                                         executed_dir=out / "executed", on_cell=progress, guard=guard)
+                    if o.ok:
+                        with guard.critical():  # results move in whole or not at all
+                            o.json_path, why = promote(staging, out, nb.stem, mode)
+                        if o.json_path is None:
+                            o.ok, o.error = False, why
+                finally:
+                    if staging is not None:
+                        shutil.rmtree(staging, ignore_errors=True)
+                with guard.critical():
+                    outcomes.append(o)
+                    current = None
+                status = "ok" if o.ok else "FAILED"
+                log(f"{head} {status:<6} {o.seconds:7.1f} s" + ("" if o.ok else f"  {o.where()[1:].lstrip()}")
+                    + " " * 12)
 
-    results = load_results(out)
-    _write_text(out / "README-results.md", render_results(results))
-    log(f"wrote {out / 'README-results.md'} ({len(results)} labs)")
-    if readme is not None:
-        if not readme.exists():
-            log(f"warning: {readme} not found: README not updated")
-        else:
-            text = readme.read_text(encoding="utf-8")
-            prefix = Path(os.path.relpath(out.resolve(), readme.parent.resolve())).as_posix()
-            blocks, refused = readme_blocks(results, "" if prefix == "." else f"{prefix}/")
-            missing = sorted(set(blocks) - set(readme_labs(text)))
-            try:
-                new = update_readme(text, {k: v for k, v in blocks.items() if k not in missing})
-            except ValueError as exc:  # broken markers: the results are saved; say so, fail the run
-                log(f"error: {readme.name} not updated: {exc}")
-                outcomes.append(Outcome(readme.name, ok=False, seconds=0.0, error=str(exc)))
-                return outcomes
-            if new != text:
-                _write_text(readme, new)
-            log(f"updated {readme.name}: labs {', '.join(sorted(set(blocks) - set(missing))) or 'none'}"
-                + (f"; no markers for {', '.join(missing)}" if missing else "")
-                + (f"; refused non-full results of {', '.join(refused)}" if refused else ""))
+            with guard.critical():
+                results = load_results(out, stems)
+                _write_atomic(out / "README-results.md", render_results(results).encode("utf-8"))
+                log(f"wrote {out / 'README-results.md'} ({len(results)} labs)")
+                if readme is not None:
+                    _update_readme_file(readme, out, results, outcomes, log)
+                rendered = True
+        except Interrupted as exc:
+            exc.rendered = rendered
+            exc.finished, exc.current = list(outcomes), current
+            exc.not_started = [nb.stem for nb in notebooks[len(outcomes) + (current is not None):]]
+            raise
     return outcomes
+
+
+def _update_readme_file(readme: Path, out: Path, results: dict, outcomes: list[Outcome], log) -> None:
+    if not readme.exists():
+        log(f"warning: {readme} not found: README not updated")
+        return
+    try:
+        text = read_readme(readme)
+        prefix = Path(os.path.relpath(out.resolve(), readme.parent.resolve())).as_posix()  # the link's folder
+        blocks, refused = readme_blocks(results, "" if prefix == "." else f"{prefix}/")
+        present = set(marker_spans(text))
+        missing = sorted(set(blocks) - present)
+        new = update_readme(text, {k: v for k, v in blocks.items() if k in present})
+    except ValueError as exc:  # broken markers: the results are saved; say so, fail the run
+        log(f"error: {readme.name} not updated: {exc}")
+        outcomes.append(Outcome(readme.name, ok=False, seconds=0.0, error=str(exc)))
+        return
+    if new != text:
+        write_keeping_file(readme, new)
+    log(f"updated {readme.name}: labs {', '.join(sorted(set(blocks) - set(missing))) or 'none'}"
+        + (f"; no markers for {', '.join(missing)}" if missing else "")
+        + (f"; refused non-full results of {', '.join(refused)}" if refused else ""))
 
 
 def _cuda_available() -> bool:
@@ -458,40 +720,59 @@ def run_doctor_first(out: Path, gpu_memory_gb: float | None) -> int:
                           cwd=REPO_ROOT, env=env).returncode
 
 
+def _refuse(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
 def cli_regenerate(args) -> int:
+    """Everything a user typed is checked first (exit 2, one line); only then does any notebook run."""
+    from .results import OutputPathError, check_output_dir
+
     smoke = bool(args.smoke)
     results_default = REPO_ROOT / RESULTS
     out = Path(args.out).expanduser().resolve() if args.out else None if smoke else results_default
     if smoke and out and (out == results_default or results_default in out.parents):
-        print(f"error: --smoke --out {args.out}: smoke results never go into {RESULTS}/ (use a temporary folder, "
-              "or leave --out out)", file=sys.stderr)
-        return 2
+        return _refuse(f"--smoke --out {args.out}: smoke results never go into {RESULTS}/ (use a temporary folder, "
+                       "or leave --out out)")
     if out == REPO_ROOT:
-        print(f"error: --out {args.out}: not the repository root (the results would litter it); use "
-              f"{RESULTS}/ or another folder", file=sys.stderr)
-        return 2
+        return _refuse(f"--out {args.out}: not the repository root (the results would litter it); use "
+                       f"{RESULTS}/ or another folder")
     gb = args.gpu_memory_gb
-    if gb is not None and gb < 0:
-        print(f"error: --gpu-memory-gb {gb:g}: must be >= 0 (0 = no cap)", file=sys.stderr)
-        return 2
+    if gb is not None and not (gb >= 0):  # the CLI's type already refuses these; regenerate() may be called too
+        return _refuse(f"--gpu-memory-gb {gb:g}: must be >= 0 (0 = no cap: the whole card)")
+    folder = Path(args.notebooks).expanduser().resolve() if getattr(args, "notebooks", None) else REPO_ROOT
+    if not folder.is_dir():
+        return _refuse(f"--notebooks {args.notebooks}: not a folder")
     try:
-        notebooks = find_notebooks(REPO_ROOT, args.only)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        every = find_notebooks(folder)
+        notebooks = find_notebooks(folder, args.only)
+        if out is not None:
+            check_output_dir(out, "--out")
+    except (ValueError, OutputPathError) as exc:
+        return _refuse(str(exc))
     if not notebooks:
-        print(f"error: no lab notebooks ({NOTEBOOK_GLOB}) in {REPO_ROOT}", file=sys.stderr)
-        return 2
+        return _refuse(f"no lab notebooks ({NOTEBOOK_GLOB}) in {folder}")
+    stems = [nb.stem for nb in every]
+    readme = REPO_ROOT / "README.md" if not smoke and out == results_default and folder == REPO_ROOT else None
+    try:  # refuse now, not after the run: a corrupt results file
+        if out is not None and out.is_dir():
+            load_results(out, stems)
+    except ResultsError as exc:
+        return _refuse(str(exc))
+    if readme is not None and readme.exists():  # ... or README markers that would refuse the rendering
+        try:
+            marker_spans(read_readme(readme))
+        except ValueError as exc:
+            return _refuse(f"{exc}" if str(exc).startswith(str(readme)) else f"{readme}: {exc}")
     if not smoke and not _cuda_available():
-        print("error: a full run needs a CUDA GPU (without one every notebook falls back to the tiny smoke "
-              "configuration); to check that the notebooks run, use --smoke", file=sys.stderr)
-        return 2
+        return _refuse("a full run needs a CUDA GPU (without one every notebook falls back to the tiny smoke "
+                       "configuration); to check that the notebooks run, use --smoke")
     out = out or Path(tempfile.mkdtemp(prefix="lab-smoke-results-"))
-    readme = REPO_ROOT / "README.md" if not smoke and out == results_default else None
     cap = f"memory cap {gb:g} GiB" if gb else "no memory cap"
     where = " (temporary folder)" if smoke and not args.out else ""
     print(f"regenerate: {len(notebooks)} notebook(s), {'smoke' if smoke else 'full'} mode, {cap}, "
-          f"results -> {out}{where}")
+          f"results -> {out}{where}", flush=True)
     t0 = time.perf_counter()
     if not smoke and not getattr(args, "skip_doctor", False):
         code = run_doctor_first(out, gb)
@@ -500,6 +781,10 @@ def cli_regenerate(args) -> int:
                   f"{out / 'doctor.json'}): no notebook was run. Fix what failed, or pass --skip-doctor to run "
                   f"the labs anyway.", file=sys.stderr)
             return 1
-    outcomes = regenerate(notebooks, out, smoke=smoke, gpu_memory_gb=gb, readme=readme)
+    try:
+        outcomes = regenerate(notebooks, out, smoke=smoke, gpu_memory_gb=gb, readme=readme, stems=stems)
+    except Interrupted as exc:
+        print(exc.summary(), file=sys.stderr, flush=True)
+        return exc.exit_code
     print(_summary(outcomes, time.perf_counter() - t0))
     return 0 if all(o.ok for o in outcomes) else 1

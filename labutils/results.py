@@ -8,9 +8,11 @@ for a full run and ``runs/smoke/`` for a smoke run, so smoke numbers never land 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -18,15 +20,101 @@ RESULTS_DIR = Path("results")
 SMOKE_DIR = Path("runs") / "smoke"
 
 
+class OutputPathError(ValueError):
+    """An output path that cannot be written: one line naming the option, the path and why."""
+
+
+def _nearest_existing(path: Path) -> Path:
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _probe_writable(folder: Path) -> str | None:
+    """Why files cannot be created in ``folder`` (None when they can): tried, not guessed from the mode bits."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".write-check-", suffix=".tmp")
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    os.close(fd)
+    os.unlink(tmp)
+    return None
+
+
+def check_output_file(path: str | os.PathLike, option: str = "--json") -> Path:
+    """Refuse, before any work, a file path that writing would fail on: a directory, a path under a regular file,
+    a folder that does not allow creating files. Creates nothing. Returns the path."""
+    p = Path(path).expanduser()
+    where = f"{option} {shown_path(path)}"
+    if str(path) == "" or p.name in ("", ".", ".."):
+        raise OutputPathError(f"{where}: not a file name")
+    try:
+        if p.is_dir():
+            raise OutputPathError(f"{where}: is a directory; give a file path such as {p / 'result.json'}")
+        if p.exists() and not p.is_file():
+            raise OutputPathError(f"{where}: exists and is not a regular file")
+        base = _nearest_existing(p.parent if str(p.parent) else Path("."))
+    except OSError as exc:  # a name too long, ...
+        raise OutputPathError(f"{where}: {exc.strerror or exc}") from None
+    if not base.is_dir():
+        raise OutputPathError(f"{where}: {shown_path(base)} is a file, so nothing can be created under it")
+    why = _probe_writable(base)
+    if why:
+        raise OutputPathError(f"{where}: cannot create files in {shown_path(base)} ({why})")
+    return p
+
+
+def check_output_dir(path: str | os.PathLike, option: str = "--out") -> Path:
+    """Refuse, before any work, a folder path that is a file, lies under a file, or cannot be written."""
+    p = Path(path).expanduser()
+    where = f"{option} {shown_path(path)}"
+    try:
+        if p.exists() and not p.is_dir():
+            raise OutputPathError(f"{where}: is a file, not a folder")
+        base = _nearest_existing(p)
+    except OSError as exc:
+        raise OutputPathError(f"{where}: {exc.strerror or exc}") from None
+    if not base.is_dir():
+        raise OutputPathError(f"{where}: {shown_path(base)} is a file, so no folder can be created under it")
+    why = _probe_writable(base)
+    if why:
+        raise OutputPathError(f"{where}: cannot create files in {shown_path(base)} ({why})")
+    return p
+
+
+def shown_path(path) -> str:
+    text = str(path)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def replace_mode(tmp: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Give a temp file (mkstemp makes them 0600) the mode ``target`` has, or a new file's (0666 minus umask)."""
+    try:
+        mode = stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    os.chmod(tmp, mode)
+
+
 def write_json(path: str | os.PathLike, data) -> None:
-    """Write JSON atomically (temp file + rename): a crash never leaves half a file."""
+    """Write strict JSON atomically (temp file + rename): a crash never leaves half a file, nor a temp file.
+
+    Strict: NaN and infinities (not JSON) are written as null, numpy/torch scalars as numbers."""
     path = Path(path)
+    text = json.dumps(_clean(data), indent=2, default=str, allow_nan=False) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, default=str)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        replace_mode(tmp, path)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def results_dir(mode: str) -> Path:
@@ -45,6 +133,8 @@ def _clean(v):
             pass
     if isinstance(v, float) and not math.isfinite(v):
         return None
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        v = dataclasses.asdict(v)
     if isinstance(v, dict):
         return {str(k): _clean(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
@@ -71,9 +161,15 @@ def record_results(notebook: str, tables: dict[str, list[dict]], figures: dict |
     for name, fig in (figures or {}).items():
         path = out / "figures" / f"{stem}-{name}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp.png")
-        fig.savefig(tmp, dpi=110, bbox_inches="tight")
-        os.replace(tmp, path)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp.png")
+        os.close(fd)
+        try:
+            fig.savefig(tmp, dpi=110, bbox_inches="tight")
+            replace_mode(tmp, path)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
         fig_paths.append(str(path.relative_to(out)))
     path = out / f"{stem}.json"
     write_json(path, _clean({"notebook": stem, "mode": mode, "env": env, "tables": tables,

@@ -39,6 +39,34 @@ class NonFiniteLossError(FloatingPointError):
     pass
 
 
+STATUSES = ("ok", "oom", "diverged", "skipped")  # lower case everywhere (tables, JSON); prose may say "OOM"
+NONFINITE_WINDOW = 3   # diverged: the loss was non-finite on each of the run's last min(3, steps) steps
+ALL_SKIPPED_MIN = 5    # diverged: fp16 skipped every step of a run of at least this many steps
+
+
+def divergence(losses: list, skipped: list, precision: str) -> str | None:
+    """Why a finished run counts as diverged, or None. The one rule, whatever the precision:
+
+    - the loss is non-finite on each of the last ``min(NONFINITE_WINDOW, steps)`` steps: training did not
+      recover. (fp32/tf32/bf16 stop at the first non-finite loss, as nothing there can recover; fp16's GradScaler
+      skips a step whose gradients overflow and lowers the scale, so a transient overflow that recovers is ok);
+    - or every step was skipped (fp16, at least ``ALL_SKIPPED_MIN`` steps): no weight was ever updated, even
+      after the scale was halved that many times. A short run may spend its few steps calibrating the scale.
+    """
+    n = len(losses)
+    if n == 0:
+        return None
+    last = losses[-min(NONFINITE_WINDOW, n):]
+    if all(not math.isfinite(v) for v in last):
+        return (f"the loss was non-finite ({last[-1]}) on the last {len(last)} of {n} steps with precision "
+                f"{precision}" + ("; the GradScaler skipped them and did not recover" if precision == "fp16" else "")
+                + ". Lower train.lr, set train.max_grad_norm, or check the data")
+    if n >= ALL_SKIPPED_MIN and len(set(skipped)) >= n:
+        return (f"every one of the {n} steps overflowed in {precision} and was skipped by the GradScaler: no weight "
+                "was updated. Lower train.lr, or use bf16 where the GPU supports it")
+    return None
+
+
 @dataclass
 class RunResult:
     """Everything one training run measured. ``to_dict()`` is what ``--json`` writes."""
@@ -205,9 +233,17 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
                 stack.close()  # ends the tracker (and restores TF32 flags: re-entered below)
                 stack.enter_context(_env.matmul_precision(tf32=t.precision == "tf32"))
         bar.close()
+    except torch.OutOfMemoryError as exc:
+        stack.close()  # ends the tracker: its peak is the memory reached when allocation failed
+        if tracker:
+            exc.peak_memory_bytes = tracker.peak_bytes
+        raise
     finally:
         stack.close()
         del optimizer, scheduler
+    why = divergence(result.losses, result.skipped, t.precision)
+    if why:
+        result.status, result.error = "diverged", why
     if tracker:
         result.peak_memory_bytes = tracker.peak_bytes
         result.memory.update(start_bytes=tracker.start_bytes, peak_bytes=tracker.peak_bytes,
@@ -247,7 +283,7 @@ def run(cfg: Config, device: torch.device | str | None = None, *, progress: bool
     result = None
     env = _env.environment(device, cfg.mode)
     loaded = dataset = None
-    oom = diverged = None
+    oom = diverged = oom_peak = None
     if device.type == "cuda":
         release()
         dev.reset_peak(device)
@@ -257,6 +293,7 @@ def run(cfg: Config, device: torch.device | str | None = None, *, progress: bool
         result = train(cfg, loaded.model, dataset, device, env=env, progress=progress, desc=desc, **train_kw)
     except torch.OutOfMemoryError as exc:
         oom = str(exc).strip().splitlines()[0][:300]
+        oom_peak = getattr(exc, "peak_memory_bytes", None)  # CPU: the tracker's peak when the budget was hit
     except NonFiniteLossError as exc:
         diverged = str(exc)
     finally:
@@ -269,7 +306,7 @@ def run(cfg: Config, device: torch.device | str | None = None, *, progress: bool
                            effective_batch_size=cfg.effective_batch_size)
     if oom is not None:
         env.setdefault("weights", None)
-        peak = dev.peak_allocated(device)
+        peak = dev.peak_allocated(device) if device.type == "cuda" else oom_peak
         result = RunResult(config=cfg.to_dict(), env=env, status="oom", error=oom,
                            effective_batch_size=cfg.effective_batch_size, peak_memory_bytes=peak)
     return result
@@ -329,6 +366,9 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
             if on_step:
                 on_step(step, result, model, optimizer, None)
         bar.close()
+    why = divergence(result.losses, result.skipped, t.precision)
+    if why:
+        result.status, result.error = "diverged", why
     if tracker:
         peak = torch.tensor(tracker.peak_bytes, device=device)
         result.peak_memory_bytes = int(acc.reduce(peak, reduction="max"))  # the busiest rank

@@ -199,11 +199,17 @@ def test_budget_falls_back_to_a_documented_default(monkeypatch):
     assert info["outside_allocator_bytes"] == dev.DEFAULT_OUTSIDE_ALLOCATOR_BYTES and "default" in info["how"]
 
 
-@pytest.mark.parametrize("raw", ["0", "-8", "nan", "inf", "eight"])
+@pytest.mark.parametrize("raw", ["-8", "nan", "inf", "eight"])
 def test_bad_budget_variable_is_refused_with_its_name(monkeypatch, raw):
     monkeypatch.setenv("LAB_GPU_MEMORY_GB", raw)
     with pytest.raises(ValueError, match="LAB_GPU_MEMORY_GB"):
         dev.budget_from_env()
+
+
+@pytest.mark.parametrize("raw", ["", "0", " 0.0 "])
+def test_zero_or_empty_budget_means_no_cap(monkeypatch, raw):
+    monkeypatch.setenv("LAB_GPU_MEMORY_GB", raw)
+    assert dev.budget_from_env() is None
 
 
 # ---------------------------------------------------------------------------------------------------- row 7

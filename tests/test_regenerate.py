@@ -167,9 +167,9 @@ def test_update_readme_markers_checked():
     twice = "<!-- results:01 -->a<!-- /results:01 -->\n<!-- results:01 -->b<!-- /results:01 -->"
     with pytest.raises(ValueError, match="exactly one"):
         rg.update_readme(twice, {"01": "x"})
-    with pytest.raises(ValueError, match="exactly one"):
+    with pytest.raises(ValueError, match="never closed"):
         rg.update_readme("<!-- results:01 --> unclosed", {"01": "x"})
-    with pytest.raises(ValueError, match="exactly one"):
+    with pytest.raises(ValueError, match="closes no open block"):
         rg.update_readme("<!-- /results:01 --> <!-- results:01 -->", {"01": "x"})  # wrong order
 
 
