@@ -1,7 +1,7 @@
 """labutils: what the four labs share. ``import labutils as lu``.
 
 Modules: config (YAML -> dataclasses), env (mode, device, versions), data (corpus, sampler), models (GPT-2
-sizes, offline fallback, checkpointing), memory (MemoryTracker), train (the one training loop), results (tables, figures, provenance), cli.
+sizes, offline fallback, checkpointing, FLOP counts), peaks (GPU peak TFLOP/s for MFU), memory (MemoryTracker), train (the one training loop), results (tables, figures, provenance), cli.
 """
 from . import device
 from .config import Config, ConfigError, load_config
@@ -10,7 +10,8 @@ from .device import card_allocator_bytes
 from .env import (apply_budget_from_env, bf16_supported, default_device, detect_mode, environment, matmul_precision,
                   seed_everything, set_memory_budget, setup, tf32_supported)
 from .memory import MemoryTracker, fmt_bytes, release, state_bytes
-from .models import enable_checkpointing, flops_per_token, load_model
+from .models import enable_checkpointing, flops_per_token, load_model, model_flops_per_token
+from .peaks import peak_info, peak_tflops
 from .results import format_table, record_results, show_table
 from .train import RunResult, autocast_for, make_optimizer, prepare, run, scaler_for, train
 

@@ -59,6 +59,7 @@ def _add_config_args(p):
 
 def print_summary(result) -> None:
     from .memory import fmt_bytes
+    from .peaks import peak_info
 
     d = result.to_dict()
     t = d["config"]["train"]
@@ -78,6 +79,9 @@ def print_summary(result) -> None:
             ("loss", f"{d['losses'][0]:.4f} -> {d['final_loss']:.4f} (avg {d['avg_loss']:.4f}, {len(d['losses'])} steps)"),
             ("step time", f"{result.step_time_seconds * 1000:.1f} ms"),
             ("throughput", f"{result.tokens_per_second:,.0f} tokens/s, {result.achieved_tflops:.3f} TFLOP/s"),
+            ("MFU / HFU", f"{result.mfu:.1%} / {result.hfu:.1%} of {result.peak_tflops:g} TFLOP/s "
+                          f"({t['precision']} peak)" if result.mfu is not None else
+                          "- (" + peak_info(d["env"].get("gpu_name"), t["precision"])[1] + ")"),
             ("peak memory", fmt_bytes(result.peak_memory_bytes)),
             ("skipped steps", result.skipped_steps),
         ]
@@ -125,9 +129,12 @@ def cmd_run(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import bench
+    from .bench import bench, check_steps
 
     cfg = load_config(args.config, args.overrides)
+    if args.repeats < 1:
+        raise ConfigError("--repeats", None, args.repeats, "must be an integer >= 1")
+    check_steps(cfg)  # steps at or below the warm-up: nothing to time
     _apply_budget()
     bench(cfg, repeats=args.repeats)
     return 0
@@ -170,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write the full result record as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_run)
-    p = sub.add_parser("bench", help="labutils' loop against a bare 15-line loop: tokens/s of both and the ratio")
+    p = sub.add_parser("bench", help="labutils' loop against a bare 15-line loop: tokens/s of both and the ratio "
+                                     "(train.compile=true: eager and compiled, a ratio each)")
     _add_config_args(p)
     p.add_argument("--repeats", type=positive_int, default=3, help="alternating repeats of each loop (default 3)")
     p.set_defaults(func=cmd_bench)

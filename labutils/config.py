@@ -86,6 +86,7 @@ class TrainConfig:
     max_grad_norm: float | None = 1.0
     seed: int = 42
     timing_warmup_steps: int = 2
+    compile: bool = False  # torch.compile the model before training (first steps compile: keep them in the warm-up)
 
 
 @dataclass

@@ -208,14 +208,52 @@ def count_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def flops_per_token(name: str, seq_length: int, recompute: bool = False) -> float:
-    """Training FLOPs per token (forward + backward): 6 x non-embedding params + attention + LM head.
+def model_flops_per_token(name: str, seq_length: int) -> float:
+    """Model FLOPs per token of one training step (forward + backward), no recompute: the numerator of MFU.
 
-    The usual 6N rule (Kaplan et al. 2020) plus the 12 * L * T * d attention term (PaLM appendix B).
-    With activation checkpointing the blocks run their forward once more (8 instead of 6 for the blocks);
-    the LM head is outside the checkpointed blocks and is not recomputed.
+    PaLM's definition (Chowdhery et al. 2022, appendix B): 6N + 12 * L * T * d, where N counts the weights that
+    take part in matmuls (each block's 4d^2 attention + 8d^2 MLP, and the LM head's d x vocab, tied to the
+    token embedding) and 12 * L * T * d is the two attention matmuls (Q K^T and A V, full T x T as eager
+    attention computes them), forward 4 * T * d per layer and token, backward twice that. Biases, LayerNorms,
+    GELU, softmax and the position table are not matmuls and are left out, as torch's FLOP counter does.
     """
     n_layer, d, _ = PRESETS[name]
-    blocks = n_layer * 12 * d * d + 4 * n_layer * seq_length * d / 2  # weights (4d^2 attn + 8d^2 MLP) + attention
-    head = d * vocab_size(name)  # the LM head is a matmul too
-    return (8 if recompute else 6) * blocks + 6 * head
+    blocks = n_layer * (12 * d * d + 2 * seq_length * d)  # one forward pass's multiply-adds per token
+    head = d * vocab_size(name)
+    return 6 * (blocks + head)
+
+
+def recomputed_flops_per_token(name: str, seq_length: int, every_n_layers: int = 1, dropout: bool = True) -> float:
+    """FLOPs per token that non-reentrant activation checkpointing re-runs in backward (0 with none).
+
+    Each checkpointed block (0, k, 2k, ... for ``every_n_layers=k``) re-runs its forward, but non-reentrant
+    checkpointing stops early: once every tensor the backward needs is back, it stops. The last matmul of a
+    GPT-2 block, the MLP's output projection (c_proj, 8d^2 per token), produces nothing backward needs, unless
+    a dropout follows it: dropout's mask is saved for backward and is drawn *after* c_proj runs, so with
+    ``dropout`` (GPT-2's own 0.1) the whole forward is re-run, and without it c_proj is skipped.
+    Checked against ``torch.utils.flop_counter.FlopCounterMode`` in tests/test_flops.py.
+    """
+    n_layer, d, _ = PRESETS[name]
+    checkpointed = len(range(0, n_layer, every_n_layers))
+    forward = 2 * (12 * d * d + 2 * seq_length * d)      # one block's forward: weights and attention matmuls
+    skipped = 0 if dropout else 2 * 4 * d * d             # MLP c_proj, 4d -> d: not re-run (early stop)
+    return checkpointed * (forward - skipped)
+
+
+def flops_per_token(name: str, seq_length: int, recompute: bool = False, *, every_n_layers: int = 1,
+                    dropout: bool = True, fused_attention: bool = False) -> float:
+    """Executed training FLOPs per position (forward + backward + recompute): what the GPU really computes.
+
+    ``recompute``: activation checkpointing on (every ``every_n_layers``-th block; see
+    :func:`recomputed_flops_per_token` for the early stop and why ``dropout`` matters). ``fused_attention``:
+    SDPA's fused kernels (flash / memory-efficient, CUDA) recompute the T x T scores in backward: one more
+    matmul, 2 * T * d per layer and token, as torch's FLOP counter also counts. Without recompute and with
+    eager attention this equals :func:`model_flops_per_token`.
+    """
+    n_layer, d, _ = PRESETS[name]
+    flops = model_flops_per_token(name, seq_length)
+    if fused_attention:
+        flops += n_layer * 2 * seq_length * d
+    if recompute:
+        flops += recomputed_flops_per_token(name, seq_length, every_n_layers, dropout)
+    return flops

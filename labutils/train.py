@@ -30,7 +30,8 @@ from . import env as _env
 from .config import Config
 from .data import LMDataset, build_dataset
 from .memory import MemoryTracker, release, state_bytes
-from .models import count_parameters, enable_checkpointing, flops_per_token, load_model
+from .models import count_parameters, enable_checkpointing, flops_per_token, load_model, model_flops_per_token
+from .peaks import peak_tflops
 
 AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -86,6 +87,13 @@ class RunResult:
     step_time_seconds: float | None = None   # mean over the timed steps (warm-up steps left out)
     tokens_per_second: float | None = None
     achieved_tflops: float | None = None
+    # FLOP accounting (labutils.models, labutils.peaks): MFU = model FLOPs (6N + attention, no recompute, per
+    # target token: PaLM's definition) / peak; HFU = executed FLOPs (recompute included, per position) / peak.
+    model_flops_per_step: float | None = None     # mean over the timed steps
+    executed_flops_per_step: float | None = None
+    peak_tflops: float | None = None  # dense peak of the GPU in this precision; None on CPU or an unknown GPU
+    mfu: float | None = None
+    hfu: float | None = None
     peak_memory_bytes: int | None = None
     memory: dict = field(default_factory=dict)
 
@@ -114,6 +122,7 @@ class RunResult:
                 "avg_loss": self.to_dict()["avg_loss"], "final_loss": self.to_dict()["final_loss"],
                 "step_time_s": self.step_time_seconds, "tokens_per_s": self.tokens_per_second,
                 "tflops": self.achieved_tflops, "peak_memory_bytes": self.peak_memory_bytes,
+                "mfu": self.mfu,
                 "skipped_steps": self.skipped_steps, "error": self.error}
 
 
@@ -169,6 +178,8 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
     model.train()
     if t.gradient_checkpointing:
         enable_checkpointing(model, t.checkpoint_every_n_layers)
+    if t.compile:
+        model.compile()  # in place (nn.Module.compile): same parameters and state_dict keys
     data = dataset.to(device)
     windows = data.windows(t.micro_batch_size, t.accumulation_steps, t.seed)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -253,9 +264,27 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
     timed = result.step_times[min(first_timed, len(result.step_times) - 1):]
     result.step_time_seconds = sum(timed) / len(timed)
     result.tokens_per_second = result.tokens_per_step / result.step_time_seconds
-    flops = flops_per_token(cfg.model.name, dataset.seq_length, recompute=t.gradient_checkpointing)
-    result.achieved_tflops = flops * result.tokens_per_second / 1e12
+    account_flops(result, cfg, dataset.seq_length, device, len(timed))
     return result
+
+
+def account_flops(result: RunResult, cfg: Config, seq_length: int, device: torch.device, n_timed: int) -> None:
+    """Achieved TFLOP/s, MFU and HFU of a finished run, over its last ``n_timed`` (timed) steps."""
+    t, m = cfg.train, cfg.model
+    executed = flops_per_token(m.name, seq_length, recompute=t.gradient_checkpointing,
+                               every_n_layers=t.checkpoint_every_n_layers, dropout=m.dropout is None or m.dropout > 0,
+                               fused_attention=device.type == "cuda" and m.attn_implementation == "sdpa")
+    targets = result.target_tokens[-n_timed:]
+    seconds = sum(result.step_times[-n_timed:])
+    result.model_flops_per_step = model_flops_per_token(m.name, seq_length) * sum(targets) / len(targets)
+    result.executed_flops_per_step = executed * result.tokens_per_step
+    result.achieved_tflops = executed * result.tokens_per_second / 1e12
+    peak = peak_tflops(dev.name(device), t.precision) if dev.is_cuda(device) else None
+    if peak is not None:
+        result.peak_tflops = peak
+        total = peak * 1e12 * result.env.get("world_size", 1)  # every process's GPU
+        result.mfu = result.model_flops_per_step * len(targets) / seconds / total
+        result.hfu = result.executed_flops_per_step * len(targets) / seconds / total
 
 
 def prepare(cfg: Config, device: torch.device | str | None = None, verbose: bool = True):
@@ -377,7 +406,6 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
     timed = result.step_times[min(t.timing_warmup_steps, len(result.step_times) - 1):]
     result.step_time_seconds = sum(timed) / len(timed)
     result.tokens_per_second = result.tokens_per_step / result.step_time_seconds
-    result.achieved_tflops = flops_per_token(cfg.model.name, dataset.seq_length,
-                                             recompute=t.gradient_checkpointing) * result.tokens_per_second / 1e12
+    account_flops(result, cfg, dataset.seq_length, device, len(timed))
     acc.free_memory()
     return result

@@ -1,0 +1,66 @@
+"""FLOP counts held against torch's own counter, on a real CPU forward + backward of GPT-2 124M (random weights)."""
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import labutils as lu
+from labutils.models import (disable_checkpointing, flops_per_token, gpt2_config, model_flops_per_token,
+                             recomputed_flops_per_token)
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(gpt2_config("gpt2", 0.0, attn_implementation="eager"))
+    model.loss_type = "ForCausalLM"
+    model.train()
+    return model
+
+
+def counted_per_token(model, seq_length, every_n, dropout):
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = dropout
+    if every_n:
+        lu.enable_checkpointing(model, every_n)
+    else:
+        disable_checkpointing(model)
+    ids = torch.randint(0, 50257, (1, seq_length))
+    try:
+        with FlopCounterMode(display=False) as counter:
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    finally:
+        disable_checkpointing(model)
+        model.zero_grad(set_to_none=True)
+    return counter.get_total_flops() / seq_length
+
+
+# (seq_length, every_n_layers or None, dropout). Dropout changes what early stop can skip, so both are held.
+CASES = [(t, k, 0.0) for t in (32, 96) for k in (None, 1, 2)] + [(32, 1, 0.1), (96, 2, 0.1)]
+
+
+@pytest.mark.parametrize("seq_length,every_n,dropout", CASES)
+def test_executed_flops_match_torch_counter(gpt2, seq_length, every_n, dropout):
+    counted = counted_per_token(gpt2, seq_length, every_n, dropout)
+    modelled = flops_per_token("gpt2", seq_length, recompute=every_n is not None, every_n_layers=every_n or 1,
+                               dropout=dropout > 0)
+    assert abs(modelled / counted - 1) < 0.01, (modelled, counted)
+
+
+def test_early_stop_is_cheaper_than_one_extra_forward_without_dropout():
+    t = 128
+    forward = model_flops_per_token("gpt2", t) / 3  # forward is a third of forward + backward
+    assert recomputed_flops_per_token("gpt2", t, 1, dropout=True) < forward  # the LM head is never re-run
+    no_dropout = recomputed_flops_per_token("gpt2", t, 1, dropout=False)
+    assert no_dropout < recomputed_flops_per_token("gpt2", t, 1, dropout=True)
+    # every other block: 6 of gpt2's 12 blocks recompute
+    assert recomputed_flops_per_token("gpt2", t, 2, dropout=False) == pytest.approx(no_dropout / 2)
+    # the course's old rule (blocks x 8/6) is the dropout case only
+    assert flops_per_token("gpt2", t, recompute=True) == flops_per_token("gpt2", t, recompute=True, dropout=True)
+
+
+def test_model_flops_are_executed_flops_without_recompute():
+    assert model_flops_per_token("gpt2", 256) == flops_per_token("gpt2", 256)
+    assert flops_per_token("gpt2", 256, fused_attention=True) > flops_per_token("gpt2", 256)

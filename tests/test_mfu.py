@@ -1,0 +1,106 @@
+"""MFU / HFU in every run, the compile switch, and bench's refusal of steps it cannot time."""
+import importlib
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import tiny_config
+
+import labutils as lu
+from labutils.cli import main
+from labutils.models import flops_per_token, model_flops_per_token
+
+lt = importlib.import_module("labutils.train")  # the module (labutils.train is the function)
+
+
+def test_cli_json_has_mfu_and_hfu_null_on_cpu(root, tmp_path):
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "labutils", "run", "configs/fp32_config.yaml", "--set",
+                           "train.steps=3", "--json", str(out), "--quiet"], cwd=root, capture_output=True, text=True,
+                          timeout=300, env={**__import__("os").environ, "LAB_SMOKE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads(out.read_text())
+    assert "mfu" in d and "hfu" in d
+    assert d["mfu"] is None and d["hfu"] is None and d["peak_tflops"] is None  # smoke never invents a peak
+    assert d["model_flops_per_step"] > 0 and d["executed_flops_per_step"] > d["model_flops_per_step"]
+    assert "MFU / HFU      - (no GPU" in proc.stdout
+
+
+def _finished(cfg, times=(1.0, 0.5, 0.5), targets=(1000, 900, 800)):
+    seq = cfg.data.seq_length
+    r = lt.RunResult(config=cfg.to_dict(), env={}, tokens_per_step=cfg.effective_batch_size * seq,
+                     step_times=list(times), target_tokens=list(targets))
+    r.step_time_seconds = sum(times[1:]) / 2
+    r.tokens_per_second = r.tokens_per_step / r.step_time_seconds
+    return r
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_mfu_uses_target_tokens_and_the_precisions_peak(monkeypatch, ckpt):
+    monkeypatch.setattr(lt, "gpu_name", lambda device: "NVIDIA A100-SXM4-40GB")  # the card, not the arithmetic
+    cfg = tiny_config(model__name="gpt2", data__seq_length=128, train__precision="bf16", train__micro_batch_size=8,
+                      train__gradient_checkpointing=ckpt, model__dropout=0.1)
+    r = _finished(cfg)
+    lt.account_flops(r, cfg, 128, torch.device("cuda"), n_timed=2)  # the last two steps are timed
+    model = model_flops_per_token("gpt2", 128) * (900 + 800) / 1.0
+    executed = flops_per_token("gpt2", 128, recompute=ckpt, fused_attention=True) * 8 * 128 * 2 / 1.0
+    assert r.peak_tflops == 312.0
+    assert r.mfu == pytest.approx(model / 312e12)
+    assert r.hfu == pytest.approx(executed / 312e12)
+    assert r.hfu > r.mfu  # padding, the untargeted last position, and recompute all count in HFU only
+    assert r.row()["mfu"] == r.mfu
+
+
+def test_mfu_is_none_on_an_unknown_gpu_or_format(monkeypatch):
+    cfg = tiny_config(model__name="gpt2", train__precision="bf16")
+    monkeypatch.setattr(lt, "gpu_name", lambda device: "Tesla T4")  # no BF16 tensor cores
+    r = _finished(cfg)
+    lt.account_flops(r, cfg, cfg.data.seq_length, torch.device("cuda"), n_timed=2)
+    assert r.mfu is None and r.hfu is None and r.achieved_tflops > 0
+    monkeypatch.setattr(lt, "gpu_name", lambda device: "Some Future GPU")
+    r = _finished(cfg)
+    lt.account_flops(r, cfg, cfg.data.seq_length, torch.device("cuda"), n_timed=2)
+    assert r.mfu is None and r.hfu is None
+
+
+def test_compile_key_is_validated_and_off_by_default():
+    assert lu.load_config(None, mode="smoke").train.compile is False
+    with pytest.raises(lu.ConfigError, match="train.compile.*true or false"):
+        lu.load_config(None, overrides=["train.compile=maybe"], mode="smoke")
+
+
+def test_training_loop_compiles_the_model_when_asked(ragged_corpus):
+    """A real torch.compile of the tiny model on the CPU (inductor + gcc); measured ~10-30 s on the 2-core CI box."""
+    cfg = tiny_config(ragged_corpus, train__steps=3)
+    eager, ds = lu.prepare(cfg, "cpu", verbose=False)
+    compiled, _ = lu.prepare(cfg, "cpu", verbose=False)
+    start = time.perf_counter()
+    a = lu.train(cfg, eager.model, ds, "cpu", progress=False)
+    b = lu.train(cfg.override({"train.compile": True}), compiled.model, ds, "cpu", progress=False)
+    assert time.perf_counter() - start < 120
+    assert getattr(eager.model, "_compiled_call_impl", None) is None
+    assert compiled.model._compiled_call_impl is not None
+    assert max(abs(x - y) for x, y in zip(a.losses, b.losses)) < 1e-3  # same training, compiled
+
+
+def test_bench_refuses_steps_at_or_below_the_warmup(root, capsys, monkeypatch):
+    monkeypatch.setenv("LAB_SMOKE", "1")
+    for steps in (1, 2):
+        assert main(["bench", str(root / "configs/fp32_config.yaml"), "--set", f"train.steps={steps}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "train.steps" in err[0] and f"= {steps}" in err[0] and ">= 3" in err[0]
+    assert main(["bench", str(root / "configs/fp32_config.yaml"), "--repeats", "0"]) == 2
+    assert "--repeats" in capsys.readouterr().err
+
+
+def test_bench_compares_eager_and_compiled(ragged_corpus):
+    from labutils.bench import bench
+
+    cfg = tiny_config(ragged_corpus, train__steps=3, train__compile=True)
+    out = bench(cfg, repeats=1, device="cpu", verbose=False)
+    for key in ("eager", "compiled"):
+        assert out[key]["ratio"] > 0 and out[key]["bare_tokens_per_second"] > 0
+    assert out["ratio"] == out["eager"]["ratio"] and out["compile_speedup"] > 0
