@@ -116,6 +116,8 @@ def environment(device: torch.device | str | None = None, mode: str | None = Non
     """Facts that make a measurement reproducible: recorded with every result."""
     import transformers
 
+    from .models import last_tokenizer
+
     device = torch.device(device or default_device())
     gpu = None
     if device.type == "cuda":
@@ -134,6 +136,7 @@ def environment(device: torch.device | str | None = None, mode: str | None = Non
         "python": platform.python_version(),
         "mode": mode or detect_mode()[0],
         "weights": weights,
+        "tokenizer": last_tokenizer(),  # of the most recent model loaded (run() sets the run's own)
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -160,6 +163,8 @@ def setup(seed: int = 42, verbose: bool = True) -> dict:
             print("device: cpu (no CUDA GPU): numbers below are smoke-test numbers, not GPU results")
         print(f"torch {info['torch']}, transformers {info['transformers']}, python {info['python']}, seed {seed}")
         print("model hub: " + ("reachable (pretrained GPT-2 weights)" if hub else
-                               "unreachable, offline mode: random weights of the same architecture "
-                               "(memory and speed identical, loss values not comparable to pretrained)"))
+                               "unreachable, offline mode: GPT-2 weights from the local Hugging Face cache if "
+                               "they are there, else random weights of the same architecture; the tokenizer "
+                               "(GPT-2's BPE), data, shapes, memory and speed are those of an online run, only "
+                               "loss values differ"))
     return {"mode": mode, "device": device, **{k: v for k, v in info.items() if k not in ("mode", "device")}}
