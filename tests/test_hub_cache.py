@@ -1,0 +1,145 @@
+"""The path students with internet take, rehearsed without it: ``from_pretrained`` reading a local hub cache.
+
+A session fixture writes a Hugging Face hub cache in the layout huggingface_hub itself keeps
+(``hub/models--openai-community--gpt2/{blobs,snapshots/<commit>,refs/main}``) holding checkpoints made with
+``save_pretrained``: a GPT-2 of small dimensions under GPT-2's real id, with GPT-2's real tokenizer, and a
+``tiny`` checkpoint under :data:`labutils.models.TINY_CACHE_ID`. Subprocesses then run with ``HF_HUB_OFFLINE=1``
+and ``HF_HOME`` pointing at it (huggingface_hub reads both when it is imported), so transformers' own loading
+code runs end to end. Nothing is mocked.
+
+The small GPT-2 is honest for what is tested here (where the weights come from, training mode, the KV cache,
+the CLI's record): ``from_pretrained`` builds the model from the cache's ``config.json``, as it does online.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from labutils.models import HUB_IDS, TINY_CACHE_ID, gpt2_config, offline_gpt2_tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write_hub_cache(hub: Path, repo_id: str, model, tokenizer=None) -> str:
+    """Save ``model`` (and ``tokenizer``) with ``save_pretrained`` into ``hub`` as huggingface_hub caches a
+    download: content-addressed blobs, a snapshot folder of links named by commit, and ``refs/main``."""
+    repo = hub / f"models--{repo_id.replace('/', '--')}"
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        files = sorted(p for p in Path(tmp).iterdir() if p.is_file())
+        digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+        commit = hashlib.sha1(json.dumps(digests, sort_keys=True).encode()).hexdigest()  # 40 hex digits
+        snapshot = repo / "snapshots" / commit
+        (repo / "blobs").mkdir(parents=True, exist_ok=True)
+        snapshot.mkdir(parents=True, exist_ok=True)
+        for p in files:
+            blob = repo / "blobs" / digests[p.name]
+            shutil.copyfile(p, blob)
+            (snapshot / p.name).symlink_to(os.path.relpath(blob, snapshot))
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return commit
+
+
+@pytest.fixture(scope="session")
+def hf_home(tmp_path_factory) -> Path:
+    """An ``HF_HOME`` whose hub cache holds a small GPT-2 (GPT-2's tokenizer) and a tiny checkpoint."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    home = tmp_path_factory.mktemp("hf_home")
+    torch.manual_seed(1)
+    # use_cache=True, as the hub's GPT-2 config says (it is written for generation): load_model must cope
+    small = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=50257, n_positions=1024, use_cache=True)
+    write_hub_cache(home / "hub", HUB_IDS["gpt2"], GPT2LMHeadModel(small), offline_gpt2_tokenizer().tok)
+    tiny = gpt2_config("tiny")
+    tiny.use_cache = True
+    write_hub_cache(home / "hub", TINY_CACHE_ID, GPT2LMHeadModel(tiny))
+    return home
+
+
+def offline_env(hf_home: Path, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "TRANSFORMERS_CACHE", "LAB_RESULTS_DIR")}
+    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(hf_home), **extra)
+    return env
+
+
+def run_python(code: str, env: dict, timeout: int = 180) -> dict:
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return {"stdout": proc.stdout, **json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
+LOAD = r"""
+import json, torch
+import labutils as lu
+from labutils.config import ModelConfig
+loaded = lu.load_model(ModelConfig(name="gpt2"), "cpu")
+m = loaded.model
+out = {"weights": loaded.weights, "training": m.training, "n_layer": m.config.n_layer,
+       "tokenizer": loaded.tokenizer.name, "notice": loaded.notice,
+       "hello": loaded.tokenizer.encode("Hello world"), "dropout_active": None}
+ids = torch.randint(0, 50257, (2, 16))
+lu.enable_checkpointing(m)
+o = m(input_ids=ids, labels=ids, use_cache=True)  # ask for the cache, as a pretrained config's use_cache=True does
+out["cache_is_none"] = o.past_key_values is None
+o.loss.backward()
+out["grads"] = all(p.grad is not None for p in m.parameters())
+with torch.no_grad():
+    out["dropout_active"] = not torch.equal(m(input_ids=ids).logits, m(input_ids=ids).logits)
+print(json.dumps(out))
+"""
+
+
+def test_load_model_from_the_hub_cache_is_pretrained_and_trains(hf_home):
+    r = run_python(LOAD, offline_env(hf_home))
+    assert r["weights"] == "pretrained" and r["n_layer"] == 2  # the cache's checkpoint, not a fresh GPT-2 small
+    assert r["notice"] is None and "random weights" not in r["stdout"]  # a cache hit is not the offline fallback
+    assert r["training"] is True  # from_pretrained gives eval mode; load_model must hand back a training model
+    assert r["dropout_active"] is True
+    assert r["cache_is_none"] is True  # training + checkpointing: transformers returns no KV cache
+    assert r["grads"] is True
+    assert r["tokenizer"] == "GPT-2 BPE (local hub cache)" and r["hello"] == [15496, 995]
+
+
+def test_cli_run_on_the_hub_cache(hf_home, tmp_path):
+    out = tmp_path / "run.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "labutils", "run", "configs/fp32_config.yaml", "--quiet", "--json", str(out),
+         "--set", "model.name=gpt2", "model.pretrained=true", "data.seq_length=32", "data.num_samples=8",
+         "train.micro_batch_size=2", "train.steps=2", "train.timing_warmup_steps=1"],
+        cwd=REPO, env=offline_env(hf_home, LAB_SMOKE="1"), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert d["status"] == "ok" and d["env"]["weights"] == "pretrained"
+    assert d["env"]["tokenizer"] == "GPT-2 BPE (local hub cache)"
+    assert "random weights" not in proc.stdout and "pretrained weights" in proc.stdout
+    assert d["parameters"] < 10_000_000  # the cached small checkpoint ran, not 124M random weights
+    assert d["config"]["data"]["pack"] is True and d["padding_fraction"] == 0.0
+    assert 0 < d["target_tokens_per_second"] <= d["positions_per_second"] == d["tokens_per_second"]
+
+
+def test_lab03_runs_on_pretrained_weights_from_the_cache(hf_home, tmp_path):
+    """A whole lab, through the instructors' command, on weights ``from_pretrained`` read (the stand-in tiny
+    checkpoint): lab 03 is where eval mode broke things (its KV-cache check and saved-activation accounting)."""
+    out = tmp_path / "out"
+    env = offline_env(hf_home)
+    env.pop("LAB_SMOKE", None)
+    proc = subprocess.run([sys.executable, "-m", "labutils", "regenerate", "--smoke", "--only", "03", "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (result,) = out.glob("03-*.json")
+    data = json.loads(result.read_text())
+    assert data["env"]["weights"] == "pretrained"
+    assert data["env"]["tokenizer"].startswith("byte-level (tiny")
