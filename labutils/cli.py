@@ -160,6 +160,10 @@ def cmd_estimate(args) -> int:
 def cmd_doctor(args) -> int:
     from .doctor import cli_doctor
 
+    if args.json:
+        check_output_file(args.json, "--json")  # before the checks run
+    _apply_budget(verbose=False)  # (a bad LAB_GPU_MEMORY_GB exits 2 here; the doctor prints the budget itself)
+
     return cli_doctor(args)
 
 

@@ -89,6 +89,10 @@ def environment(dev: torch.device | str | None = None, mode: str | None = None, 
     dev = device.resolve(dev)
     gpu = device.facts(dev)
     budget = device.current_budget()
+    try:  # the card asked for: applied on a GPU (then in "gpu" too), only recorded on the CPU
+        requested = device.budget_from_env()
+    except ValueError:
+        requested = None
     return {
         "device": dev.type,
         "gpu_name": gpu["name"] if gpu else None,
@@ -99,7 +103,7 @@ def environment(dev: torch.device | str | None = None, mode: str | None = None, 
         "python": platform.python_version(),
         "mode": mode or detect_mode()[0],
         "weights": weights,
-        "gpu_memory_budget_gb": budget["card_gib"] if budget else None,
+        "gpu_memory_budget_gb": budget["card_gib"] if budget else requested,
         "tokenizer": last_tokenizer(),  # of the most recent model loaded (run() sets the run's own)
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }

@@ -290,7 +290,7 @@ def test_cli_honours_the_budget_variable(gpu, monkeypatch, root, command):
     monkeypatch.setattr(train, "run", fake_run)
     monkeypatch.setattr(bench, "bench", lambda cfg, **k: fake_run(cfg))
     monkeypatch.setenv("LAB_GPU_MEMORY_GB", "6")
-    cli.main([command, str(root / "configs/fp32_config.yaml"), "--set", "train.steps=3"])
+    cli.main([command, str(root / "configs/fp32_config.yaml"), "--set", "train.steps=6"])
     assert seen["fraction"] == pytest.approx((6 * GiB - gpu.profile.outside) / gpu.profile.total)
 
 

@@ -10,6 +10,7 @@ import torch
 from conftest import tiny_config
 
 import labutils as lu
+from tests import fake_cuda
 from labutils.cli import main
 from labutils.models import flops_per_token, model_flops_per_token
 
@@ -40,7 +41,7 @@ def _finished(cfg, times=(1.0, 0.5, 0.5), targets=(1000, 900, 800)):
 
 @pytest.mark.parametrize("ckpt", [False, True])
 def test_mfu_uses_target_tokens_and_the_precisions_peak(monkeypatch, ckpt):
-    monkeypatch.setattr(lt, "gpu_name", lambda device: "NVIDIA A100-SXM4-40GB")  # the card, not the arithmetic
+    fake_cuda.install(monkeypatch, "h100", name="NVIDIA A100-SXM4-40GB")  # a pretend card: the name is real input
     cfg = tiny_config(model__name="gpt2", data__seq_length=128, train__precision="bf16", train__micro_batch_size=8,
                       train__gradient_checkpointing=ckpt, model__dropout=0.1)
     r = _finished(cfg)
@@ -56,13 +57,17 @@ def test_mfu_uses_target_tokens_and_the_precisions_peak(monkeypatch, ckpt):
 
 def test_mfu_is_none_on_an_unknown_gpu_or_format(monkeypatch):
     cfg = tiny_config(model__name="gpt2", train__precision="bf16")
-    monkeypatch.setattr(lt, "gpu_name", lambda device: "Tesla T4")  # no BF16 tensor cores
+    fake_cuda.install(monkeypatch, "t4")  # no BF16 tensor cores
     r = _finished(cfg)
     lt.account_flops(r, cfg, cfg.data.seq_length, torch.device("cuda"), n_timed=2)
     assert r.mfu is None and r.hfu is None and r.achieved_tflops > 0
-    monkeypatch.setattr(lt, "gpu_name", lambda device: "Some Future GPU")
-    r = _finished(cfg)
-    lt.account_flops(r, cfg, cfg.data.seq_length, torch.device("cuda"), n_timed=2)
+    with monkeypatch.context() as m:
+        fake_cuda.install(m, "h100", name="Some Future GPU")
+        r = _finished(cfg)
+        lt.account_flops(r, cfg, cfg.data.seq_length, torch.device("cuda"), n_timed=2)
+    assert r.mfu is None and r.hfu is None
+    r = _finished(cfg)  # and on the CPU
+    lt.account_flops(r, cfg, cfg.data.seq_length, torch.device("cpu"), n_timed=2)
     assert r.mfu is None and r.hfu is None
 
 
