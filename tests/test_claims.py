@@ -124,3 +124,26 @@ def test_collect_prefers_the_owning_lab_then_fallback():
     assert cl.collect({"01": lab01_nm}, fallback=[lab04_c1])[0]["lab"] == "04-Memory_Profiling"
     rows = cl.table_rows(table)
     assert rows[0]["claim"] == "C1" and "50 %" in rows[0]["measured"]
+
+
+def test_rendered_claims_tables(tmp_path, monkeypatch):
+    from labutils import regenerate as rg
+    from labutils.results import read_results, record_results
+
+    c1 = cl.claim_entry("C1", {"memory_saving": 0.12}, SMOKE, reason="the FP32 model state stays")
+    c7 = cl.not_measured("C7", "needs DeepSpeed on a CUDA GPU", SMOKE, prediction={"memory_saving": 0.41})
+    monkeypatch.setenv("LAB_RESULTS_DIR", str(tmp_path / "staging"))
+    monkeypatch.setenv("LAB_RESULTS_READ_DIR", str(tmp_path))
+    record_results("01-Mixed_Precision", tables={"t": [{"a": 1}]}, env={"device": "cpu", "weights": "random"},
+                   mode="smoke", claims=[c1], out_dir=tmp_path)
+    lab01 = read_results("01-Mixed_Precision", "smoke")  # found through LAB_RESULTS_READ_DIR
+    assert lab01["claims"][0]["verdict"] == "does not hold"
+    assert read_results("01-Mixed_Precision", "full") is None  # a smoke file never stands in for a full run
+    md = rg.render_lab(lab01)
+    assert "| claim | verdict | measured | why | conditions | lab |" in md
+    assert "| C1 | does not hold | peak-memory saving 12 % (smoke) |" in md
+    page = rg.render_results({"01": lab01, "04": {"notebook": "04-Memory_Profiling", "mode": "smoke",
+                                                  "claims": [c7], "env": {}}})
+    assert "## Claims C1-C7 across the labs" in page
+    assert "| C7 | not measured | prediction: peak-memory saving 41 % |" in page.replace("GPU peak", "peak")
+    assert "| C5 | not measured | - |" in page
