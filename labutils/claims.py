@@ -177,9 +177,15 @@ def conditions(*, model: str | None, batch: str | None, sequence: int | None, pr
             "hardware": hardware, "mode": mode, **extra}
 
 
+def hardware(env: dict | None) -> str:
+    """The hardware of a run for a claim's conditions: the GPU's name, else "cpu"."""
+    env = env or {}
+    return env.get("gpu_name") or ("cpu" if env.get("device", "cpu") == "cpu" else str(env.get("device")))
+
+
 def claim_entry(claim_id: str, values: dict | None, cond: dict, *, reason: str | None = None,
                 not_measured: str | None = None, prediction: dict | None = None, lab: str | None = None,
-                extra: dict | None = None) -> dict:
+                extra: dict | None = None, prediction_for: str | None = None) -> dict:
     """One ``claims`` entry: id, claim, expected, measured (values with units), verdict, why, conditions.
 
     ``values``: {quantity: number}; None or empty with ``not_measured`` (why not) gives ``not measured``.
@@ -197,7 +203,8 @@ def claim_entry(claim_id: str, values: dict | None, cond: dict, *, reason: str |
         why = f"{why}: {reason}"
     if v == NOT_MEASURED and prediction:
         pv, pwhy = verdict(claim_id, prediction)
-        why += (f". The estimator predicts {_plain(claim, prediction)}, which would make it "
+        why += (f". The estimator predicts{f' (for {prediction_for})' if prediction_for else ''} "
+                f"{_plain(claim, prediction)}, which would make it "
                 f"'{pv}' (a prediction, not a measurement)")
     smoke = cond.get("mode") != "full"
     if smoke and v != NOT_MEASURED:
@@ -210,7 +217,7 @@ def claim_entry(claim_id: str, values: dict | None, cond: dict, *, reason: str |
              "verdict": v, "why": why + ("" if why.endswith(".") else "."), "conditions": dict(cond),
              "lab": lab or OWNER[claim_id]}
     if prediction:
-        entry["prediction"] = {"label": PREDICTION_LABEL, **_measured(claim, prediction)}
+        entry["prediction"] = {"label": PREDICTION_LABEL, "for": prediction_for, **_measured(claim, prediction)}
     if extra:
         entry["extra"] = extra
     return entry
@@ -220,9 +227,12 @@ def _plain(claim: Claim, values: dict) -> str:
     return ", ".join(f"{q.label} {q.fmt(values[q.name])}" for q in claim.quantities if values.get(q.name) is not None)
 
 
-def not_measured(claim_id: str, why: str, cond: dict, *, prediction: dict | None = None, lab: str | None = None) -> dict:
-    """A ``not measured`` entry: always says why; ``prediction`` (from the estimator) is labelled as one."""
-    return claim_entry(claim_id, None, cond, not_measured=why, prediction=prediction, lab=lab)
+def not_measured(claim_id: str, why: str, cond: dict, *, prediction: dict | None = None, lab: str | None = None,
+                 prediction_for: str | None = None) -> dict:
+    """A ``not measured`` entry: always says why; ``prediction`` (from the estimator, for the setup named in
+    ``prediction_for``) is labelled as one."""
+    return claim_entry(claim_id, None, cond, not_measured=why, prediction=prediction, lab=lab,
+                       prediction_for=prediction_for)
 
 
 # ------------------------------------------------------------------------------------------ the whole C1-C7 table
@@ -287,3 +297,52 @@ def zero2_offload_prediction(cfg, precision: str = "fp16") -> dict:
     plain = zero_bytes_per_gpu(est["parameters"], 0, 1, False, True)["total"] + acts
     offload = zero_bytes_per_gpu(est["parameters"], 2, 1, True, True)["total"] + acts
     return {"memory_saving": 1 - offload / plain, "plain_bytes": plain, "zero2_offload_bytes": offload}
+
+
+# ------------------------------------------------------------------------------------------ C7 with DeepSpeed
+ZERO2_OFFLOAD_ACCELERATE = "configs/accelerate/deepspeed_zero2_offload.yaml"
+
+
+def zero2_offload_unavailable() -> str | None:
+    """Why C7 cannot be measured here (DeepSpeed on a CUDA GPU is needed), or None when it can."""
+    import importlib.util
+
+    import torch
+
+    missing = [p for p in ("deepspeed", "accelerate") if importlib.util.find_spec(p) is None]
+    if not torch.cuda.is_available():  # -> device.py
+        return "it needs DeepSpeed on a CUDA GPU, and this machine has no CUDA GPU"
+    if missing:
+        return (f"it needs DeepSpeed on a CUDA GPU, and {' and '.join(missing)} is not installed "
+                "(pip install -e '.[deepspeed]', which needs a CUDA toolkit)")
+    return None
+
+
+def measure_zero2_offload(config: str, overrides: list[str], workdir, *, timeout: int = 1800) -> dict:
+    """C7 on one GPU: the same config and batch trained twice in subprocesses, plainly (``python -m labutils
+    run``) and under DeepSpeed ZeRO-2 with the optimizer offloaded to the CPU (``accelerate launch`` with
+    :data:`ZERO2_OFFLOAD_ACCELERATE`). Returns {"plain": run record, "zero2_offload": run record} (the
+    ``--json`` records, with ``peak_memory_bytes``) or {"error": why}. Call only when
+    :func:`zero2_offload_unavailable` is None."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    launchers = {"plain": [sys.executable, "-m", "labutils"],
+                 "zero2_offload": [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                                   ZERO2_OFFLOAD_ACCELERATE, "--num_processes", "1", "-m", "labutils"]}
+    out = {}
+    for name, launcher in launchers.items():
+        path = Path(workdir) / f"c7-{name}.json"
+        path.unlink(missing_ok=True)
+        cmd = [*launcher, "run", config, "--quiet", "--json", str(path)] + (["--set", *overrides] if overrides else [])
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"the {name} run took longer than {timeout} s"}
+        if r.returncode != 0 or not path.is_file():
+            tail = (r.stderr.strip().splitlines() or r.stdout.strip().splitlines() or ["no output"])[-1]
+            return {"error": f"the {name} run failed (exit {r.returncode}): {tail[:200]}"}
+        out[name] = json.loads(path.read_text(encoding="utf-8"))
+    return out
