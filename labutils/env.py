@@ -27,10 +27,18 @@ def default_device() -> torch.device:
 
 
 def bf16_supported(device: torch.device | str | None = None) -> tuple[bool, str]:
-    """Native BF16 support (no emulation) and a reason a student can read."""
+    """Native BF16 support (no emulation) and a reason a student can read: one answer per machine, used by
+    every lab. A CPU counts as native only with BF16 instructions (AVX512-BF16 / AMX, oneDNN's own check);
+    elsewhere CPU autocast still runs bfloat16, emulated: correct, many times slower than FP32."""
     device = torch.device(device or default_device())
     if device.type == "cpu":
-        return True, "CPU autocast supports bfloat16 (slow, for correctness only)"
+        native = False
+        with contextlib.suppress(Exception):  # oneDNN's check; absent from builds without oneDNN
+            native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        cap = torch.backends.cpu.get_cpu_capability()
+        return native, (f"this CPU ({cap}) has native BF16 instructions (oneDNN)" if native else
+                        f"this CPU ({cap}) has no native BF16: autocast would emulate bfloat16 (correct, but many "
+                        f"times slower than FP32)")
     try:
         ok = torch.cuda.is_bf16_supported(including_emulation=False)
     except TypeError:  # torch without the keyword
