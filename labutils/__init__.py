@@ -9,7 +9,7 @@ from .env import (bf16_supported, default_device, detect_mode, environment, matm
                   set_memory_budget, setup, tf32_supported)
 from .memory import MemoryTracker, fmt_bytes, release, state_bytes
 from .models import enable_checkpointing, flops_per_token, load_model
-from .results import format_table, read_results, record_results, show_table
+from .results import format_table, mode_banner, read_results, record_results, show_table
 from .train import RunResult, autocast_for, make_optimizer, prepare, run, scaler_for, train
 
 __all__ = [n for n in dir() if not n.startswith("_")]

@@ -139,3 +139,16 @@ def show_table(rows: list[dict], columns: list[str] | None = None) -> None:
     except ImportError:
         pass
     print(text)
+
+
+SMOKE_BANNER = ("SMOKE MODE: a tiny GPT-2 for a few steps, on the CPU. Every number this notebook prints only shows "
+                "that the code runs: none is a GPU result, and nothing is extrapolated to GPU sizes or cards. Run it "
+                "on a CUDA GPU (without LAB_SMOKE=1) for the real measurements.")
+
+
+def mode_banner(mode: str) -> str:
+    """The one banner a notebook's setup cell prints in smoke mode (instead of a tag on every line); "" when full."""
+    if mode == "full":
+        return ""
+    rule = "=" * 100
+    return f"{rule}\n{SMOKE_BANNER}\n{rule}"
