@@ -280,11 +280,18 @@ def dump_snapshot(path: str | os.PathLike) -> bool:
 
 # ------------------------------------------------------------------------------------------ formats and facts
 def bf16_support(device=None) -> tuple[bool, str]:
-    """BF16 autocast on this device, and a reason a student can read: native on CUDA from Ampere (8.0) on;
-    the CPU supports it by emulation."""
+    """Native BF16 (no emulation) on this device, and a reason a student can read: one answer per machine, used
+    by every lab. CUDA: from Ampere (8.0) on. CPU: only with BF16 instructions; elsewhere CPU autocast still runs
+    bfloat16, emulated: correct, many times slower than FP32."""
     device = resolve(device)
-    if device.type != "cuda":
-        return True, "CPU autocast supports bfloat16 (emulated: slow, for correctness only)"
+    if device.type != "cuda":  # native only with BF16 instructions (AVX512-BF16 / AMX): oneDNN's own check
+        native = False
+        with contextlib.suppress(Exception):  # absent from builds without oneDNN
+            native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        cap = torch.backends.cpu.get_cpu_capability()
+        return native, (f"this CPU ({cap}) has native BF16 instructions (oneDNN)" if native else
+                        f"this CPU ({cap}) has no native BF16: autocast would emulate bfloat16 (correct, but many "
+                        f"times slower than FP32)")
     major, minor = torch.cuda.get_device_capability(device.index)
     name = torch.cuda.get_device_name(device.index)
     ok = major >= 8

@@ -199,7 +199,7 @@ def check_cap_and_oom(c: Checks, device: torch.device) -> None:
             from .memory import MemoryTracker
             caught = False
             try:
-                with MemoryTracker(device, cpu_budget_bytes=0) as mt:
+                with MemoryTracker(device, cpu_budget_bytes=0):
                     torch.ones(1 * MiB)
             except torch.OutOfMemoryError:
                 caught = True

@@ -37,8 +37,10 @@ GiB, MiB = 2**30, 2**20
 CUDA_CONTEXT_BYTES = int(0.5 * GiB)   # CUDA context + kernels outside PyTorch's allocator (typical 0.3-0.6 GiB)
 HEADROOM = 0.10                       # allocator rounding / fragmentation: reserved is usually 5-15 % above peak
 CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8   # cuBLAS default workspace per (handle, stream)
-# Relative matmul throughput assumed by the advisor to rank configurations that fit (lab 01 measures yours).
-RELATIVE_SPEED = {"fp32": 1.0, "tf32": 1.6, "fp16": 2.2, "bf16": 2.2}
+# How the advisor ranks precisions: no built-in numbers (the design's "2.2x" is claim C2, tested in lab 01). A speed
+# source gives {precision: throughput relative to fp32} and says where it came from: lab 01's measurements on this
+# GPU (measured_speeds), a peak table of the card, or nothing ("unknown": all precisions counted equal).
+UNKNOWN_SPEEDS = "unknown: no measured or peak speeds for this GPU; precisions counted equal (ranked by memory, recompute and micro-batch size only)"
 SATURATION_TOKENS = 1024              # micro-batch tokens at which a GPU reaches half of its throughput (assumed)
 
 
@@ -718,8 +720,24 @@ def fits(estimate: dict, budget_bytes: int, context_bytes: int = CUDA_CONTEXT_BY
     return estimate["peak_bytes"] * (1 + headroom) + context_bytes <= budget_bytes
 
 
-def relative_step_time(plan: Plan) -> float:
-    """A rough model for ranking: FLOPs per optimizer step / (precision speed x utilisation of the micro-batch)."""
+def measured_speeds(gpu_name: str | None, mode: str = "full") -> tuple[dict, str] | None:
+    """Lab 01's measured speed-ups vs fp32 (its precision_comparison table) when its results were recorded on
+    ``gpu_name``; None otherwise. For :func:`recommend`'s ``speeds``."""
+    from .results import read_results
+
+    data = read_results("01-Mixed_Precision", mode) if gpu_name else None
+    if not data or (data.get("env") or {}).get("gpu_name") != gpu_name:
+        return None
+    rows = (data.get("tables") or {}).get("precision_comparison") or []
+    speeds = {r.get("run"): r.get("speedup_vs_fp32") for r in rows if r.get("status") == "ok"
+              and isinstance(r.get("speedup_vs_fp32"), (int, float))}
+    speeds.setdefault("fp32", 1.0)
+    return speeds, f"measured by lab 01 on {gpu_name} ({data.get('env', {}).get('date') or 'date not recorded'})"
+
+
+def relative_step_time(plan: Plan, speeds: dict | None = None) -> float:
+    """A rough model for ranking: FLOPs per optimizer step / (precision speed x utilisation of the micro-batch).
+    ``speeds``: {precision: throughput relative to fp32}; a precision it does not list counts as 1.0."""
     from .models import flops_per_token
 
     tokens = plan.micro * plan.seq
@@ -729,7 +747,7 @@ def relative_step_time(plan: Plan) -> float:
     if plan.checkpointing and plan.every_n > 1:   # only some blocks recompute
         base = flops_per_token(plan.model, plan.seq)
         flops = base + (flops_per_token(plan.model, plan.seq, recompute=True) - base) / plan.every_n
-    return plan.effective_batch * plan.seq * flops / (RELATIVE_SPEED[plan.precision] * util) / 1e12
+    return plan.effective_batch * plan.seq * flops / ((speeds or {}).get(plan.precision) or 1.0) / util / 1e12
 
 
 def candidate_plans(base: Plan, amp_dtype: str | None = None) -> list[Plan]:
@@ -749,9 +767,13 @@ def candidate_plans(base: Plan, amp_dtype: str | None = None) -> list[Plan]:
 
 
 def recommend(cfg, budget_bytes: int, *, device: str = "cuda", amp_dtype: str | None = None,
-              context_bytes: int = CUDA_CONTEXT_BYTES, headroom: float = HEADROOM, **overrides) -> dict:
+              context_bytes: int = CUDA_CONTEXT_BYTES, headroom: float = HEADROOM,
+              speeds: tuple[dict, str] | None = None, **overrides) -> dict:
     """The fastest configuration predicted to fit ``budget_bytes`` (a GPU's memory), keeping the config's
-    effective batch (micro x accumulation) as the target. Returns the chosen candidate and all candidates."""
+    effective batch (micro x accumulation) as the target. Returns the chosen candidate and all candidates.
+    ``speeds``: ({precision: speed relative to fp32}, where it came from), e.g. :func:`measured_speeds` or a peak
+    table of the card; without one precisions count equal and ``speed_source`` says so."""
+    speed_map, speed_source = speeds if speeds else ({}, UNKNOWN_SPEEDS)
     base = plan_from_config(cfg, device=device, **overrides)
     rows = []
     for plan in candidate_plans(base, amp_dtype):
@@ -759,13 +781,14 @@ def recommend(cfg, budget_bytes: int, *, device: str = "cuda", amp_dtype: str | 
         ok = fits(est, budget_bytes, context_bytes, headroom)
         rows.append({"precision": plan.precision, "checkpointing": plan.checkpointing, "micro_batch": plan.micro,
                      "accum": plan.accum, "peak_bytes": est["peak_bytes"], "peak_phase": est["peak_phase"],
-                     "fits": ok, "relative_time": relative_step_time(plan)})
+                     "fits": ok, "relative_time": relative_step_time(plan, speed_map)})
     fastest = min((r for r in rows if r["fits"]), key=lambda r: r["relative_time"], default=None)
-    own_time = relative_step_time(base)
+    own_time = relative_step_time(base, speed_map)
     for r in rows:
         r["speedup_vs_config"] = own_time / r["relative_time"]
     return {"budget_bytes": int(budget_bytes), "context_bytes": int(context_bytes), "headroom": headroom,
             "effective_batch": base.effective_batch, "recommendation": fastest, "candidates": rows,
+            "speed_source": speed_source,
             "config_fits": fits(estimate_plan(base), budget_bytes, context_bytes, headroom)}
 
 
@@ -778,6 +801,12 @@ def _amp_dtype(cfg) -> tuple[str, str | None]:
     if dev.cuda_available():
         return ("bf16", None) if dev.bf16_support()[0] else ("fp16", "this GPU has no native bf16")
     return "bf16", "no GPU here; use fp16 on GPUs before Ampere: same memory"
+
+
+def _gpu_name() -> str | None:
+    from . import device as dev
+
+    return dev.name() if dev.cuda_available() else None
 
 
 def default_budget_bytes() -> tuple[int, str]:
@@ -844,7 +873,7 @@ def cli_estimate(cfg, args) -> int:
         budget, where = default_budget_bytes()
     est = estimate_memory(cfg)
     amp, amp_note = _amp_dtype(cfg)
-    advice = recommend(cfg, budget, amp_dtype=amp)
+    advice = recommend(cfg, budget, amp_dtype=amp, speeds=measured_speeds(_gpu_name()))
     t = cfg.train
     print(f"{cfg.model.name} ({est['parameters'] / 1e6:.1f}M parameters), {t.precision}, micro-batch "
           f"{t.micro_batch_size} x accumulation {t.accumulation_steps} x {cfg.data.seq_length} tokens, "
@@ -873,6 +902,7 @@ def cli_estimate(cfg, args) -> int:
               f"{rec['micro_batch']} x accumulation {rec['accum']}: peak {_gib(rec['peak_bytes'])}"
               + (f", ~{rec['speedup_vs_config']:.2f}x the config's speed (rough model)"
                  if rec.get("speedup_vs_config") else "")
+              + f"; precision speeds: {advice['speed_source']}"
               + (f" [{amp_note}]" if amp_note and rec["precision"] == amp else ""))
     else:
         smallest = min(advice["candidates"], key=lambda r: r["peak_bytes"])

@@ -498,6 +498,7 @@ def render_lab(data: dict, figure_prefix: str = "", *, readme: bool = False) -> 
               f"- Weights: {weights_line(data)}",
               f"- Run: {mode} mode, {env.get('date') or 'date not recorded'}" + (f"; {versions}" if versions else ""),
               ""]
+    lines += render_claims(data.get("claims") or [])
     for name, rows in (data.get("tables") or {}).items():
         lines += [f"*{name}*", "", format_table(rows), ""]
     for key, value in (data.get("notes") or {}).items():
@@ -509,6 +510,16 @@ def render_lab(data: dict, figure_prefix: str = "", *, readme: bool = False) -> 
     return "\n".join(lines).rstrip() + "\n"
 
 
+def render_claims(entries: list[dict], title: str = "Claims of the course design: verdicts from this run") -> list[str]:
+    """The claims table (C1-C7 verdicts, labs' ``claims`` entries) as Markdown lines; nothing when there are none."""
+    if not entries:
+        return []
+    from .claims import table_rows
+
+    return [f"*{title}*", "", format_table(table_rows(entries), ["claim", "verdict", "measured", "why", "conditions",
+                                                                  "lab"]), ""]
+
+
 def render_results(results: dict[str, dict], figure_prefix: str = "") -> str:
     """``README-results.md``: every lab's block, under a banner saying which kind of run this was."""
     modes = {d.get("mode") for d in results.values()}
@@ -518,6 +529,9 @@ def render_results(results: dict[str, dict], figure_prefix: str = "") -> str:
                   "end to end; they are not GPU measurements and never go into README.md.", ""]
     if not results:
         lines += ["No lab recorded results.", ""]
+    elif any(d.get("claims") for d in results.values()):
+        from .claims import collect
+        lines += ["## Claims C1-C7 across the labs", ""] + render_claims(collect(results), "Every claim, one verdict")
     for lab, data in sorted(results.items()):
         lines += [f"## {data.get('notebook') or lab}", "", render_lab(data, figure_prefix)]
     return "\n".join(lines).rstrip() + "\n"
@@ -635,13 +649,16 @@ def regenerate(notebooks: list[Path], out: Path, *, smoke: bool, gpu_memory_gb: 
                 staging = None
                 try:
                     staging = Path(tempfile.mkdtemp(dir=out, prefix=f".staging-{nb.stem}-"))
-                    o = execute_notebook(nb, kernel_env(staging, smoke, gpu_memory_gb), timeout=timeout,
-                                         executed_dir=out / "executed", on_cell=progress, guard=guard)
+                    # LAB_RESULTS_READ_DIR: where a lab finds the labs before it (lab 04's C1-C7 table reads them)
+                    o = execute_notebook(nb, kernel_env(staging, smoke, gpu_memory_gb) | {"LAB_RESULTS_READ_DIR": str(out)},
+                                         timeout=timeout, executed_dir=out / "executed", on_cell=progress, guard=guard)
                     if o.ok:
                         with guard.critical():  # results move in whole or not at all
                             o.json_path, why = promote(staging, out, nb.stem, mode)
                         if o.json_path is None:
                             o.ok, o.error = False, why
+                        elif why:
+                            log(f"  note: {why}")
                 finally:
                     if staging is not None:
                         shutil.rmtree(staging, ignore_errors=True)

@@ -144,8 +144,9 @@ def _clean(v):
 
 def record_results(notebook: str, tables: dict[str, list[dict]], figures: dict | None = None, *,
                    env: dict | None = None, mode: str | None = None, notes: dict | None = None,
-                   out_dir: str | os.PathLike | None = None) -> Path:
-    """Write one lab's tables and figures; returns the JSON path. ``env`` defaults to this machine's facts."""
+                   out_dir: str | os.PathLike | None = None, claims: list[dict] | None = None) -> Path:
+    """Write one lab's tables and figures; returns the JSON path. ``env`` defaults to this machine's facts.
+    ``claims``: the lab's verdicts on the design's claims (entries from :func:`labutils.claims.claim_entry`)."""
     from .env import detect_mode, environment
 
     mode = mode or detect_mode()[0]
@@ -173,9 +174,28 @@ def record_results(notebook: str, tables: dict[str, list[dict]], figures: dict |
         fig_paths.append(str(path.relative_to(out)))
     path = out / f"{stem}.json"
     write_json(path, _clean({"notebook": stem, "mode": mode, "env": env, "tables": tables,
-                             "figures": fig_paths, "notes": notes or {}}))
-    print(f"results recorded: {path} ({len(tables)} tables, {len(fig_paths)} figures, mode {mode})")
+                             "figures": fig_paths, "notes": notes or {}, "claims": claims or []}))
+    print(f"results recorded: {path} ({len(tables)} tables, {len(fig_paths)} figures, {len(claims or [])} claims, "
+          f"mode {mode})")
     return path
+
+
+def read_results(notebook: str, mode: str) -> dict | None:
+    """Another lab's recorded results of the same ``mode``, or None: looked up in ``$LAB_RESULTS_READ_DIR``
+    (``regenerate`` points it at the output folder, since each notebook records into its own staging folder),
+    then where :func:`record_results` would write them."""
+    stem = Path(notebook).stem
+    folders = [Path(d) for d in (os.environ.get("LAB_RESULTS_READ_DIR"),) if d] + [results_dir(mode)]
+    for folder in folders:
+        path = folder / f"{stem}.json"
+        if path.is_file():
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            if data.get("mode") == mode:
+                return data
+    return None
 
 
 def _fmt(v) -> str:
@@ -215,3 +235,16 @@ def show_table(rows: list[dict], columns: list[str] | None = None) -> None:
     except ImportError:
         pass
     print(text)
+
+
+SMOKE_BANNER = ("SMOKE MODE: a tiny GPT-2 for a few steps, on the CPU. Every number this notebook prints only shows "
+                "that the code runs: none is a GPU result, and nothing is extrapolated to GPU sizes or cards. Run it "
+                "on a CUDA GPU (without LAB_SMOKE=1) for the real measurements.")
+
+
+def mode_banner(mode: str) -> str:
+    """The one banner a notebook's setup cell prints in smoke mode (instead of a tag on every line); "" when full."""
+    if mode == "full":
+        return ""
+    rule = "=" * 100
+    return f"{rule}\n{SMOKE_BANNER}\n{rule}"

@@ -262,3 +262,17 @@ def test_trace_summary_of_a_snapshot_and_the_cpu_recorder():
     del lin, rec
     gc.collect()
     assert ref() is None
+
+
+def test_advisor_has_no_builtin_speeds_and_labels_its_source():
+    cfg = lu.load_config(ROOT / "configs" / "optimized_config.yaml", mode="full")
+    assert not hasattr(E, "RELATIVE_SPEED")  # the design's 2.2x (claim C2) is tested in lab 01, not assumed
+    plain = E.recommend(cfg, 8 * E.GiB)
+    assert plain["speed_source"].startswith("unknown")
+    fast16 = E.recommend(cfg, 8 * E.GiB, amp_dtype="fp16", speeds=({"fp32": 1.0, "fp16": 3.0}, "test table"))
+    assert fast16["speed_source"] == "test table" and fast16["recommendation"]["precision"] == "fp16"
+    slow16 = E.recommend(cfg, 8 * E.GiB, amp_dtype="fp16", speeds=({"fp32": 1.0, "fp16": 0.2}, "test table"))
+    fp32_fits = [r for r in slow16["candidates"] if r["fits"] and r["precision"] == "fp32"]
+    if fp32_fits:  # a measured slow fp16 makes the advisor prefer fp32 where it fits
+        assert slow16["recommendation"]["precision"] == "fp32"
+    assert E.measured_speeds(None) is None

@@ -309,6 +309,29 @@ def check_smoke_output(out: Path, stems: list[str]):
             assert (out / fig).stat().st_size > 1000
         assert f"## {stem}" in page and f"]({data['figures'][0]})" in page
         assert (out / "executed" / f"{stem}.ipynb").exists()
+        check_claims(data)
+    if len(stems) == 4:  # the acceptance: C1-C7 each with a verdict, a measured value unless "not measured"
+        table = json.loads((out / "04-Memory_Profiling.json").read_text())["claims"]
+        assert [e["id"] for e in table] == [f"C{i}" for i in range(1, 8)]
+        assert "## Claims C1-C7 across the labs" in page
+
+
+def check_claims(data: dict):
+    """Each recorded claim: a verdict from the vocabulary, a measured value unless not measured (then a why),
+    and in smoke mode labelled a smoke measurement on cpu with the tiny model."""
+    from labutils.claims import VERDICTS
+
+    assert data["claims"], f"{data['notebook']} recorded no claims"
+    for e in data["claims"]:
+        assert e["verdict"] in VERDICTS, e
+        if e["verdict"] == "not measured":
+            assert e["why"].startswith("Not measured: ") and len(e["why"]) > 20, e
+        else:
+            assert e["measured"] and all(m["value"] is not None and m["unit"] is not None
+                                         for m in e["measured"].values()), e
+            if data["mode"] == "smoke":
+                assert e["measurement"].startswith("smoke measurement"), e
+                assert e["conditions"]["hardware"] == "cpu" and e["conditions"]["model"] == "tiny", e
 
 
 def lab_stems(labs):
