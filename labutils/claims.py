@@ -307,10 +307,10 @@ def zero2_offload_unavailable() -> str | None:
     """Why C7 cannot be measured here (DeepSpeed on a CUDA GPU is needed), or None when it can."""
     import importlib.util
 
-    import torch
+    from . import device as dev
 
     missing = [p for p in ("deepspeed", "accelerate") if importlib.util.find_spec(p) is None]
-    if not torch.cuda.is_available():  # -> device.py
+    if not dev.cuda_available():
         return "it needs DeepSpeed on a CUDA GPU, and this machine has no CUDA GPU"
     if missing:
         return (f"it needs DeepSpeed on a CUDA GPU, and {' and '.join(missing)} is not installed "
