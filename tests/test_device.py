@@ -424,3 +424,32 @@ def test_device_module_fully_covered(monkeypatch, tmp_path):
     percent = cov.report(show_missing=True, file=report)
     print(report.getvalue())
     assert percent == 100.0, report.getvalue()
+
+
+# ------------------------------------------------------------------------------------- the one place, enforced
+def _code(text: str) -> str:
+    """Source without comments and ``literal`` spans (docstrings name torch.cuda functions to explain them)."""
+    import re
+    return "\n".join(re.sub(r"``[^`]*``", "", line.split("#", 1)[0]) for line in text.splitlines())
+
+
+def test_no_torch_cuda_call_outside_the_device_module(root):
+    """Every CUDA call of labutils goes through labutils/device.py; doctor.py is the one exception: it calls the
+    raw torch.cuda functions that lab 04 shows students, to confirm them on a real GPU."""
+    import re
+    offenders = {p.name: sorted(set(re.findall(r"torch\.cuda\.[\w.]+\(", _code(p.read_text()))))
+                 for p in (root / "labutils").glob("*.py") if p.name not in ("device.py", "doctor.py")}
+    assert not {k: v for k, v in offenders.items() if v}
+
+
+def test_raw_cuda_calls_in_notebooks_are_lab04_lessons_checked_by_doctor(root):
+    import json
+    import re
+    doctor = (root / "labutils" / "doctor.py").read_text() + (root / "labutils" / "device.py").read_text()
+    for nb in sorted(root.glob("[0-9][0-9]-*.ipynb")):
+        code = "\n".join("".join(c["source"]) for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code")
+        calls = set(re.findall(r"torch\.cuda\.([\w.]+)\(", _code(code)))
+        if not nb.name.startswith("04-"):
+            assert not calls, f"{nb.name}: raw torch.cuda calls {calls}; use labutils.device"
+        for call in calls:
+            assert f"torch.cuda.{call}(" in doctor, f"{nb.name} calls torch.cuda.{call}, which doctor never checks"
