@@ -108,3 +108,17 @@ def test_bench_compares_eager_and_compiled(ragged_corpus):
     for key in ("eager", "compiled"):
         assert out[key]["ratio"] > 0 and out[key]["bare_tokens_per_second"] > 0
     assert out["ratio"] == out["eager"]["ratio"] and out["compile_speedup"] > 0
+
+
+def test_cpu_memory_tracker_skips_fake_tensors_that_compile_leaves_behind():
+    """torch.compile traces with FakeTensors, and some outlive the compile (dynamo keeps them); they own no memory.
+    The CPU tracker walks every live tensor when it starts: it counted them (and crashed in ``bench`` with
+    train.compile=true, where their storage refuses its data pointer)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.empty(2**28, dtype=torch.uint8)  # 256 MiB that do not exist
+    with lu.MemoryTracker("cpu") as mt:
+        real = torch.ones(1000)
+    assert fake.numel() == 2**28 and real.numel() == 1000
+    assert mt.start_bytes < 2**28  # the fake tensor is not counted as live memory
