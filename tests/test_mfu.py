@@ -16,6 +16,10 @@ from labutils.models import flops_per_token, model_flops_per_token
 lt = importlib.import_module("labutils.train")  # the module (labutils.train is the function)
 
 
+# torch's own inductor imports torch/utils/mkldnn.py, which uses the deprecated torch.jit.script_method: not ours
+TORCH_INTERNAL = pytest.mark.filterwarnings(r"ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+
+
 def test_cli_json_has_mfu_and_hfu_null_on_cpu(root, tmp_path):
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, "-m", "labutils", "run", "configs/fp32_config.yaml", "--set",
@@ -76,6 +80,7 @@ def test_compile_key_is_validated_and_off_by_default():
         lu.load_config(None, overrides=["train.compile=maybe"], mode="smoke")
 
 
+@TORCH_INTERNAL
 def test_training_loop_compiles_the_model_when_asked(ragged_corpus):
     """A real torch.compile of the tiny model on the CPU (inductor + gcc); measured ~10-30 s on the 2-core CI box."""
     cfg = tiny_config(ragged_corpus, train__steps=3)
@@ -100,6 +105,7 @@ def test_bench_refuses_steps_at_or_below_the_warmup(root, capsys, monkeypatch):
     assert "--repeats" in capsys.readouterr().err
 
 
+@TORCH_INTERNAL
 def test_bench_compares_eager_and_compiled(ragged_corpus):
     from labutils.bench import bench
 
