@@ -49,12 +49,14 @@ class LiveStorages(TorchDispatchMode):
     def add(self, t) -> None:
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.is_sparse:
             return
+        if getattr(t, "fake_mode", None) is not None:  # a FakeTensor (torch.compile's tracing, which keeps some
+            return                                      # alive afterwards): shapes only, no memory
         try:
             st = t.untyped_storage()
+            key = st.data_ptr()
         except (RuntimeError, NotImplementedError):
             return
         n = st.nbytes()
-        key = st.data_ptr()
         if n == 0 or key in self.live:
             return
         if self.budget is not None and self.current + n > self.budget:

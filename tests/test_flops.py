@@ -4,8 +4,13 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import labutils as lu
-from labutils.models import (disable_checkpointing, flops_per_token, gpt2_config, model_flops_per_token,
-                             recomputed_flops_per_token)
+from labutils.models import (
+    disable_checkpointing,
+    flops_per_token,
+    gpt2_config,
+    model_flops_per_token,
+    recomputed_flops_per_token,
+)
 
 
 @pytest.fixture(scope="module")
