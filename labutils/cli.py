@@ -65,6 +65,7 @@ def print_summary(result) -> None:
     t = d["config"]["train"]
     rows = [
         ("model", f"{d['config']['model']['name']} ({result.parameters / 1e6:.1f}M params, {d['env'].get('weights')} weights)"),
+        ("tokenizer", d["env"].get("tokenizer")),
         ("device", d["env"].get("gpu_name") or d["env"].get("device")),
         ("mode", d["env"].get("mode")),
         ("precision", t["precision"]),
@@ -78,7 +79,10 @@ def print_summary(result) -> None:
         rows += [
             ("loss", f"{d['losses'][0]:.4f} -> {d['final_loss']:.4f} (avg {d['avg_loss']:.4f}, {len(d['losses'])} steps)"),
             ("step time", f"{result.step_time_seconds * 1000:.1f} ms"),
-            ("throughput", f"{result.tokens_per_second:,.0f} tokens/s, {result.achieved_tflops:.3f} TFLOP/s"),
+            ("throughput", f"{result.target_tokens_per_second:,.0f} target tokens/s (tokens that count in the loss; "
+                           f"{result.positions_per_second:,.0f} positions/s, {result.padding_fraction:.0%} padding), "
+                           f"{result.achieved_tflops:.3f} TFLOP/s"),
+            ("attention", f"SDPA kernel: {result.attention_kernel}"),
             ("MFU / HFU", f"{result.mfu:.1%} / {result.hfu:.1%} of {result.peak_tflops:g} TFLOP/s "
                           f"({t['precision']} peak)" if result.mfu is not None else
                           "- (" + peak_info(d["env"].get("gpu_name"), t["precision"])[1] + ")"),

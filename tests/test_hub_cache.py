@@ -125,6 +125,7 @@ def test_cli_run_on_the_hub_cache(hf_home, tmp_path):
     assert d["status"] == "ok" and d["env"]["weights"] == "pretrained"
     assert d["env"]["tokenizer"] == "GPT-2 BPE (local hub cache)"
     assert "random weights" not in proc.stdout and "pretrained weights" in proc.stdout
+    assert "target tokens/s" in proc.stdout and "SDPA kernel" in proc.stdout
     assert d["parameters"] < 10_000_000  # the cached small checkpoint ran, not 124M random weights
     assert d["config"]["data"]["pack"] is True and d["padding_fraction"] == 0.0
     assert 0 < d["target_tokens_per_second"] <= d["positions_per_second"] == d["tokens_per_second"]
