@@ -42,10 +42,14 @@ def default_device() -> torch.device:
 
 
 def resolve(device=None) -> torch.device:
-    """A ``torch.device`` with an explicit index on CUDA (``cuda`` -> ``cuda:<current>``)."""
+    """A ``torch.device`` with an explicit index on CUDA: ``cuda`` -> this process's GPU, which is
+    ``LOCAL_RANK`` under a multi-GPU launch (before the launcher's library selects it) and the current one
+    otherwise."""
     device = torch.device(device) if device is not None else default_device()
     if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+        local = os.environ.get("LOCAL_RANK", "")
+        index = int(local) if local.isdigit() and int(local) < torch.cuda.device_count() else None
+        device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
     return device
 
 
@@ -146,15 +150,16 @@ def cap_bytes(device=None) -> int | None:
     return int(get_cap_fraction(device) * total_memory(device))
 
 
-def outside_allocator_bytes(device=None) -> tuple[int, str]:
+def outside_allocator_bytes(device=None, refresh: bool = False) -> tuple[int, str]:
     """Bytes of GPU memory this process uses outside the caching allocator (CUDA context, library handles and
     kernels), and how that number was obtained. Measured once per process, after the context exists and
     cuBLAS has run: (total - free) - reserved. On a GPU that other processes also use, their memory counts too
-    (so the budget errs on the small side)."""
+    (so the budget errs on the small side). Kernels that load later (CUDA's lazy module loading: attention,
+    fused optimizers) add a little more; ``refresh=True`` measures again (``doctor`` does, after training)."""
     if not is_cuda(device):
         return 0, "no CUDA context on the CPU"
     i = _index(device)
-    if ("outside", i) not in _state:
+    if refresh or ("outside", i) not in _state:
         how = "measured with cudaMemGetInfo after CUDA and cuBLAS init"
         try:
             # Real kernels: the pretend GPU of the tests stops at the line above; `doctor` runs these on a GPU.

@@ -270,23 +270,29 @@ class CPUTraceRecorder:
 
 def range_times(events, names=("forward", "backward", "optimizer_step")) -> list[dict]:
     """One row per ``record_function`` range of a profile (``prof.events()``): calls and CPU time from the
-    range's CPU-side event; device time from the range's own span on the GPU timeline.
+    range's CPU-side event; device time = the kernels of every operator, on any thread, that ran inside the
+    range's CPU interval (each operator's *self* device time, so nothing counts twice).
 
-    With CUDA activity the profiler records each range twice, on the CPU and as a GPU user annotation, so a
-    ``key_averages()`` table lists it twice; and the CPU-side event's device time only counts kernels launched
-    from its own thread: ``backward``'s kernels are launched by autograd's worker thread, so it reads ~0.
-    Without GPU events the device time is None."""
+    Why not the profiler's own numbers: with CUDA activity each range is recorded twice (on the CPU and as a
+    GPU user annotation), so ``key_averages()`` lists it twice; and both copies only see kernels launched from
+    the range's own thread, while ``backward``'s kernels are launched by autograd's worker thread: they read ~0
+    (kineto issue 1022). Without GPU activity in the profile the device time is None."""
     from torch.autograd import DeviceType
 
+    cpu_ops = [e for e in events if e.device_type == DeviceType.CPU]
+    has_gpu = any(e.device_type != DeviceType.CPU for e in events)
     rows = []
     for name in names:
-        cpu = [e for e in events if e.name == name and e.device_type == DeviceType.CPU]
-        gpu = [e for e in events if e.name == name and e.device_type != DeviceType.CPU]
-        if not cpu and not gpu:
+        spans = [e for e in cpu_ops if e.name == name]
+        if not spans:
             continue
-        rows.append({"range": name, "calls": len(cpu) or len(gpu),
-                     "cpu time (ms)": sum(e.time_range.elapsed_us() for e in cpu) / 1e3 if cpu else None,
-                     "device time (ms)": sum(e.time_range.elapsed_us() for e in gpu) / 1e3 if gpu else None})
+        device_us = None
+        if has_gpu:
+            device_us = sum(op.self_device_time_total for op in cpu_ops for r in spans
+                            if r.time_range.start <= op.time_range.start and op.time_range.end <= r.time_range.end)
+        rows.append({"range": name, "calls": len(spans),
+                     "cpu time (ms)": sum(e.time_range.elapsed_us() for e in spans) / 1e3,
+                     "device time (ms)": device_us / 1e3 if device_us is not None else None})
     return rows
 
 

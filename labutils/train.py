@@ -279,12 +279,16 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
     return result
 
 
+FUSED_KERNELS = ("flash", "memory-efficient", "cudnn")  # SDPA kernels that recompute the scores in backward
+
+
 def account_flops(result: RunResult, cfg: Config, seq_length: int, device: torch.device, n_timed: int) -> None:
     """Achieved TFLOP/s, MFU and HFU of a finished run, over its last ``n_timed`` (timed) steps."""
     t, m = cfg.train, cfg.model
     executed = flops_per_token(m.name, seq_length, recompute=t.gradient_checkpointing,
                                every_n_layers=t.checkpoint_every_n_layers, dropout=m.dropout is None or m.dropout > 0,
-                               fused_attention=device.type == "cuda" and m.attn_implementation == "sdpa")
+                               fused_attention=device.type == "cuda" and m.attn_implementation == "sdpa"
+                               and (result.attention_kernel or "flash").split()[0] in FUSED_KERNELS)
     targets = result.target_tokens[-n_timed:]
     seconds = sum(result.step_times[-n_timed:])
     result.model_flops_per_step = model_flops_per_token(m.name, seq_length) * sum(targets) / len(targets)

@@ -213,24 +213,37 @@ def test_zero_or_empty_budget_means_no_cap(monkeypatch, raw):
 
 
 # ---------------------------------------------------------------------------------------------------- row 7
-def _event(i, name, start, end, device_type):
+def _event(i, name, start, end, device_type="CPU", thread=0, kernel_us=0):
     from torch.autograd import DeviceType
     from torch.autograd.profiler_util import FunctionEvent
-    return FunctionEvent(i, name, thread=0, start_us=start, end_us=end, device_type=getattr(DeviceType, device_type),
-                         is_user_annotation=device_type == "CUDA")
+    e = FunctionEvent(i, name, thread=thread, start_us=start, end_us=end, device_type=getattr(DeviceType, device_type),
+                      is_user_annotation=device_type == "CUDA", use_device="cuda")
+    if kernel_us:
+        e.append_kernel(f"{name} kernel", 0, kernel_us)
+    return e
 
 
 def test_profiler_ranges_once_each_with_gpu_time():
     """Row 7: with CUDA activity each range is recorded on the CPU and again as a GPU annotation (two rows in
-    key_averages), and the CPU backward range's device time is ~0 (kernels launched from autograd's thread)."""
-    events = [_event(1, "forward", 0, 100, "CPU"), _event(2, "forward", 5, 180, "CUDA"),
-              _event(3, "backward", 100, 110, "CPU"), _event(4, "backward", 180, 500, "CUDA"),
-              _event(5, "optimizer_step", 110, 130, "CPU")]
+    key_averages), and both copies see only kernels launched from the range's own thread: backward's are
+    launched by autograd's worker thread, so its device time read ~0."""
+    events = [_event(1, "forward", 0, 100), _event(2, "forward", 5, 180, "CUDA"),
+              _event(3, "aten::mm", 10, 20, kernel_us=50),                        # forward's matmul, main thread
+              _event(4, "backward", 100, 200), _event(5, "backward", 180, 182, "CUDA"),  # annotation: ~0
+              _event(6, "MmBackward0", 110, 150, thread=7, kernel_us=90),         # autograd's thread
+              _event(7, "aten::mm", 115, 140, thread=7, kernel_us=70),            # its child: self time counts once
+              _event(8, "optimizer_step", 200, 230), _event(9, "aten::_fused_adamw_", 205, 220, kernel_us=30)]
+    for parent, child in ((events[5], events[6]),):
+        parent.append_cpu_child(child)
     rows = profiling.range_times(events)
     assert [r["range"] for r in rows] == ["forward", "backward", "optimizer_step"]
     assert [r["calls"] for r in rows] == [1, 1, 1]
-    assert rows[1]["device time (ms)"] == pytest.approx(0.32) and rows[1]["cpu time (ms)"] == pytest.approx(0.01)
-    assert rows[2]["device time (ms)"] is None
+    assert rows[0]["device time (ms)"] == pytest.approx(0.05)
+    assert rows[1]["device time (ms)"] == pytest.approx(0.16) and rows[1]["cpu time (ms)"] == pytest.approx(0.1)
+    assert rows[2]["device time (ms)"] == pytest.approx(0.03)
+    cpu_only = [e for e in events if e.device_type.name == "CPU"]
+    assert all(r["device time (ms)"] is None for r in profiling.range_times([_event(1, "forward", 0, 9)]))
+    assert len(profiling.range_times(cpu_only)) == 3
 
 
 # ---------------------------------------------------------------------------------------------------- row 8
