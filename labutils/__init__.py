@@ -13,6 +13,6 @@ from .memory import MemoryTracker, fmt_bytes, release, state_bytes
 from .models import enable_checkpointing, flops_per_token, load_model, model_flops_per_token
 from .peaks import peak_info, peak_tflops
 from .results import format_table, mode_banner, read_results, record_results, show_table
-from .train import RunResult, autocast_for, make_optimizer, prepare, run, scaler_for, train
+from .train import RunResult, autocast_for, make_optimizer, prepare, run, scaler_for, step_scheduler, train
 
 __all__ = [n for n in dir() if not n.startswith("_")]

@@ -24,7 +24,7 @@ from . import env as _env
 from .config import Config
 from .data import IGNORE_INDEX, LMDataset
 from .memory import MemoryTracker, release
-from .train import make_optimizer, prepare, train
+from .train import make_optimizer, prepare, step_scheduler, train
 
 NORMALISATIONS = ("window", "naive")
 
@@ -301,7 +301,7 @@ def replay(cfg: Config, step_fn, device=None) -> dict:
             for _ in range(cfg.train.steps):
                 loss, norm = step_fn(model, optimizer, next(windows), autocast=autocast, scaler=scaler,
                                      max_grad_norm=cfg.train.max_grad_norm)
-                scheduler.step()
+                step_scheduler(scheduler)
                 losses.append(float(loss))
                 norms.append(float(norm))
         finally:

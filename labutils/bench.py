@@ -18,7 +18,7 @@ import torch
 from . import device as dev
 from . import env as _env
 from .config import Config, ConfigError
-from .train import autocast_for, make_optimizer, prepare, scaler_for, train
+from .train import autocast_for, make_optimizer, prepare, scaler_for, step_scheduler, train
 
 
 def bare_loop(cfg: Config, model, dataset, device) -> float:
@@ -41,7 +41,7 @@ def bare_loop(cfg: Config, model, dataset, device) -> float:
             if t.max_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
             (scaler.step(opt), scaler.update()) if scaler else opt.step()
-            sched.step()
+            step_scheduler(sched)
             opt.zero_grad(set_to_none=True)
             loss.item()
             times.append(time.perf_counter() - start)

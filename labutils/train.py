@@ -145,6 +145,20 @@ def scaler_for(precision: str, device: torch.device, **scaler_kwargs):
     return torch.amp.GradScaler(device.type, **scaler_kwargs) if precision == "fp16" else None
 
 
+def step_scheduler(scheduler) -> None:
+    """Advance the learning-rate schedule by one optimizer step, skipped or not.
+
+    Every loop of the course (this one, the labs' written-out ones, the benchmark) advances the schedule once
+    per step, so they stay step-for-step identical. When fp16's GradScaler skips the very first step (an
+    overflow at its initial scale of 65536 is common), the optimizer has not run yet and torch warns that
+    ``lr_scheduler.step()`` came before ``optimizer.step()``: expected here, so that one warning is not shown."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before", category=UserWarning)
+        scheduler.step()
+
+
 def make_optimizer(model, cfg: Config, device: torch.device, accelerator=None):
     t = cfg.train
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
@@ -232,7 +246,7 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
                     result.skipped.append(step)
             else:
                 optimizer.step()
-            scheduler.step()
+            step_scheduler(scheduler)
             if step == t.steps - 1:  # model state as the run ends, gradients still allocated
                 result.memory = state_bytes(model, optimizer)
             optimizer.zero_grad(set_to_none=True)
