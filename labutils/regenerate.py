@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .results import format_table
+from .results import format_table, write_atomic
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS = "results"  # the committed results folder, relative to the repository root
@@ -351,23 +351,8 @@ def execute_notebook(path: Path, env: dict, *, cwd: Path = REPO_ROOT, timeout: i
     if executed_dir is not None:
         outcome.executed_path = executed_dir / path.name
         with guard.critical():
-            _write_atomic(outcome.executed_path, nbformat.writes(nb).encode("utf-8"))
+            write_atomic(outcome.executed_path, nbformat.writes(nb).encode("utf-8"))
     return outcome
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temp file of this call's own (removed whatever happens)."""
-    from .results import replace_mode
-
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        replace_mode(tmp, path)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def promote(staging: Path, out: Path, stem: str, expected_mode: str) -> tuple[Path | None, str | None]:
@@ -615,7 +600,7 @@ def read_readme(path: Path) -> str:
 def write_keeping_file(path: Path, text: str) -> None:
     """Replace ``path``'s content atomically, keeping what the file is: through a symlink (the link stays, its
     target is rewritten), with the file's mode, and the exact bytes of ``text`` (no newline translation)."""
-    _write_atomic(Path(os.path.realpath(path)), text.encode("utf-8"))
+    write_atomic(Path(os.path.realpath(path)), text.encode("utf-8"))
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -671,7 +656,7 @@ def regenerate(notebooks: list[Path], out: Path, *, smoke: bool, gpu_memory_gb: 
 
             with guard.critical():
                 results = load_results(out, stems)
-                _write_atomic(out / "README-results.md", render_results(results).encode("utf-8"))
+                write_atomic(out / "README-results.md", render_results(results).encode("utf-8"))
                 log(f"wrote {out / 'README-results.md'} ({len(results)} labs)")
                 if readme is not None:
                     _update_readme_file(readme, out, results, outcomes, log)

@@ -57,12 +57,17 @@ def check_output_file(path: str | os.PathLike, option: str = "--json") -> Path:
         base = _nearest_existing(p.parent if str(p.parent) else Path("."))
     except OSError as exc:  # a name too long, ...
         raise OutputPathError(f"{where}: {exc.strerror or exc}") from None
+    _check_creatable(where, base, "nothing")
+    return p
+
+
+def _check_creatable(where: str, base: Path, what: str) -> None:
+    """``base`` (the nearest existing ancestor) must be a folder this process can create files in."""
     if not base.is_dir():
-        raise OutputPathError(f"{where}: {shown_path(base)} is a file, so nothing can be created under it")
+        raise OutputPathError(f"{where}: {shown_path(base)} is a file, so {what} can be created under it")
     why = _probe_writable(base)
     if why:
         raise OutputPathError(f"{where}: cannot create files in {shown_path(base)} ({why})")
-    return p
 
 
 def check_output_dir(path: str | os.PathLike, option: str = "--out") -> Path:
@@ -75,11 +80,7 @@ def check_output_dir(path: str | os.PathLike, option: str = "--out") -> Path:
         base = _nearest_existing(p)
     except OSError as exc:
         raise OutputPathError(f"{where}: {exc.strerror or exc}") from None
-    if not base.is_dir():
-        raise OutputPathError(f"{where}: {shown_path(base)} is a file, so no folder can be created under it")
-    why = _probe_writable(base)
-    if why:
-        raise OutputPathError(f"{where}: cannot create files in {shown_path(base)} ({why})")
+    _check_creatable(where, base, "no folder")
     return p
 
 
@@ -106,10 +107,16 @@ def write_json(path: str | os.PathLike, data) -> None:
     path = Path(path)
     text = json.dumps(_clean(data), indent=2, default=str, allow_nan=False) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, text.encode("utf-8"))
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temp file of this call's own (removed whatever happens), keeping the
+    mode an existing file had: a crash never leaves half a file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         replace_mode(tmp, path)
         os.replace(tmp, path)
     finally:
