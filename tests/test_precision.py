@@ -104,3 +104,21 @@ def test_guarded_turns_oom_into_none(capsys):
 
 def test_matmul_tflops_positive():
     assert lp.matmul_tflops(32, 32, 32, "fp32", torch.device("cpu"), min_run_time=0.01) > 0
+
+
+def test_legend_outside_places_the_legend_off_the_axes():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [0, 1], label="a")
+    fig.canvas.draw()
+    box = ax.get_window_extent()
+    right = lu.legend_outside(ax).get_window_extent()
+    assert right.x0 >= box.x1
+    below = lu.legend_outside(ax, "below").get_window_extent()
+    assert below.y1 <= box.y0
+    with pytest.raises(ValueError, match="where='left'.*'right', 'below'"):
+        lu.legend_outside(ax, "left")
+    plt.close(fig)
