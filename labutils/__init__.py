@@ -1,12 +1,14 @@
 """labutils: what the four labs share. ``import labutils as lu``.
 
 Modules: config (YAML -> dataclasses), env (mode, device, versions), data (corpus, sampler), models (GPT-2
-sizes, offline fallback, checkpointing, FLOP counts), peaks (GPU peak TFLOP/s for MFU), memory (MemoryTracker), train (the one training loop), results (tables, figures, provenance), cli.
+sizes, offline fallback, checkpointing, FLOP counts), peaks (GPU peak TFLOP/s for MFU), memory (MemoryTracker), train (the one training loop), results (tables, figures, provenance), figures (step and
+legend conventions), cli.
 """
 from . import device
 from .config import Config, ConfigError, load_config
 from .data import LMDataset, build_dataset, load_documents
 from .device import card_allocator_bytes
+from .figures import legend_outside, step_axis, step_numbers
 from .env import (apply_budget_from_env, bf16_supported, default_device, detect_mode, environment, matmul_precision,
                   seed_everything, set_memory_budget, setup, tf32_supported)
 from .memory import MemoryTracker, fmt_bytes, release, state_bytes

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import datetime as _dt
 import platform
 import random
@@ -56,6 +57,19 @@ def matmul_precision(tf32: bool):
             yield
         finally:
             matmul.allow_tf32, cudnn.allow_tf32 = saved
+
+
+PROGRESS_ENV = "LAB_PROGRESS"
+
+
+def progress_bars() -> bool:
+    """Whether training shows tqdm progress bars: yes, unless ``$LAB_PROGRESS`` is 0 / false / no / off.
+
+    ``regenerate`` sets it to 0 for the kernels it runs: a bar in a notebook is a widget whose saved text is the
+    state it was drawn in ("0%|"), so an executed copy read later would show that. A kernel cannot tell an
+    interactive frontend from a batch executor (both are ipykernel behind the same protocol), so the one that
+    will save the outputs says so instead of the kernel guessing."""
+    return os.environ.get(PROGRESS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def seed_everything(seed: int) -> None:

@@ -219,20 +219,84 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def format_table(rows: list[dict], columns: list[str] | None = None) -> str:
-    """A Markdown table from row dicts (columns: the first row's keys unless given)."""
+BYTE_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+_UNIT_SIZE = {"gib": 2**30, "mib": 2**20, "kib": 2**10, "bytes": 1}  # the unit words a memory column's name ends in
+
+
+def byte_unit(values) -> tuple[str, int]:
+    """The unit a column of byte counts is shown in: the largest one in which the smallest nonzero magnitude is
+    at least 1, so every value keeps its leading digits (11.6 and 11.5 MiB, not 0.0113 and 0.0113 GiB).
+    ``values``: byte counts (None and NaN are ignored). Returns (name, bytes per unit); ("B", 1) if all are 0."""
+    sizes = [abs(float(v)) for v in values
+             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v != 0]
+    if not sizes:
+        return BYTE_UNITS[-1]
+    smallest = min(sizes)
+    return next((name, size) for name, size in BYTE_UNITS if smallest >= size) if smallest >= 1 else BYTE_UNITS[-1]
+
+
+def _byte_column(column: str) -> tuple[str, str, int] | None:
+    """(text before the unit, text after it, bytes per unit) of a column whose name says it holds memory in a byte
+    unit: ``peak_gib``, ``weights_bytes``, ``allocated (MiB)``, ``memory [GiB]``, ``MiB``; else None. A rate such as
+    ``KiB_per_token`` is not a size and keeps its unit."""
+    low = column.lower()
+    for unit, size in _UNIT_SIZE.items():
+        for before, after in (("_", ""), (" (", ")"), (" [", "]"), ("", "")):
+            tail = f"{before}{unit}{after}"
+            if low.endswith(tail) and (before or low == unit):
+                return column[:len(column) - len(tail)] + before, after, size
+    return None
+
+
+def adapt_byte_units(rows: list[dict], columns: list[str]) -> tuple[list[dict], list[str]]:
+    """Rows and column names for display, each memory column (see :func:`_byte_column`) converted to the unit its
+    own values call for (:func:`byte_unit`) and renamed to say it: a ``peak_gib`` column of 0.0113 and 0.01123
+    becomes ``peak_mib`` with 11.6 and 11.5. Other columns, and the rows given, are left as they are."""
+    renamed, new_columns = {}, []
+    for c in columns:
+        spec = _byte_column(c)
+        if spec is None:
+            new_columns.append(c)
+            continue
+        head, tail, size = spec
+        name, unit = byte_unit(r.get(c) * size for r in rows if isinstance(r.get(c), (int, float)))
+        if c.lower() in _UNIT_SIZE:
+            new = name
+        else:
+            unit_text = ("bytes" if name == "B" else name.lower()) if head.endswith("_") else name
+            new = f"{head}{unit_text}{tail}"
+        renamed[c] = (new, size / unit)
+        new_columns.append(new)
+    if not renamed:
+        return rows, columns
+    out = []
+    for r in rows:
+        row = {k: v for k, v in r.items() if k not in renamed}
+        for c, (new, factor) in renamed.items():
+            v = r.get(c)
+            row[new] = v * factor if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+        out.append(row)
+    return out, new_columns
+
+
+def format_table(rows: list[dict], columns: list[str] | None = None, *, adapt_units: bool = True) -> str:
+    """A Markdown table from row dicts (columns: the first row's keys unless given). Memory columns (names ending in
+    a byte unit: ``_gib``, ``_bytes``, `` (MiB)``...) are shown in the unit their values call for
+    (:func:`adapt_byte_units`) unless ``adapt_units=False``; the rows themselves (what gets recorded) are unchanged."""
     if not rows:
         return "(no rows)"
     columns = columns or list(rows[0])
+    if adapt_units:
+        rows, columns = adapt_byte_units(rows, columns)
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
     for r in rows:
         lines.append("| " + " | ".join(_fmt(r.get(c)).replace("|", "/") for c in columns) + " |")
     return "\n".join(lines)
 
 
-def show_table(rows: list[dict], columns: list[str] | None = None) -> None:
-    """Display a table: rendered Markdown in Jupyter, plain Markdown text elsewhere."""
-    text = format_table(rows, columns)
+def show_table(rows: list[dict], columns: list[str] | None = None, *, adapt_units: bool = True) -> None:
+    """Display a table: rendered Markdown in Jupyter, plain Markdown text elsewhere (units as :func:`format_table`)."""
+    text = format_table(rows, columns, adapt_units=adapt_units)
     try:
         from IPython import get_ipython
         from IPython.display import Markdown, display

@@ -220,7 +220,7 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
         optimizer, scheduler = make_optimizer(model, cfg, device)
         autocast = autocast_for(t.precision, device)
         scaler = scaler_for(t.precision, device, **(scaler_kwargs or {}))
-        bar = tqdm(range(t.steps), desc=desc or f"{cfg.model.name} {t.precision}", disable=not progress, leave=False)
+        bar = tqdm(range(t.steps), desc=desc or f"{cfg.model.name} {t.precision}", disable=not (progress and _env.progress_bars()), leave=False)
         for step in bar:
             start = time.perf_counter()
             window = next(windows)
@@ -406,7 +406,7 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
     tracker = MemoryTracker(device) if device.type == "cuda" else None
     with (tracker or contextlib.nullcontext()), _env.matmul_precision(tf32=t.precision == "tf32"):
         bar = tqdm(range(t.steps), desc=desc or f"{cfg.model.name} {t.precision} x{world}",
-                   disable=not (progress and acc.is_main_process), leave=False)
+                   disable=not (progress and acc.is_main_process and _env.progress_bars()), leave=False)
         for step in bar:
             start = time.perf_counter()
             window = next(windows)

@@ -68,6 +68,33 @@ def test_comparison_rows_speedup_and_saving():
     assert rows["tf32"]["speedup_vs_fp32"] is None
 
 
+def test_comparison_rows_times_say_which_steps_they_cover():
+    # 1 warm-up step (3 s) and 2 timed steps (1 s each): the total counts all three, the rates only the timed two
+    cfg = lu.load_config(None, mode="smoke")
+    r = lu.RunResult(config=cfg.to_dict(), env={}, losses=[2.0, 1.5, 1.0], step_times=[3.0, 1.0, 1.0],
+                     step_time_seconds=1.0, peak_memory_bytes=1000)
+    row = lp.comparison_rows({"fp32": r})[0]
+    assert "time_s" not in row
+    assert row["time_all_steps_s"] == pytest.approx(5.0)
+    assert row["step_time_s"] == pytest.approx(1.0) and row["steps_per_s"] == pytest.approx(1 / row["step_time_s"])
+
+
+def test_step_figures_number_steps_from_one_with_integer_ticks():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot(lu.step_numbers([5.0, 4.0, 3.5, 3.2]), [5.0, 4.0, 3.5, 3.2])
+    lu.step_axis(ax)
+    fig.canvas.draw()
+    ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    assert list(lu.step_numbers([0, 0, 0])) == [1, 2, 3]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    assert ax.get_xlabel() == "optimizer step"
+    plt.close(fig)
+
+
 def test_guarded_turns_oom_into_none(capsys):
     def boom():
         raise torch.OutOfMemoryError("simulated")
@@ -77,3 +104,21 @@ def test_guarded_turns_oom_into_none(capsys):
 
 def test_matmul_tflops_positive():
     assert lp.matmul_tflops(32, 32, 32, "fp32", torch.device("cpu"), min_run_time=0.01) > 0
+
+
+def test_legend_outside_places_the_legend_off_the_axes():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [0, 1], label="a")
+    fig.canvas.draw()
+    box = ax.get_window_extent()
+    right = lu.legend_outside(ax).get_window_extent()
+    assert right.x0 >= box.x1
+    below = lu.legend_outside(ax, "below").get_window_extent()
+    assert below.y1 <= box.y0
+    with pytest.raises(ValueError, match="where='left'.*'right', 'below'"):
+        lu.legend_outside(ax, "left")
+    plt.close(fig)

@@ -167,3 +167,22 @@ def test_skipped_first_fp16_step_prints_no_scheduler_warning(ragged_corpus):
         res = lu.run(cfg, "cpu", progress=False, verbose=False, inject_overflow_at={0})
     assert res.skipped == [0]
     assert not [w for w in caught if "lr_scheduler" in str(w.message)], [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("setting, bar_shown", [(None, True), ("1", True), ("0", False), ("off", False)])
+def test_progress_bars_follow_lab_progress(capsys, monkeypatch, setting, bar_shown):
+    # regenerate sets LAB_PROGRESS=0 for its kernels: a saved bar reads "0%|" in an executed copy
+    if setting is None:
+        monkeypatch.delenv("LAB_PROGRESS", raising=False)
+    else:
+        monkeypatch.setenv("LAB_PROGRESS", setting)
+    cfg = tiny_config(**{"train__steps": 2})
+    loaded, ds = lu.prepare(cfg, "cpu", verbose=False)
+    capsys.readouterr()
+    lu.train(cfg, loaded.model, ds, "cpu", progress=True, desc="bar-check")
+    assert ("bar-check" in capsys.readouterr().err) == bar_shown
+
+
+def test_regenerate_kernels_run_without_progress_bars():
+    from labutils import regenerate as rg
+    assert rg.kernel_env("/tmp/r", smoke=True, gpu_memory_gb=None, base={"LAB_PROGRESS": "1"})["LAB_PROGRESS"] == "0"
