@@ -735,6 +735,26 @@ def measured_speeds(gpu_name: str | None, mode: str = "full") -> tuple[dict, str
     return speeds, f"measured by lab 01 on {gpu_name} ({data.get('env', {}).get('date') or 'date not recorded'})"
 
 
+def peak_speeds(gpu_name: str | None) -> tuple[dict, str] | None:
+    """Each precision's dense peak relative to fp32 on ``gpu_name`` (labutils.peaks): what the advisor ranks by
+    when lab 01 has not measured this GPU. None when the card or its fp32 peak is unknown."""
+    from .peaks import peak_tflops
+
+    base = peak_tflops(gpu_name, "fp32") if gpu_name else None
+    if not base:
+        return None
+    speeds = {p: (v / base if v else None) for p in ("fp32", "tf32", "fp16", "bf16")
+              for v in [peak_tflops(gpu_name, p)]}
+    return ({p: v for p, v in speeds.items() if v}, f"the dense peak TFLOP/s of {gpu_name} (labutils' peak table, "
+            f"not a measurement: real speed-ups are smaller)")
+
+
+def speed_source(gpu_name: str | None, mode: str = "full") -> tuple[dict, str] | None:
+    """What the advisor ranks precisions by: lab 01's measurements on this GPU, else the card's peak table,
+    else None (precisions counted equal)."""
+    return measured_speeds(gpu_name, mode) or peak_speeds(gpu_name)
+
+
 def relative_step_time(plan: Plan, speeds: dict | None = None) -> float:
     """A rough model for ranking: FLOPs per optimizer step / (precision speed x utilisation of the micro-batch).
     ``speeds``: {precision: throughput relative to fp32}; a precision it does not list counts as 1.0."""
@@ -873,7 +893,7 @@ def cli_estimate(cfg, args) -> int:
         budget, where = default_budget_bytes()
     est = estimate_memory(cfg)
     amp, amp_note = _amp_dtype(cfg)
-    advice = recommend(cfg, budget, amp_dtype=amp, speeds=measured_speeds(_gpu_name()))
+    advice = recommend(cfg, budget, amp_dtype=amp, speeds=speed_source(_gpu_name()))
     t = cfg.train
     print(f"{cfg.model.name} ({est['parameters'] / 1e6:.1f}M parameters), {t.precision}, micro-batch "
           f"{t.micro_batch_size} x accumulation {t.accumulation_steps} x {cfg.data.seq_length} tokens, "

@@ -276,3 +276,16 @@ def test_advisor_has_no_builtin_speeds_and_labels_its_source():
     if fp32_fits:  # a measured slow fp16 makes the advisor prefer fp32 where it fits
         assert slow16["recommendation"]["precision"] == "fp32"
     assert E.measured_speeds(None) is None
+
+
+def test_advisor_speeds_fall_back_to_the_cards_peak_table(tmp_path, monkeypatch):
+    """Without lab 01's measurements for this GPU the advisor ranks by the card's dense peaks, labelled as such;
+    an unknown card gives no source at all (precisions counted equal), never the design's folklore 2.2x."""
+    from labutils import estimate as est
+
+    monkeypatch.setenv("LAB_RESULTS_READ_DIR", str(tmp_path))  # no lab 01 results here
+    speeds, label = est.speed_source("NVIDIA A100-SXM4-80GB")
+    assert speeds["fp32"] == 1.0 and speeds["bf16"] == pytest.approx(312 / 19.5) and "peak table" in label
+    t4, _ = est.speed_source("Tesla T4")
+    assert "bf16" not in t4 and t4["fp16"] > 1
+    assert est.speed_source("Some Future GPU") is None and est.speed_source(None) is None
