@@ -117,7 +117,8 @@ def test_render_full_lab_has_provenance_table_and_figures():
     assert "2030-01-02T03:04:05+00:00" in md and "torch 2.13.0+cu128" in md
     assert "SMOKE" not in md
     table = [line for line in md.splitlines() if line.startswith("|")]
-    assert table[0] == "| precision | status | step_time_s | tokens_per_s | peak_memory_bytes | skipped_steps | error |"
+    # byte columns are shown in the unit their values call for (the JSON keeps bytes)
+    assert table[0] == "| precision | status | step_time_s | tokens_per_s | peak_memory_gib | skipped_steps | error |"
     assert len(table) == 2 + 3  # header, rule, one row per run
     assert "| bf16 | oom | - |" in md  # missing numbers shown as "-", not "None"
     assert "CUDA out of memory / fixture" in md  # a "|" inside a cell cannot break the table
