@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 
 from labutils import regenerate as rg
 
@@ -55,3 +56,27 @@ def test_full_regenerate_stops_when_the_doctor_fails(monkeypatch, tmp_path, caps
     monkeypatch.setattr(rg, "run_doctor_first", lambda out, gb: 0)
     cli.main(["regenerate", "--out", str(tmp_path / "r"), "--only", "01"])
     assert ran
+
+
+@pytest.mark.parametrize("budget", [None, "8"])
+@pytest.mark.parametrize("profile", ["rtx3070-8gb", "t4", "h100"])
+def test_doctor_device_checks_on_a_pretend_gpu(monkeypatch, profile, budget):
+    """The CUDA branch of the doctor's device checks (cap set/restore in bytes, outside-allocator memory, caches,
+    bf16/tf32, lab 04's raw torch.cuda calls) runs on the pretend GPU, with and without an 8 GiB budget. Only the
+    check that allocates a real 64 MiB CUDA tensor cannot: a CPU-only torch has no CUDA kernels."""
+    from labutils import device as dev
+    from labutils import doctor
+    from tests import fake_cuda
+
+    monkeypatch.setattr(dev, "_state", {})
+    monkeypatch.delenv("LAB_GPU_MEMORY_GB", raising=False)
+    if budget:
+        monkeypatch.setenv("LAB_GPU_MEMORY_GB", budget)
+    fake_cuda.install(monkeypatch, profile)
+    dev.card_budget(dev.budget_from_env())
+    c = doctor.Checks(verbose=False)
+    doctor.check_device_functions(c, dev.resolve("cuda"))
+    status = {r["name"]: (r["status"], r["detail"]) for r in c.rows}
+    assert status.pop("device: memory counters")[1].startswith("NotImplementedError")  # needs real kernels
+    assert all(s == "pass" for s, _ in status.values()), status
+    assert "torch.cuda calls of lab 04" in status
