@@ -7,9 +7,9 @@ legend conventions), cli.
 from . import device
 from .config import Config, ConfigError, load_config
 from .data import LMDataset, build_dataset, load_documents
-from .device import card_allocator_bytes
 from .figures import legend_outside, step_axis, step_numbers
-from .env import (apply_budget_from_env, bf16_supported, default_device, detect_mode, environment, matmul_precision,
+from .device import card_allocator_bytes, detect_mode
+from .env import (apply_budget_from_env, bf16_supported, default_device, environment, matmul_precision,
                   seed_everything, set_memory_budget, setup, tf32_supported)
 from .memory import MemoryTracker, fmt_bytes, release, state_bytes
 from .models import enable_checkpointing, flops_per_token, load_model, model_flops_per_token

@@ -111,7 +111,7 @@ def _apply_budget(verbose: bool = True) -> None:
 
 def cmd_run(args) -> int:
     from .distributed import is_main_process
-    from .env import detect_mode
+    from .device import detect_mode
     from .train import run
 
     mode, reason = detect_mode()

@@ -344,17 +344,13 @@ def _read_yaml(path: Path) -> dict:
     return raw
 
 
-def smoke_requested() -> bool:
-    return os.environ.get("LAB_SMOKE", "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def load_config(path: str | os.PathLike | None = None, overrides=None, mode: str | None = None) -> Config:
     """Read a YAML config, apply the mode's defaults, then explicit overrides, and validate.
 
-    ``mode`` is "full" or "smoke"; None decides from the environment (see :func:`labutils.env.detect_mode`).
+    ``mode`` is "full" or "smoke"; None decides from the environment (see :func:`labutils.device.detect_mode`).
     """
     if mode is None:
-        from .env import detect_mode
+        from .device import detect_mode  # imports torch: only when the mode is not given
         mode = detect_mode()[0]
     if mode not in ("full", "smoke"):
         raise ConfigError("mode", None, mode, "must be full or smoke")

@@ -37,6 +37,21 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def smoke_requested() -> bool:
+    """LAB_SMOKE=1 (or true/yes/on): run the tiny smoke configuration even on a GPU."""
+    return os.environ.get("LAB_SMOKE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def detect_mode() -> tuple[str, str]:
+    """("smoke" | "full", reason). The mode follows the device: smoke when LAB_SMOKE=1 or when there is no CUDA
+    GPU, full on a CUDA GPU. The labs' setup cell decides it once; configs take their sizes from it."""
+    if smoke_requested():
+        return "smoke", "LAB_SMOKE=1"
+    if not cuda_available():
+        return "smoke", "no CUDA GPU found: running the tiny smoke configuration on the CPU"
+    return "full", "CUDA GPU found"
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if cuda_available() else "cpu")
 

@@ -11,16 +11,7 @@ import numpy as np
 import torch
 
 from . import device
-from .config import smoke_requested
-
-
-def detect_mode() -> tuple[str, str]:
-    """("smoke" | "full", reason). Smoke when LAB_SMOKE=1 or when there is no CUDA GPU."""
-    if smoke_requested():
-        return "smoke", "LAB_SMOKE=1"
-    if not device.cuda_available():
-        return "smoke", "no CUDA GPU found: running the tiny smoke configuration on the CPU"
-    return "full", "CUDA GPU found"
+from .device import detect_mode
 
 
 def default_device() -> torch.device:

@@ -154,7 +154,8 @@ def record_results(notebook: str, tables: dict[str, list[dict]], figures: dict |
                    out_dir: str | os.PathLike | None = None, claims: list[dict] | None = None) -> Path:
     """Write one lab's tables and figures; returns the JSON path. ``env`` defaults to this machine's facts.
     ``claims``: the lab's verdicts on the design's claims (entries from :func:`labutils.claims.claim_entry`)."""
-    from .env import detect_mode, environment
+    from .device import detect_mode
+    from .env import environment
 
     mode = mode or detect_mode()[0]
     env = dict(env or environment(mode=mode))

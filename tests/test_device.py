@@ -331,6 +331,10 @@ def exercise_device_module(monkeypatch, tmp_path, profile: str) -> None:
         gpu = fake_cuda.install(m, profile)
         _fake_nvidia_smi(tmp_path, m)
         m.setenv("LAB_GPU_MEMORY_GB", "8")
+        m.setenv("LAB_SMOKE", "yes")
+        assert dev.detect_mode() == ("smoke", "LAB_SMOKE=1")
+        m.delenv("LAB_SMOKE")
+        assert dev.detect_mode() == ("full", "CUDA GPU found")
         info = lu.setup(verbose=False)
         assert info["gpu"]["driver"] == "570.86.15"
         assert dev.default_device().type == "cuda" and dev.is_cuda("cuda") and dev.resolve("cuda:0").index == 0
@@ -381,6 +385,9 @@ def exercise_device_module(monkeypatch, tmp_path, profile: str) -> None:
         assert dev.get_cap_fraction() == 0.25
     # the same functions on the CPU
     assert dev.default_device().type == "cpu" and not dev.is_cuda()
+    with monkeypatch.context() as m:
+        m.delenv("LAB_SMOKE", raising=False)
+        assert dev.detect_mode()[0] == "smoke" and "no CUDA GPU" in dev.detect_mode()[1]
     assert dev.allocated() is None and dev.peak_allocated() is None and dev.reserved() is None
     assert dev.memory_stats() == {} and dev.mem_info() is None and dev.total_memory() is None
     assert dev.get_cap_fraction() is None and dev.set_cap_fraction(0.5) is None and dev.cap_bytes() is None

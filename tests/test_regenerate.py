@@ -27,7 +27,7 @@ LABS = ["01", "02", "03", "04"]
 # collected by `pytest --nbval-lax tests`, and 92 fails on purpose).
 TINY = {
     "91-Tiny": [
-        "import os\nimport matplotlib.pyplot as plt\nimport labutils as lu\nfrom labutils.env import detect_mode\n"
+        "import os\nimport matplotlib.pyplot as plt\nimport labutils as lu\nfrom labutils.device import detect_mode\n"
         "mode, reason = detect_mode()\nprint(mode, reason, os.getcwd())\n"
         "_ = os.write(2, b'written to the kernel process stderr, below the notebook\\n')  # like C++ library logs",
         "rows = [{'run': 'a', 'cwd_is_repo': os.path.exists('labutils/regenerate.py'),\n"
