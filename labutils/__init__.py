@@ -12,7 +12,8 @@ from .device import card_allocator_bytes, detect_mode
 from .env import (apply_budget_from_env, bf16_supported, default_device, environment, matmul_precision,
                   seed_everything, set_memory_budget, setup, tf32_supported)
 from .memory import MemoryTracker, fmt_bytes, release, state_bytes
-from .models import enable_checkpointing, flops_per_token, load_model, model_flops_per_token
+from .flops import flops_per_token, model_flops_per_token
+from .models import enable_checkpointing, load_model
 from .peaks import peak_info, peak_tflops
 from .results import format_table, mode_banner, read_results, record_results, show_table
 from .train import RunResult, autocast_for, make_optimizer, prepare, run, scaler_for, step_scheduler, train

@@ -758,7 +758,7 @@ def speed_source(gpu_name: str | None, mode: str = "full") -> tuple[dict, str] |
 def relative_step_time(plan: Plan, speeds: dict | None = None) -> float:
     """A rough model for ranking: FLOPs per optimizer step / (precision speed x utilisation of the micro-batch).
     ``speeds``: {precision: throughput relative to fp32}; a precision it does not list counts as 1.0."""
-    from .models import flops_per_token
+    from .flops import flops_per_token
 
     tokens = plan.micro * plan.seq
     util = tokens / (tokens + SATURATION_TOKENS)

@@ -30,9 +30,8 @@ from . import env as _env
 from .config import Config
 from .data import LMDataset, build_dataset
 from .memory import MemoryTracker, release, state_bytes
-from .models import (attention_kernel, count_parameters, enable_checkpointing, flops_per_token, load_model,
-                     model_flops_per_token)
-from .peaks import peak_tflops
+from .flops import account_flops, attention_kernel
+from .models import count_parameters, enable_checkpointing, load_model
 
 AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -291,29 +290,6 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
     _speeds(result, len(timed), real_positions)
     account_flops(result, cfg, dataset.seq_length, device, len(timed))
     return result
-
-
-FUSED_KERNELS = ("flash", "memory-efficient", "cudnn")  # SDPA kernels that recompute the scores in backward
-
-
-def account_flops(result: RunResult, cfg: Config, seq_length: int, device: torch.device, n_timed: int) -> None:
-    """Achieved TFLOP/s, MFU and HFU of a finished run, over its last ``n_timed`` (timed) steps."""
-    t, m = cfg.train, cfg.model
-    executed = flops_per_token(m.name, seq_length, recompute=t.gradient_checkpointing,
-                               every_n_layers=t.checkpoint_every_n_layers, dropout=m.dropout is None or m.dropout > 0,
-                               fused_attention=device.type == "cuda" and m.attn_implementation == "sdpa"
-                               and (result.attention_kernel or "flash").split()[0] in FUSED_KERNELS)
-    targets = result.target_tokens[-n_timed:]
-    seconds = sum(result.step_times[-n_timed:])
-    result.model_flops_per_step = model_flops_per_token(m.name, seq_length) * sum(targets) / len(targets)
-    result.executed_flops_per_step = executed * result.tokens_per_step
-    result.achieved_tflops = executed * result.tokens_per_second / 1e12
-    peak = peak_tflops(dev.name(device), t.precision) if dev.is_cuda(device) else None
-    if peak is not None:
-        result.peak_tflops = peak
-        total = peak * 1e12 * result.env.get("world_size", 1)  # every process's GPU
-        result.mfu = result.model_flops_per_step * len(targets) / seconds / total
-        result.hfu = result.executed_flops_per_step * len(targets) / seconds / total
 
 
 def _speeds(result: RunResult, n_timed: int, real_positions: int) -> None:

@@ -4,13 +4,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import labutils as lu
-from labutils.models import (
-    disable_checkpointing,
-    flops_per_token,
-    gpt2_config,
-    model_flops_per_token,
-    recomputed_flops_per_token,
-)
+from labutils.flops import flops_per_token, model_flops_per_token, recomputed_flops_per_token
+from labutils.models import disable_checkpointing, gpt2_config
 
 
 @pytest.fixture(scope="module")

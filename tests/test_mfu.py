@@ -12,7 +12,7 @@ from conftest import tiny_config
 import labutils as lu
 from tests import fake_cuda
 from labutils.cli import main
-from labutils.models import flops_per_token, model_flops_per_token
+from labutils.flops import flops_per_token, model_flops_per_token
 
 lt = importlib.import_module("labutils.train")  # the module (labutils.train is the function)
 

@@ -3,7 +3,7 @@ import pytest
 
 import labutils as lu
 from labutils.data import IGNORE_INDEX
-from labutils.models import attention_kernel
+from labutils.flops import attention_kernel
 
 from conftest import tiny_config
 

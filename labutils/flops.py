@@ -1,0 +1,126 @@
+"""FLOPs of a GPT-2 training step, the attention kernel that runs it, and the MFU / HFU of a run.
+
+* :func:`model_flops_per_token`: the model's FLOPs (PaLM's 6N + 12LTd), the numerator of MFU;
+* :func:`flops_per_token`: what the GPU really executes, with checkpointing's recompute and fused attention's
+  score recompute (HFU); :func:`recomputed_flops_per_token` is the recompute alone;
+* :func:`attention_kernel`: which SDPA kernel a model's attention gets (flash, memory-efficient, math, ...);
+* :func:`account_flops`: fills a finished run's achieved TFLOP/s, MFU and HFU (``lu.train`` calls it).
+
+All counts are checked against ``torch.utils.flop_counter.FlopCounterMode`` in tests/test_flops.py.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import device as dev
+from .models import PRESETS, vocab_size
+from .peaks import peak_tflops
+
+
+def model_flops_per_token(name: str, seq_length: int) -> float:
+    """Model FLOPs per token of one training step (forward + backward), no recompute: the numerator of MFU.
+
+    PaLM's definition (Chowdhery et al. 2022, appendix B): 6N + 12 * L * T * d, where N counts the weights that
+    take part in matmuls (each block's 4d^2 attention + 8d^2 MLP, and the LM head's d x vocab, tied to the
+    token embedding) and 12 * L * T * d is the two attention matmuls (Q K^T and A V, full T x T as eager
+    attention computes them), forward 4 * T * d per layer and token, backward twice that. Biases, LayerNorms,
+    GELU, softmax and the position table are not matmuls and are left out, as torch's FLOP counter does.
+    """
+    n_layer, d, _ = PRESETS[name]
+    blocks = n_layer * (12 * d * d + 2 * seq_length * d)  # one forward pass's multiply-adds per token
+    head = d * vocab_size(name)
+    return 6 * (blocks + head)
+
+
+def recomputed_flops_per_token(name: str, seq_length: int, every_n_layers: int = 1, dropout: bool = True) -> float:
+    """FLOPs per token that non-reentrant activation checkpointing re-runs in backward (0 with none).
+
+    Each checkpointed block (0, k, 2k, ... for ``every_n_layers=k``) re-runs its forward, but non-reentrant
+    checkpointing stops early: once every tensor the backward needs is back, it stops. The last matmul of a
+    GPT-2 block, the MLP's output projection (c_proj, 8d^2 per token), produces nothing backward needs, unless
+    a dropout follows it: dropout's mask is saved for backward and is drawn *after* c_proj runs, so with
+    ``dropout`` (GPT-2's own 0.1) the whole forward is re-run, and without it c_proj is skipped.
+    Checked against ``torch.utils.flop_counter.FlopCounterMode`` in tests/test_flops.py.
+    """
+    n_layer, d, _ = PRESETS[name]
+    checkpointed = len(range(0, n_layer, every_n_layers))
+    forward = 2 * (12 * d * d + 2 * seq_length * d)      # one block's forward: weights and attention matmuls
+    skipped = 0 if dropout else 2 * 4 * d * d             # MLP c_proj, 4d -> d: not re-run (early stop)
+    return checkpointed * (forward - skipped)
+
+
+def flops_per_token(name: str, seq_length: int, recompute: bool = False, *, every_n_layers: int = 1,
+                    dropout: bool = True, fused_attention: bool = False) -> float:
+    """Executed training FLOPs per position (forward + backward + recompute): what the GPU really computes.
+
+    ``recompute``: activation checkpointing on (every ``every_n_layers``-th block; see
+    :func:`recomputed_flops_per_token` for the early stop and why ``dropout`` matters). ``fused_attention``:
+    SDPA's fused kernels (flash / memory-efficient, CUDA) recompute the T x T scores in backward: one more
+    matmul, 2 * T * d per layer and token, as torch's FLOP counter also counts. Without recompute and with
+    eager attention this equals :func:`model_flops_per_token`.
+    """
+    n_layer, d, _ = PRESETS[name]
+    flops = model_flops_per_token(name, seq_length)
+    if fused_attention:
+        flops += n_layer * 2 * seq_length * d
+    if recompute:
+        flops += recomputed_flops_per_token(name, seq_length, every_n_layers, dropout)
+    return flops
+
+
+_SDPA_KERNELS = {0: "math", 1: "flash", 2: "memory-efficient", 3: "cudnn", 4: "overrideable"}
+
+
+def attention_kernel(model, seq_length: int, padded: bool, precision: str = "fp32",
+                     device: torch.device | str = "cpu") -> str:
+    """Which kernel ``scaled_dot_product_attention`` picks for this model's attention in a training step.
+
+    Asks torch's own dispatcher (``torch._fused_sdp_choice``, what SDPA calls to choose) with tensors shaped as
+    GPT-2 hands them over: [batch, heads, seq, head_dim] in the autocast dtype; with padding, a boolean mask and
+    ``is_causal=False`` (transformers drops an all-ones mask and passes ``is_causal=True``); the model's
+    attention dropout while training. A padding mask or dropout rules kernels out: on CUDA the flash kernel takes
+    no mask; on the CPU its flash kernel takes no dropout. Where that function is missing, CUDA falls back to the
+    public ``torch.backends.cuda.can_use_*`` checks.
+    """
+    cfg = model.config
+    if getattr(cfg, "_attn_implementation", "sdpa") != "sdpa":
+        return f"{cfg._attn_implementation} (not SDPA)"
+    device = torch.device(device)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
+    q = torch.empty(1, cfg.n_head, seq_length, cfg.n_embd // cfg.n_head, dtype=dtype, device=device)
+    mask = torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool, device=device) if padded else None
+    dropout = float(cfg.attn_pdrop) if model.training else 0.0
+    choose = getattr(torch, "_fused_sdp_choice", None)
+    if choose is not None:
+        kernel = _SDPA_KERNELS.get(int(choose(q, q, q, mask, dropout, not padded)), "unknown")
+    elif device.type == "cuda":  # pragma: no cover - torch without the dispatcher entry point
+        params = torch.backends.cuda.SDPAParams(q, q, q, mask, dropout, not padded, False)
+        kernel = ("flash" if torch.backends.cuda.can_use_flash_attention(params) else
+                  "memory-efficient" if torch.backends.cuda.can_use_efficient_attention(params) else "math")
+    else:  # pragma: no cover
+        return "not queried (this torch cannot say)"
+    return f"{kernel} (CPU kernel)" if device.type == "cpu" and kernel == "flash" else kernel
+
+
+FUSED_KERNELS = ("flash", "memory-efficient", "cudnn")  # SDPA kernels that recompute the scores in backward
+
+
+def account_flops(result, cfg, seq_length: int, device: torch.device, n_timed: int) -> None:
+    """Achieved TFLOP/s, MFU and HFU of a finished run (a :class:`labutils.train.RunResult`, filled in place), over
+    its last ``n_timed`` (timed) steps of ``cfg``'s model at ``seq_length``."""
+    t, m = cfg.train, cfg.model
+    executed = flops_per_token(m.name, seq_length, recompute=t.gradient_checkpointing,
+                               every_n_layers=t.checkpoint_every_n_layers, dropout=m.dropout is None or m.dropout > 0,
+                               fused_attention=device.type == "cuda" and m.attn_implementation == "sdpa"
+                               and (result.attention_kernel or "flash").split()[0] in FUSED_KERNELS)
+    targets = result.target_tokens[-n_timed:]
+    seconds = sum(result.step_times[-n_timed:])
+    result.model_flops_per_step = model_flops_per_token(m.name, seq_length) * sum(targets) / len(targets)
+    result.executed_flops_per_step = executed * result.tokens_per_step
+    result.achieved_tflops = executed * result.tokens_per_second / 1e12
+    peak = peak_tflops(dev.name(device), t.precision) if dev.is_cuda(device) else None
+    if peak is not None:
+        result.peak_tflops = peak
+        total = peak * 1e12 * result.env.get("world_size", 1)  # every process's GPU
+        result.mfu = result.model_flops_per_step * len(targets) / seconds / total
+        result.hfu = result.executed_flops_per_step * len(targets) / seconds / total
