@@ -1,8 +1,34 @@
-"""labutils: what the four labs share. ``import labutils as lu``.
+"""labutils: what the four labs share, imported with one line: ``import labutils as lu``.
 
-Modules: config (YAML -> dataclasses), env (mode, device, versions), data (corpus, sampler), models (GPT-2
-sizes, offline fallback, checkpointing, FLOP counts), peaks (GPU peak TFLOP/s for MFU), memory (MemoryTracker), train (the one training loop), results (tables, figures, provenance), figures (step and
-legend conventions), cli.
+A map, one line a module. A lab imports its own module by name (``import labutils.checkpointing as ck``);
+``lu.`` holds what every lab uses. The modules import each other without cycles, and none uses another's
+private names (tests/test_structure.py checks both).
+
+Core (every lab and command builds on these):
+  device         every CUDA/CPU difference in one place: memory counters, the cap, the mode, BF16/TF32 support
+  config         YAML -> typed dataclasses, with the mode's defaults, --set overrides and strict validation
+  env            where we run: the setup cell, device and version facts, seeds, TF32 switch, memory budget
+  data           the offline corpus, tokenised into fixed-length samples, and the accumulation-exact sampler
+  models         GPT-2 sizes plus tiny: hub cache, hub or random weights; tokenizers; checkpointing switch
+  peaks          dense peak TFLOP/s of NVIDIA GPUs per precision (the denominator of MFU)
+  flops          FLOPs of a training step (model and executed), the SDPA kernel, MFU and HFU of a run
+  memory         MemoryTracker: peak and live memory of a region, the same meaning on CUDA and CPU
+  train          the one training loop (AMP, accumulation, clipping, checkpointing) and RunResult
+  figures        conventions every lab's figures follow (step axis, legends)
+Labs (one module per lab; the technique itself is written out in the notebook):
+  precision      lab 01: number formats, what autocast saves, matmul speed, GradScaler behaviour
+  accumulation   lab 02: the gradient of an accumulation window, exact or naive; padding and clipping pitfalls
+  checkpointing  lab 03: checkpointing variants (every k, segments, selective, offload) and their measurement
+  profiling      lab 04: what autograd saves per module, profiler ranges, allocator snapshot traces
+  claims         C1-C7, the course's folklore claims, and the rule that turns measurements into verdicts
+Tools (commands and what they share):
+  results        tables, figures and result files with the hardware and weights they came from
+  estimate       predicts a training step's peak memory by replaying its allocations (no GPU needed)
+  bench          `python -m labutils bench`: the one loop against a bare loop
+  distributed    the same loop under accelerate (DDP, FSDP, DeepSpeed ZeRO) and the ZeRO memory table
+  doctor         `python -m labutils doctor`: every GPU path of the course, checked in minutes
+  regenerate     `python -m labutils regenerate`: re-run the notebooks, render results and README tables
+  cli            `python -m labutils run | bench | estimate | doctor | regenerate`
 """
 from . import device
 from .config import Config, ConfigError, load_config
