@@ -6,7 +6,12 @@
 * :func:`trace_summary` reads the trace of a CUDA memory snapshot (``torch.cuda.memory._snapshot()`` after
   ``_record_memory_history``) and draws the same views as pytorch.org/memory_viz: allocated memory over time
   and who holds memory at the peak. :class:`CPUTraceRecorder` writes a trace in the same format on CPU (from
-  the tensors operators create), so the same views run on a machine without a GPU.
+  the tensors operators create), so the same views run on a machine without a GPU (:func:`record_cpu_trace`).
+* :func:`range_times` reads the ``record_function`` ranges of a ``torch.profiler`` profile;
+  :func:`cuda_memory_cap` makes the GPU behave like a smaller card.
+
+Lab 04's figures are in :mod:`labutils.profiling_figures`, its experiments' rows in
+:mod:`labutils.profiling_runs`.
 """
 from __future__ import annotations
 
@@ -268,6 +273,24 @@ class CPUTraceRecorder:
         return {"segments": [], "device_traces": [list(self._mode.trace)]}
 
 
+# The phase an allocation belongs to when no module is running, after each mark of a training step
+CPU_TRACE_PHASES = {"before forward": "forward (outside modules)", "after forward": "backward",
+                    "after backward": "optimizer step", "after optimizer step": "zero_grad"}
+
+
+def record_cpu_trace(model: torch.nn.Module, step, steps: int) -> tuple[dict, int]:
+    """The CPU stand-in for a CUDA memory snapshot of ``steps`` training steps: ``step(mark)`` runs one step and
+    calls ``mark(stage)`` after each stage. Says so in a printed line; returns ``(snapshot, start_bytes)`` for
+    :func:`trace_summary`."""
+    print("CPU: there is no CUDA allocator to record. On a GPU this cell writes memory_snapshot.pickle for "
+          "pytorch.org/memory_viz; here labutils' CPU tracker writes the same kind of trace, with "
+          "'module + operator' as the source instead of a file and line.")
+    with CPUTraceRecorder(model) as rec:
+        for _ in range(steps):
+            step(lambda s: rec.mark(CPU_TRACE_PHASES.get(s, s)))
+    return rec.snapshot(), rec.start_bytes
+
+
 def range_times(events, names=("forward", "backward", "optimizer_step")) -> list[dict]:
     """One row per ``record_function`` range of a profile (``prof.events()``): calls and CPU time from the
     range's CPU-side event; device time = the kernels of every operator, on any thread, that ran inside the
@@ -294,31 +317,3 @@ def range_times(events, names=("forward", "backward", "optimizer_step")) -> list
                      "cpu time (ms)": sum(e.time_range.elapsed_us() for e in spans) / 1e3,
                      "device time (ms)": device_us / 1e3 if device_us is not None else None})
     return rows
-
-
-def byte_unit(max_bytes: float) -> tuple[int, str]:
-    """(divisor, name) for plotting: GiB from 1 GiB up, else MiB."""
-    return (2**30, "GiB") if max_bytes >= 2**30 else (2**20, "MiB")
-
-
-def plot_trace(summary: dict, ax=None, title: str = "Allocated memory over time", budget_bytes=None):
-    """Allocated memory over time from :func:`trace_summary`, the peak marked."""
-    import matplotlib.pyplot as plt
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(9, 3.5))
-    div, unit = byte_unit(max(summary["bytes"], default=0))
-    ys = [b / div for b in summary["bytes"]]
-    ax.plot(summary["t"], ys, lw=1.2, label="allocated")
-    if ys:
-        i = summary["peak_index"]
-        ax.scatter([summary["t"][i]], [ys[i]], color="red", zorder=3, label=f"peak {ys[i]:.3g} {unit}")
-    if budget_bytes:
-        ax.axhline(budget_bytes / div, color="gray", ls="--", lw=1, label="budget")
-    ax.set_xlabel(f"time ({summary['time_unit']})")
-    ax.set_ylabel(f"allocated ({unit})")
-    ax.set_title(title)
-    ax.legend(loc="upper left")
-    ax.grid(alpha=0.3)
-    return ax
-
