@@ -4,6 +4,7 @@ are in :mod:`labutils.claims`; this module runs what they need and builds their 
 * :func:`c6_claim`: the FP32 baseline against all three techniques together (mixed precision, checkpointing,
   accumulation) at the same effective batch: the technique table's rows when the baseline fit, else the
   largest effective batch where it does (halving until the baseline runs), so an 8 GB card gives C6 a number;
+* :func:`technique_claims`: C1, C2 and C4 from the same table, when its FP32 baseline fit;
 * :func:`c7_claim`: ZeRO-2 with the optimizer offloaded to the CPU against plain fp16 training, where DeepSpeed
   and CUDA are here; otherwise not measured, with the estimator's prediction.
 """
@@ -17,6 +18,8 @@ from .profiling import cuda_memory_cap
 from .train import run
 
 GiB = 2**30
+LAB = "04-Memory_Profiling"
+SPEED = "target tokens/s"  # the technique table's throughput column (profiling_runs.technique_rows)
 
 
 def _hardware(info: dict) -> str:
@@ -54,11 +57,12 @@ def c6_claim(tech_cfg, by: dict, config_path: str, budget: int, info: dict, **ru
                          budget=f"{budget / GiB:.3g} GiB" + ("" if device.type == "cuda" else " (simulated)"))
     if c6 is None:   # the table's own rows
         b_row, a_row = by["baseline (fp32)"], by["all together"]
-        pair = ((b_row["peak (GiB)"] or 0) * GiB, b_row["tokens/s"], (a_row["peak (GiB)"] or 0) * GiB, a_row["tokens/s"]) \
+        pair = ((b_row["peak (GiB)"] or 0) * GiB, b_row[SPEED], (a_row["peak (GiB)"] or 0) * GiB, a_row[SPEED]) \
             if b_row["status"] == a_row["status"] == "ok" else None
     else:
         b_run, a_run = c6["baseline (fp32)"], c6["all together"]
-        pair = (b_run.peak_memory_bytes, b_run.tokens_per_second, a_run.peak_memory_bytes, a_run.tokens_per_second) \
+        pair = (b_run.peak_memory_bytes, b_run.target_tokens_per_second, a_run.peak_memory_bytes,
+                a_run.target_tokens_per_second) \
             if a_run.ok else None
     state_bytes = 16 * est.parameter_count(tech_cfg.model.name)
     fits_pred = {name: est.largest_batch(plan_over, 8 * GiB, limit=64, **over) for name, plan_over, over in
@@ -77,6 +81,21 @@ def c6_claim(tech_cfg, by: dict, config_path: str, budget: int, info: dict, **ru
         entry = cl.not_measured("C6", f"the FP32 baseline did not fit the budget at any effective batch from {E} "
                                       f"down to 1", cond)
     return entry, cond, fits_pred
+
+
+def technique_claims(by: dict, cond: dict) -> list[dict]:
+    """C1, C2 and C4 from the technique table (``by``: its rows by technique) against its FP32 baseline, when that
+    baseline ran; [] when it did not (then the labs that own those claims answer them, or "not measured")."""
+    base = by["baseline (fp32)"]
+    if base["status"] != "ok":
+        return []
+    measures = {"C1": ("fp16", lambda r: {"memory_saving": 1 - r["peak (GiB)"] / base["peak (GiB)"]}),
+                "C2": ("fp16", lambda r: {"speedup": r[SPEED] / base[SPEED]}),
+                "C4": ("checkpointing", lambda r: {"memory_saving": 1 - r["peak (GiB)"] / base["peak (GiB)"],
+                                                   "time_overhead": base[SPEED] / r[SPEED] - 1})}
+    return [cl.claim_entry(cid, measure(by[name]), cond, lab=LAB) if by[name]["status"] == "ok" else
+            cl.not_measured(cid, f"the '{name}' row of section 8 ended with {by[name]['status']}", cond, lab=LAB)
+            for cid, (name, measure) in measures.items()]
 
 
 def c7_claim(config_path: str, tech_cfg, info: dict, workdir) -> dict:

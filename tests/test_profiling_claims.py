@@ -1,0 +1,38 @@
+"""Lab 04's claims read the technique table that lab 04 builds: the same column names, end to end."""
+import torch
+
+import labutils as lu
+from labutils import claims as cl
+from labutils.profiling_claims import c6_claim, technique_claims
+from labutils.profiling_runs import MeasuredRuns, technique_rows
+
+TECHNIQUES = "configs/lab04_techniques.yaml"
+GiB = 2**30
+
+
+def test_c6_c1_c2_c4_come_from_the_table_when_its_baseline_fits():
+    """On a card where the FP32 baseline fits (any big GPU; in smoke here, with no budget), C6, C1, C2 and C4 are
+    computed from the table's own rows. They read a "tokens/s" column the table never had ("target tokens/s"):
+    a KeyError on the first GPU run where the baseline fit, a branch the smoke run (baseline OOM) never took."""
+    cfg = lu.load_config(TECHNIQUES, mode="smoke").override({"train.steps": 2, "train.timing_warmup_steps": 1})
+    techniques = [("baseline (fp32)", {}), ("fp16", {"train.precision": "fp16"}),
+                  ("checkpointing", {"train.gradient_checkpointing": True}),
+                  ("all together", {"train.precision": "fp16", "train.gradient_checkpointing": True,
+                                    "train.micro_batch_size": 1, "train.accumulation_steps": 4})]
+    device = torch.device("cpu")
+    rows = technique_rows(cfg, techniques, MeasuredRuns(device), 8 * GiB, progress=False)
+    by = {r["technique"]: r for r in rows}
+    assert all(r["status"] == "ok" for r in rows)
+    info = {"device": device, "gpu_name": None, "mode": "smoke"}
+    c6, cond, _ = c6_claim(cfg, by, TECHNIQUES, 8 * GiB, info, progress=False)
+    assert c6["id"] == "C6" and c6["verdict"] != cl.NOT_MEASURED
+    assert set(c6["measured"]) >= {"memory_saving", "slowdown"}
+    entries = technique_claims(by, cond)
+    assert [e["id"] for e in entries] == ["C1", "C2", "C4"]
+    assert all(e["verdict"] in cl.VERDICTS and e["verdict"] != cl.NOT_MEASURED for e in entries)
+    slower = by["checkpointing"]["target tokens/s"] < by["baseline (fp32)"]["target tokens/s"]
+    assert (entries[2]["measured"]["time_overhead"]["value"] > 0) == slower
+
+
+def test_no_technique_claims_when_the_baseline_did_not_fit():
+    assert technique_claims({"baseline (fp32)": {"status": "oom"}}, {}) == []
