@@ -142,6 +142,7 @@ class Replay:
         # On CPU we compare with labutils' tracker, whose dispatch mode keeps extra references: every such
         # addition is then out of place, and the replay does the same so that the two can be compared.
         self.inplace_accumulate = self.cuda
+        self._recomputing = False                         # backward re-runs a checkpointed block's forward
 
     def _qkv_aliases(self) -> tuple[str, ...]:
         """Which of q', k', v' (the bmm operands of eager / math attention) are views of qkv, not copies."""
@@ -154,14 +155,17 @@ class Replay:
         return 1 if self.cuda else input_bytes
 
     # ---- parameters, gradients ---------------------------------------------------------------------------
-    def half_copy(self, name: str, numel: int, block: int | None) -> None:
+    def half_copy(self, name: str, numel: int, block: int | None, bias: int = 0) -> None:
         """Autocast casts a weight once per forward and caches it; a matmul saves it for backward, except in a
-        checkpointed block, whose copy only lives in the cache (until autocast exits)."""
+        checkpointed block, whose copy only lives in the cache (until autocast exits). The layer's bias
+        (``bias`` elements) is cast too; its copy only lives in the cache."""
         if not self.p.amp:
             return
-        saved = block is None or block not in self.ckpt or getattr(self, "_recomputing", False)
+        saved = block is None or block not in self.ckpt or self._recomputing
         prefix = "" if saved else "cache."
         self.led.alloc(f"{prefix}w16.{name}", 2 * numel, "half_weights", saved=saved)
+        if bias:
+            self.led.alloc(f"cache.b16.{name}", 2 * bias, "half_weights")
 
     # ---- forward ---------------------------------------------------------------------------------------------
     def forward(self, label: str) -> None:
@@ -218,7 +222,7 @@ class Replay:
         p, led, N, T, B, h, a, c, e = self.p, self.led, self.N, self.T, self.B, self.h, self.a, self.c, self.e
         x = f"h{i}."
         Nh, n, aTT = N * h, 4 * N * h, self.a * B * T * T
-        recomputing = getattr(self, "_recomputing", False)
+        recomputing = self._recomputing
         S = recomputing or i not in self.ckpt                 # does autograd keep what it saves?
         A = "activations" if S else "temporaries"
 
@@ -235,9 +239,8 @@ class Replay:
         save("ln1.stats", 8 * N)
         release("ln1.stats")
         led.alloc(x + "ln1.out", 4 * Nh)                        # fp32 (LayerNorm runs in fp32)
-        self.half_copy(x + "c_attn", 3 * h * h, i)
+        self.half_copy(x + "c_attn", 3 * h * h, i, bias=3 * h)
         if p.amp:
-            led.alloc(f"cache.b16.{x}c_attn", 2 * 3 * h, "half_weights")
             save("ln1.in16", 2 * Nh)
         else:
             keep("ln1.out")
@@ -291,9 +294,7 @@ class Replay:
             save("attn.out", c * Nh)                            # transpose(1, 2).contiguous()
             led.free(x + "attn.bmm", x + "attn.bmm16")
         # --- output projection, dropout, residual
-        self.half_copy(x + "attn.c_proj", h * h, i)
-        if p.amp:
-            led.alloc(f"cache.b16.{x}attn.c_proj", 2 * h, "half_weights")
+        self.half_copy(x + "attn.c_proj", h * h, i, bias=h)
         led.alloc(x + "attn.proj", c * Nh)
         release("attn.out")
         if p.dropout:
@@ -308,9 +309,8 @@ class Replay:
         save("ln2.stats", 8 * N)
         release("ln2.stats")
         led.alloc(x + "ln2.out", 4 * Nh)
-        self.half_copy(x + "mlp.c_fc", 4 * h * h, i)
+        self.half_copy(x + "mlp.c_fc", 4 * h * h, i, bias=4 * h)
         if p.amp:
-            led.alloc(f"cache.b16.{x}mlp.c_fc", 2 * 4 * h, "half_weights")
             save("ln2.in16", 2 * Nh)
         else:
             keep("ln2.out")
@@ -341,9 +341,7 @@ class Replay:
         else:
             save("mlp.proj_in16", c * n)                        # autocast's cast for c_proj
             led.free(x + "gelu.out")
-        self.half_copy(x + "mlp.c_proj", 4 * h * h, i)
-        if p.amp:
-            led.alloc(f"cache.b16.{x}mlp.c_proj", 2 * h, "half_weights")
+        self.half_copy(x + "mlp.c_proj", 4 * h * h, i, bias=h)
         led.alloc(x + "mlp.proj", c * Nh)
         release("gelu.out", "mlp.proj_in16")
         if p.dropout:
