@@ -451,6 +451,18 @@ class Replay:
             g = name + "2"
         return g
 
+    def _layernorm_grad(self, name: str, ln: str, out: str, saved: list[str]) -> None:
+        """A branch's gradient leaves through its LayerNorm: the gradient of the LayerNorm's output, ``name``
+        (``name + "_16"`` under autocast, then cast back to fp32), goes through the fp32 LayerNorm (its weight
+        and bias gradients; ``saved`` freed) and is added into the residual gradient as ``out``."""
+        g = name + "_16"
+        if self.c != 4:
+            self.node(out=[(name, 4 * self.N * self.h)], free=[g])
+            g = name
+        self.node(out=[(out, 4 * self.N * self.h)], params=[(ln + ".weight", self.h), (ln + ".bias", self.h)],
+                  free=[g] + saved, cast=False)
+        self.accumulate("g.res", out)                                       # into the residual gradient
+
     def block_backward(self, i: int) -> None:
         """GPT2Block backward, node by node, from the block output back to its input."""
         p, led, N, T, B, h, c, e = self.p, self.led, self.N, self.T, self.B, self.h, self.c, self.e
@@ -496,13 +508,7 @@ class Replay:
         # mlp.c_fc
         node(out=[("g.ln2_16", c * Nh)], params=[(x + "mlp.c_fc.weight", 4 * h * h), (x + "mlp.c_fc.bias", 4 * h)],
              free=["g.xbuf", x + "ln2.in16", x + "ln2.out", "w16." + x + "mlp.c_fc"])
-        g = "g.ln2_16"
-        if c != 4:
-            node(out=[("g.ln2", 4 * Nh)], free=["g.ln2_16"])
-            g = "g.ln2"
-        node(out=[("g.mid_ln", 4 * Nh)], params=[(x + "ln_2.weight", h), (x + "ln_2.bias", h)],
-             free=[g, x + "mid", x + "ln2.stats"], cast=False)
-        self.accumulate("g.res", "g.mid_ln")                                # into the residual gradient
+        self._layernorm_grad("g.ln2", x + "ln_2", "g.mid_ln", [x + "mid", x + "ln2.stats"])
         # attention branch
         g = self._branch_grad("g.a", x + "resid1.mask")
         node(out=[("g.attn_out", c * Nh)], params=[(x + "attn.c_proj.weight", h * h), (x + "attn.c_proj.bias", h)],
@@ -537,13 +543,7 @@ class Replay:
         node(out=[("g.ln1_16", c * Nh)],
              params=[(x + "attn.c_attn.weight", 3 * h * h), (x + "attn.c_attn.bias", 3 * h)],
              free=["g.qkv", x + "ln1.in16", x + "ln1.out", "w16." + x + "c_attn"])
-        g = "g.ln1_16"
-        if c != 4:
-            node(out=[("g.ln1", 4 * Nh)], free=["g.ln1_16"])
-            g = "g.ln1"
-        node(out=[("g.in_ln", 4 * Nh)], params=[(x + "ln_1.weight", h), (x + "ln_1.bias", h)],
-             free=[g, f"res.{i}", x + "ln1.stats"], cast=False)
-        self.accumulate("g.res", "g.in_ln")                                 # into the residual gradient
+        self._layernorm_grad("g.ln1", x + "ln_1", "g.in_ln", [f"res.{i}", x + "ln1.stats"])
         led.free_prefix(x)                                                  # nothing of the block is left
         led.free_prefix("cache.b16." + x)
 
