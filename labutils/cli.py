@@ -11,7 +11,7 @@ import os
 import sys
 
 from .config import ConfigError, load_config, shown
-from .results import OutputPathError, check_output_file, write_json  # noqa: F401 (estimate imports write_json here)
+from .results import OutputPathError, check_output_file, write_json
 
 
 class _Parser(argparse.ArgumentParser):
@@ -145,7 +145,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_estimate(args) -> int:
-    from .estimate import cli_estimate  # issue 6: the memory estimator and advisor
+    from .advise import cli_estimate  # issue 6: the memory estimator and advisor
 
     cfg = load_config(args.config, args.overrides, mode="full")  # estimates are for the real sizes
     if args.json:

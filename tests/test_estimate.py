@@ -1,6 +1,7 @@
-"""The memory estimator (labutils.estimate): its accounting, its advice, its CLI, and a check against the CPU
-tracker. What it predicts for CUDA cannot be measured here (no GPU); the CPU replay uses the same ledger with
-the CPU kernels' rules and must match the tracker, which checks the bookkeeping itself."""
+"""The memory estimator (labutils.estimate, its replay labutils.replay) and the advisor (labutils.advise): the
+accounting, the advice, the CLI, and a check against the CPU tracker. What it predicts for CUDA cannot be
+measured here (no GPU); the CPU replay uses the same ledger with the CPU kernels' rules and must match the
+tracker, which checks the bookkeeping itself."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import labutils as lu
+from labutils import advise as A
 from labutils import estimate as E
 from labutils.models import count_parameters, gpt2_config
 
@@ -115,7 +117,7 @@ def test_timeline_and_breakdown_are_consistent():
 def test_recommendation_fits_and_is_fastest():
     cfg = lu.load_config(ROOT / "configs" / "optimized_config.yaml", mode="full")
     budget = 8 * E.GiB
-    adv = E.recommend(cfg, budget)
+    adv = A.recommend(cfg, budget)
     rec = adv["recommendation"]
     assert rec is not None and rec["fits"]
     assert rec["micro_batch"] * rec["accum"] == cfg.effective_batch_size
@@ -123,7 +125,7 @@ def test_recommendation_fits_and_is_fastest():
     fitting = [r for r in adv["candidates"] if r["fits"]]
     assert rec["relative_time"] == min(r["relative_time"] for r in fitting)
     assert any(not r["fits"] for r in adv["candidates"])  # fp32 without checkpointing at micro 16 does not
-    assert E.recommend(cfg, 1 * E.GiB)["recommendation"] is None
+    assert A.recommend(cfg, 1 * E.GiB)["recommendation"] is None
 
 
 def test_largest_batch_and_compare():
@@ -266,26 +268,24 @@ def test_trace_summary_of_a_snapshot_and_the_cpu_recorder():
 
 def test_advisor_has_no_builtin_speeds_and_labels_its_source():
     cfg = lu.load_config(ROOT / "configs" / "optimized_config.yaml", mode="full")
-    assert not hasattr(E, "RELATIVE_SPEED")  # the design's 2.2x (claim C2) is tested in lab 01, not assumed
-    plain = E.recommend(cfg, 8 * E.GiB)
+    assert not hasattr(A, "RELATIVE_SPEED")  # the design's 2.2x (claim C2) is tested in lab 01, not assumed
+    plain = A.recommend(cfg, 8 * E.GiB)
     assert plain["speed_source"].startswith("unknown")
-    fast16 = E.recommend(cfg, 8 * E.GiB, amp_dtype="fp16", speeds=({"fp32": 1.0, "fp16": 3.0}, "test table"))
+    fast16 = A.recommend(cfg, 8 * E.GiB, amp_dtype="fp16", speeds=({"fp32": 1.0, "fp16": 3.0}, "test table"))
     assert fast16["speed_source"] == "test table" and fast16["recommendation"]["precision"] == "fp16"
-    slow16 = E.recommend(cfg, 8 * E.GiB, amp_dtype="fp16", speeds=({"fp32": 1.0, "fp16": 0.2}, "test table"))
+    slow16 = A.recommend(cfg, 8 * E.GiB, amp_dtype="fp16", speeds=({"fp32": 1.0, "fp16": 0.2}, "test table"))
     fp32_fits = [r for r in slow16["candidates"] if r["fits"] and r["precision"] == "fp32"]
     if fp32_fits:  # a measured slow fp16 makes the advisor prefer fp32 where it fits
         assert slow16["recommendation"]["precision"] == "fp32"
-    assert E.measured_speeds(None) is None
+    assert A.measured_speeds(None) is None
 
 
 def test_advisor_speeds_fall_back_to_the_cards_peak_table(tmp_path, monkeypatch):
     """Without lab 01's measurements for this GPU the advisor ranks by the card's dense peaks, labelled as such;
     an unknown card gives no source at all (precisions counted equal), never the design's folklore 2.2x."""
-    from labutils import estimate as est
-
     monkeypatch.setenv("LAB_RESULTS_READ_DIR", str(tmp_path))  # no lab 01 results here
-    speeds, label = est.speed_source("NVIDIA A100-SXM4-80GB")
+    speeds, label = A.speed_source("NVIDIA A100-SXM4-80GB")
     assert speeds["fp32"] == 1.0 and speeds["bf16"] == pytest.approx(312 / 19.5) and "peak table" in label
-    t4, _ = est.speed_source("Tesla T4")
+    t4, _ = A.speed_source("Tesla T4")
     assert "bf16" not in t4 and t4["fp16"] > 1
-    assert est.speed_source("Some Future GPU") is None and est.speed_source(None) is None
+    assert A.speed_source("Some Future GPU") is None and A.speed_source(None) is None

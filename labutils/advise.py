@@ -1,0 +1,210 @@
+"""What to run when a config does not fit, or could run faster: the advisor over the estimator (lab 04).
+
+:func:`recommend` tries every precision, checkpointing and micro-batch x accumulation with the config's effective
+batch, keeps what :func:`labutils.estimate.fits` the budget and ranks it by a rough step-time model
+(:func:`relative_step_time`). Precisions are ranked by a speed source, never by built-in numbers: lab 01's
+measurements on this GPU, else the card's peak table, else none (counted equal). :func:`cli_estimate` is
+``python -m labutils estimate``: the estimate, the advice and the per-GPU ZeRO table.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from . import device as dev
+from .distributed import zero_table
+from .estimate import CUDA_CONTEXT_BYTES, HEADROOM, GiB, Plan, estimate_memory, estimate_plan, fits, plan_from_config
+from .flops import flops_per_token
+from .peaks import peak_tflops
+from .results import read_results, write_json
+
+# How the advisor ranks precisions: no built-in numbers (the design's "2.2x" is claim C2, tested in lab 01). A speed
+# source gives {precision: throughput relative to fp32} and says where it came from: lab 01's measurements on this
+# GPU (measured_speeds), a peak table of the card, or nothing ("unknown": all precisions counted equal).
+UNKNOWN_SPEEDS = "unknown: no measured or peak speeds for this GPU; precisions counted equal (ranked by memory, recompute and micro-batch size only)"
+SATURATION_TOKENS = 1024              # micro-batch tokens at which a GPU reaches half of its throughput (assumed)
+
+
+def measured_speeds(gpu_name: str | None, mode: str = "full") -> tuple[dict, str] | None:
+    """Lab 01's measured speed-ups vs fp32 (its precision_comparison table) when its results were recorded on
+    ``gpu_name``; None otherwise. For :func:`recommend`'s ``speeds``."""
+    data = read_results("01-Mixed_Precision", mode) if gpu_name else None
+    if not data or (data.get("env") or {}).get("gpu_name") != gpu_name:
+        return None
+    rows = (data.get("tables") or {}).get("precision_comparison") or []
+    speeds = {r.get("run"): r.get("speedup_vs_fp32") for r in rows if r.get("status") == "ok"
+              and isinstance(r.get("speedup_vs_fp32"), (int, float))}
+    speeds.setdefault("fp32", 1.0)
+    return speeds, f"measured by lab 01 on {gpu_name} ({data.get('env', {}).get('date') or 'date not recorded'})"
+
+
+def peak_speeds(gpu_name: str | None) -> tuple[dict, str] | None:
+    """Each precision's dense peak relative to fp32 on ``gpu_name`` (labutils.peaks): what the advisor ranks by
+    when lab 01 has not measured this GPU. None when the card or its fp32 peak is unknown."""
+    base = peak_tflops(gpu_name, "fp32") if gpu_name else None
+    if not base:
+        return None
+    speeds = {p: (v / base if v else None) for p in ("fp32", "tf32", "fp16", "bf16")
+              for v in [peak_tflops(gpu_name, p)]}
+    return ({p: v for p, v in speeds.items() if v}, f"the dense peak TFLOP/s of {gpu_name} (labutils' peak table, "
+            f"not a measurement: real speed-ups are smaller)")
+
+
+def speed_source(gpu_name: str | None, mode: str = "full") -> tuple[dict, str] | None:
+    """What the advisor ranks precisions by: lab 01's measurements on this GPU, else the card's peak table,
+    else None (precisions counted equal)."""
+    return measured_speeds(gpu_name, mode) or peak_speeds(gpu_name)
+
+
+def relative_step_time(plan: Plan, speeds: dict | None = None) -> float:
+    """A rough model for ranking: FLOPs per optimizer step / (precision speed x utilisation of the micro-batch).
+    ``speeds``: {precision: throughput relative to fp32}; a precision it does not list counts as 1.0."""
+    tokens = plan.micro * plan.seq
+    util = tokens / (tokens + SATURATION_TOKENS)
+    recompute = plan.checkpointing and plan.every_n == 1
+    flops = flops_per_token(plan.model, plan.seq, recompute=recompute)
+    if plan.checkpointing and plan.every_n > 1:   # only some blocks recompute
+        base = flops_per_token(plan.model, plan.seq)
+        flops = base + (flops_per_token(plan.model, plan.seq, recompute=True) - base) / plan.every_n
+    return plan.effective_batch * plan.seq * flops / ((speeds or {}).get(plan.precision) or 1.0) / util / 1e12
+
+
+def candidate_plans(base: Plan, amp_dtype: str | None = None) -> list[Plan]:
+    """Every (precision, checkpointing, micro x accum) with the same effective batch as ``base``."""
+    eff = base.effective_batch
+    if amp_dtype is None:
+        amp_dtype = base.precision if base.amp else "bf16"
+    full = "tf32" if base.precision == "tf32" else "fp32"
+    micros = [m for m in range(eff, 0, -1) if eff % m == 0]
+    out = []
+    for precision in dict.fromkeys([full, amp_dtype]):
+        for ckpt in (False, True):
+            for m in micros:
+                out.append(replace(base, precision=precision, checkpointing=ckpt, every_n=1, micro=m,
+                                   accum=eff // m))
+    return out
+
+
+def recommend(cfg, budget_bytes: int, *, device: str = "cuda", amp_dtype: str | None = None,
+              context_bytes: int = CUDA_CONTEXT_BYTES, headroom: float = HEADROOM,
+              speeds: tuple[dict, str] | None = None, **overrides) -> dict:
+    """The fastest configuration predicted to fit ``budget_bytes`` (a GPU's memory), keeping the config's
+    effective batch (micro x accumulation) as the target. Returns the chosen candidate and all candidates.
+    ``speeds``: ({precision: speed relative to fp32}, where it came from), e.g. :func:`measured_speeds` or a peak
+    table of the card; without one precisions count equal and ``speed_source`` says so."""
+    speed_map, speed_source = speeds if speeds else ({}, UNKNOWN_SPEEDS)
+    base = plan_from_config(cfg, device=device, **overrides)
+    rows = []
+    for plan in candidate_plans(base, amp_dtype):
+        est = estimate_plan(plan)
+        ok = fits(est, budget_bytes, context_bytes, headroom)
+        rows.append({"precision": plan.precision, "checkpointing": plan.checkpointing, "micro_batch": plan.micro,
+                     "accum": plan.accum, "peak_bytes": est["peak_bytes"], "peak_phase": est["peak_phase"],
+                     "fits": ok, "relative_time": relative_step_time(plan, speed_map)})
+    fastest = min((r for r in rows if r["fits"]), key=lambda r: r["relative_time"], default=None)
+    own_time = relative_step_time(base, speed_map)
+    for r in rows:
+        r["speedup_vs_config"] = own_time / r["relative_time"]
+    return {"budget_bytes": int(budget_bytes), "context_bytes": int(context_bytes), "headroom": headroom,
+            "effective_batch": base.effective_batch, "recommendation": fastest, "candidates": rows,
+            "speed_source": speed_source,
+            "config_fits": fits(estimate_plan(base), budget_bytes, context_bytes, headroom)}
+
+
+def _amp_dtype(cfg) -> tuple[str, str | None]:
+    """The mixed-precision dtype to advise: the config's own, else bf16 where this GPU has it, else fp16."""
+    if cfg.train.precision in ("fp16", "bf16"):
+        return cfg.train.precision, None
+    if dev.cuda_available():
+        return ("bf16", None) if dev.bf16_support()[0] else ("fp16", "this GPU has no native bf16")
+    return "bf16", "no GPU here; use fp16 on GPUs before Ampere: same memory"
+
+
+def _gpu_name() -> str | None:
+    return dev.name() if dev.cuda_available() else None
+
+
+def default_budget_bytes() -> tuple[int, str]:
+    """The card to fit on: this GPU's memory, or the card it was told to behave like (``LAB_GPU_MEMORY_GB``);
+    8 GiB without a GPU. ``fits`` then leaves room for the CUDA context itself."""
+    if dev.cuda_available():
+        budget = dev.current_budget() or dev.card_budget(dev.budget_from_env())
+        if budget:
+            return int(budget["card_gib"] * GiB), f"this GPU ({dev.name()}) behaving like a {budget['card_gib']:g} GiB card"
+        return dev.total_memory(), f"this GPU ({dev.name()})"
+    return 8 * GiB, "no GPU here: an 8 GiB card"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CLI: python -m labutils estimate CONFIG [--set ...] [--gpu-memory-gb G] [--json PATH]
+# ----------------------------------------------------------------------------------------------------------
+def _gib(n) -> str:
+    return "-" if n is None else f"{n / GiB:.2f} GiB"
+
+
+def cli_estimate(cfg, args) -> int:
+    """``python -m labutils estimate``: the estimate of ``cfg`` part by part, whether it fits the budget, the
+    recommendation, and per GPU under data parallelism / ZeRO; ``args.json``: all of it as JSON too."""
+    start = time.perf_counter()
+    if args.gpu_memory_gb is not None:
+        budget, where = int(args.gpu_memory_gb * GiB), f"--gpu-memory-gb {args.gpu_memory_gb:g}"
+    else:
+        budget, where = default_budget_bytes()
+    est = estimate_memory(cfg)
+    amp, amp_note = _amp_dtype(cfg)
+    advice = recommend(cfg, budget, amp_dtype=amp, speeds=speed_source(_gpu_name()))
+    t = cfg.train
+    print(f"{cfg.model.name} ({est['parameters'] / 1e6:.1f}M parameters), {t.precision}, micro-batch "
+          f"{t.micro_batch_size} x accumulation {t.accumulation_steps} x {cfg.data.seq_length} tokens, "
+          f"checkpointing {'every ' + str(t.checkpoint_every_n_layers) if t.gradient_checkpointing else 'off'}, "
+          f"{cfg.model.attn_implementation} attention -- predicted for CUDA")
+    rows = [("params (fp32 master weights)", est["params_bytes"]),
+            ("grads (fp32)", est["grads_bytes"]),
+            ("optimizer (AdamW exp_avg + exp_avg_sq)", est["optimizer_bytes"]),
+            ("activations (saved by one micro-batch)", est["activations_bytes"]),
+            ("  of which log_softmax(logits) fp32", est["logits_bytes"]),
+            ("half weight copies (autocast, saved)", est["half_weights_bytes"]),
+            ("peak (torch.cuda.max_memory_allocated)", est["peak_bytes"])]
+    w = max(len(r[0]) for r in rows)
+    for name, n in rows:
+        print(f"  {name:<{w}}  {_gib(n):>10}")
+    print(f"  peak happens during: {est['peak_phase']}; at the peak: " +
+          ", ".join(f"{k} {_gib(v)}" for k, v in est["peak_breakdown"].items() if v > 0))
+    usable = budget - CUDA_CONTEXT_BYTES
+    print(f"budget: {_gib(budget)} ({where}); fits if peak x {1 + HEADROOM:.2f} <= {_gib(usable)} "
+          f"(budget minus {_gib(CUDA_CONTEXT_BYTES)} CUDA context)")
+    print(f"this config: {'fits' if advice['config_fits'] else 'does NOT fit'}")
+    rec = advice["recommendation"]
+    if rec:
+        print(f"recommendation (fastest predicted to fit, effective batch {advice['effective_batch']}): "
+              f"{rec['precision']}, checkpointing {'on' if rec['checkpointing'] else 'off'}, micro-batch "
+              f"{rec['micro_batch']} x accumulation {rec['accum']}: peak {_gib(rec['peak_bytes'])}"
+              + (f", ~{rec['speedup_vs_config']:.2f}x the config's speed (rough model)"
+                 if rec.get("speedup_vs_config") else "")
+              + f"; precision speeds: {advice['speed_source']}"
+              + (f" [{amp_note}]" if amp_note and rec["precision"] == amp else ""))
+    else:
+        smallest = min(advice["candidates"], key=lambda r: r["peak_bytes"])
+        print(f"recommendation: nothing fits with this effective batch; the smallest peak is "
+              f"{_gib(smallest['peak_bytes'])} ({smallest['precision']}, checkpointing "
+              f"{'on' if smallest['checkpointing'] else 'off'}, micro-batch {smallest['micro_batch']}). "
+              f"Shorter sequences, a smaller model, LoRA, an 8-bit optimizer or ZeRO offload are the next steps.")
+    # beyond one GPU: what ZeRO sharding leaves on each GPU
+    zero = zero_table(est["parameters"], est["activations_bytes"], getattr(args, "gpus", 8),
+                      mixed_precision=t.precision in ("fp16", "bf16"))
+    print(f"per GPU with data parallelism / ZeRO (model state {'2P+2P+12P' if t.precision in ('fp16', 'bf16') else '4P+4P+8P'}"
+          f" sharded, plus this micro-batch's activations):")
+    cols = list(zero[0])
+    print("  " + "".join(f"{c:>22}" if i == 0 else f"{c:>10}" for i, c in enumerate(cols)))
+    for r in zero:
+        print("  " + "".join(f"{r[c]:>22}" if i == 0 else f"{_gib(r[c]):>10}" for i, c in enumerate(cols)))
+    if args.json:
+        out = {k: est[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
+                                   "peak_bytes")}
+        out["zero_per_gpu"] = zero
+        out.update(estimate=est, recommendation=rec, budget_bytes=budget, config_fits=advice["config_fits"],
+                   candidates=advice["candidates"], config=cfg.to_dict())
+        write_json(args.json, out)
+        print(f"wrote {args.json}")
+    print(f"({time.perf_counter() - start:.2f} s)")
+    return 0

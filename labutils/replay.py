@@ -1,0 +1,602 @@
+"""One training step of HF GPT-2, replayed as tensor allocations and frees: the engine of :mod:`labutils.estimate`.
+
+:class:`Replay` walks a step the way PyTorch runs it (forward, loss, backward node by node, AdamW), with the
+sizes and dtypes that CUDA produces, and books every tensor in a :class:`Ledger`, which keeps the live bytes
+and the peak, by kind. Nothing runs on a GPU: it is arithmetic, a few milliseconds per configuration.
+
+The accounting follows Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+Models", section 4.1): per block, the tensors autograd saves for backward. Their total for a GPT block is
+``s*b*h*(34 + 5*a*s/h)`` bytes with 16-bit activations; HF GPT-2 under ``torch.autocast`` saves more, because:
+
+* the residual stream stays FP32 (embeddings are FP32 and ``fp16 + fp32`` promotes), so LayerNorm inputs
+  are 4 bytes per element, and LayerNorm itself runs in FP32 (CUDA autocast's float32 list);
+* GPT-2's activation ``gelu_new`` is a Python expression, ``0.5*x*(1+tanh(c*(x+0.044715*x**3)))``: every
+  intermediate that a multiplication needs is saved, and ``pow`` is on CUDA autocast's float32 list, so the
+  whole chain after it is FP32: the MLP saves 67 bytes per token and hidden unit, Korthikanti counts 19;
+* SDPA (flash / memory-efficient kernels) saves no ``a*s*s`` scores: q, k, v, the output and a log-sum-exp;
+* the loss upcasts the logits ``[B, T, V]`` to FP32 and ``log_softmax`` saves an FP32 copy: with V = 50257
+  this is often the largest single term, and its backward holds three such tensors at once;
+* autocast caches a half-precision copy of each weight for the forward pass; the copies that matmuls save
+  live until their backward (all blocks' copies while the loss is computed, even with checkpointing).
+
+Master weights, gradients and AdamW's two moments are FP32 in every precision: 4 + 4 + 8 = 16 bytes per
+parameter. ``device="cpu"`` switches to the CPU kernels' behaviour (float dropout masks, math attention when
+dropout is on, CPU autocast's op lists, the unfused AdamW) so the same replay can be checked against the CPU
+tracker on a machine without a GPU; the CUDA prediction itself can only be checked on a GPU.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from .models import N_POSITIONS, PRESETS, vocab_size
+
+CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8   # cuBLAS default workspace per (handle, stream)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The ledger: live tensors, current and peak bytes, by kind
+# ----------------------------------------------------------------------------------------------------------
+KINDS = ("weights", "grads", "optimizer", "activations", "logits", "half_weights", "temporaries", "data",
+         "workspace")   # what each tensor is booked as: the parts of the peak
+
+
+class Ledger:
+    """The live tensors of a replay by name, with their bytes, kind (one of :data:`KINDS`) and whether autograd
+    saved them; the current and peak bytes, the phase and the parts at the peak, and a timeline of marks.
+    CUDA's caching allocator rounds each block up to 512 bytes: ``round_to=512``."""
+
+    def __init__(self, round_to: int = 1):
+        self.live: dict[str, tuple[int, str, bool]] = {}   # name -> (bytes, kind, saved for backward)
+        self.by_kind: Counter = Counter()
+        self.cur = self.peak = 0
+        self.peak_kinds: dict = {}
+        self.peak_phase = ""
+        self.phase = ""
+        self.timeline: list[tuple[str, int, int]] = []
+        self.round_to = round_to
+
+    def alloc(self, name: str, nbytes: float, kind: str = "temporaries", saved: bool = False) -> None:
+        nbytes = int(math.ceil(nbytes / self.round_to) * self.round_to)
+        if nbytes <= 0:
+            return
+        if name in self.live:
+            raise AssertionError(f"estimator bug: {name} allocated twice")
+        self.live[name] = (nbytes, kind, saved)
+        self.cur += nbytes
+        self.by_kind[kind] += nbytes
+        if self.cur > self.peak:
+            self.peak, self.peak_phase, self.peak_kinds = self.cur, self.phase, dict(self.by_kind)
+
+    def free(self, *names: str) -> None:
+        for name in names:
+            if name in self.live:
+                nbytes, kind, _ = self.live.pop(name)
+                self.cur -= nbytes
+                self.by_kind[kind] -= nbytes
+
+    def free_prefix(self, prefix: str, saved_only: bool = False) -> None:
+        self.free(*[n for n, (_, _, s) in self.live.items() if n.startswith(prefix) and (s or not saved_only)])
+
+    def release(self, *names: str) -> None:
+        """A Python reference goes away: the tensor is freed unless autograd saved it."""
+        self.free(*[n for n in names if n in self.live and not self.live[n][2]])
+
+    def rename(self, old: str, new: str, kind: str | None = None, saved: bool | None = None) -> None:
+        nbytes, k, s = self.live.pop(old)
+        self.by_kind[k] -= nbytes
+        k = kind or k
+        self.by_kind[k] += nbytes
+        self.live[new] = (nbytes, k, s if saved is None else saved)
+
+    def keep(self, name: str, kind: str = "activations") -> None:
+        """A temporary turns out to be saved for backward."""
+        self.rename(name, name, kind=kind, saved=True)
+
+    def saved_bytes(self, kinds=("activations", "logits")) -> int:
+        return sum(b for b, k, s in self.live.values() if s and k in kinds)
+
+    def mark(self, label: str) -> None:
+        self.timeline.append((label, self.cur, self.peak))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One training step of HF GPT-2, tensor by tensor
+# ----------------------------------------------------------------------------------------------------------
+def _block_params(h: int) -> dict[str, int]:
+    """Parameter tensors of one GPT2Block (Conv1D weights are [in, out])."""
+    return {"ln_1.weight": h, "ln_1.bias": h, "attn.c_attn.weight": 3 * h * h, "attn.c_attn.bias": 3 * h,
+            "attn.c_proj.weight": h * h, "attn.c_proj.bias": h, "ln_2.weight": h, "ln_2.bias": h,
+            "mlp.c_fc.weight": 4 * h * h, "mlp.c_fc.bias": 4 * h, "mlp.c_proj.weight": 4 * h * h,
+            "mlp.c_proj.bias": h}
+
+
+class Replay:
+    """HF GPT-2 training steps for one ``plan`` (a :class:`labutils.estimate.Plan`: model, shape, precision,
+    checkpointing, attention, device), booked tensor by tensor in ``self.led`` (a :class:`Ledger`).
+
+    :meth:`run` replays two optimizer steps (the second with AdamW's state allocated, each with up to two
+    micro-batches: the second runs with ``.grad`` allocated) and returns the ledger; :meth:`forward` and
+    :meth:`block_forward` alone give what a forward leaves saved for backward."""
+
+    def __init__(self, plan):
+        self.p = plan
+        self.L, self.h, self.a = PRESETS[plan.model]
+        self.V = vocab_size(plan.model)
+        self.B, self.T = plan.micro, plan.seq
+        self.N = self.B * self.T
+        self.cuda = plan.device == "cuda"
+        amp = plan.amp
+        self.c = 2 if amp else 4                          # matmul outputs (autocast: half; else fp32)
+        # gelu_new's pow: float32 on CUDA autocast's list; CPU autocast leaves it in the input dtype
+        self.e = 4 if (amp and self.cuda) else self.c
+        if plan.attn == "eager":
+            self.attn = "eager"
+        elif self.cuda or not plan.dropout:
+            self.attn = "flash"                           # flash / memory-efficient / CPU flash: no s*s scores
+        else:
+            self.attn = "math"                            # CPU SDPA with dropout: the math path, upcast to fp32
+        self.ckpt = set(plan.layers_checkpointed())
+        self.led = Ledger(round_to=512 if self.cuda else 1)
+        # Autograd adds a second gradient into its input buffer in place when it holds the only reference.
+        # On CPU we compare with labutils' tracker, whose dispatch mode keeps extra references: every such
+        # addition is then out of place, and the replay does the same so that the two can be compared.
+        self.inplace_accumulate = self.cuda
+        self._recomputing = False                         # backward re-runs a checkpointed block's forward
+
+    def _qkv_aliases(self) -> tuple[str, ...]:
+        """Which of q', k', v' (the bmm operands of eager / math attention) are views of qkv, not copies."""
+        if self.B != 1 or (self.attn == "math" and self.p.amp):
+            return ()
+        return ("v'",) if self.attn == "math" else ("q'", "k'", "v'")
+
+    # dropout mask: CUDA native_dropout keeps a bool mask; the CPU kernel keeps a float mask of the input dtype
+    def mask_bytes(self, input_bytes: int) -> int:
+        return 1 if self.cuda else input_bytes
+
+    # ---- parameters, gradients ---------------------------------------------------------------------------
+    def half_copy(self, name: str, numel: int, block: int | None, bias: int = 0) -> None:
+        """Autocast casts a weight once per forward and caches it; a matmul saves it for backward, except in a
+        checkpointed block, whose copy only lives in the cache (until autocast exits). The layer's bias
+        (``bias`` elements) is cast too; its copy only lives in the cache."""
+        if not self.p.amp:
+            return
+        saved = block is None or block not in self.ckpt or self._recomputing
+        prefix = "" if saved else "cache."
+        self.led.alloc(f"{prefix}w16.{name}", 2 * numel, "half_weights", saved=saved)
+        if bias:
+            self.led.alloc(f"cache.b16.{name}", 2 * bias, "half_weights")
+
+    # ---- forward ---------------------------------------------------------------------------------------------
+    def forward(self, label: str) -> None:
+        p, led, N, T, B, h, V = self.p, self.led, self.N, self.T, self.B, self.h, self.V
+        led.phase = f"{label} forward"
+        led.alloc("emb.inputs_embeds", 4 * N * h)              # alive until GPT2Model.forward returns
+        led.alloc("emb.pos_ids", 8 * T, "activations", True)
+        led.alloc("emb.pos_embeds", 4 * T * h)
+        led.alloc("emb.sum", 4 * N * h)
+        mask_saved = bool(self.ckpt)                            # checkpoint keeps its inputs, the mask too
+        if p.attn == "eager":
+            led.alloc("mask4d", 4 * B * T * T, "activations" if mask_saved else "temporaries", mask_saved)
+        elif p.padded:
+            led.alloc("mask4d", B * T * T, "activations" if mask_saved else "temporaries", mask_saved)
+        if p.dropout:
+            led.alloc("res.0", 4 * N * h, "activations", True)
+            led.alloc("emb.drop_mask", self.mask_bytes(4) * N * h, "activations", True)
+            led.free("emb.sum")
+        else:
+            led.rename("emb.sum", "res.0", "activations", True)
+        for i in range(self.L):
+            self.block_forward(i)
+            if i in self.ckpt:                                  # checkpoint: only the block input survives
+                led.free_prefix(f"h{i}.", saved_only=True)
+        # final LayerNorm; GPT2Model.forward returns (its locals go), then the LM head and the loss
+        led.phase = f"{label} forward: LM head and loss"
+        led.alloc("lnf.stats", 8 * N, "activations", True)
+        led.alloc("lnf.out", 4 * N * h)
+        led.free("emb.inputs_embeds", "emb.pos_embeds")
+        if not mask_saved:
+            led.free("mask4d")
+        if p.amp:
+            self.half_copy("wte", V * h, None)
+            led.alloc("lmh.in16", 2 * N * h, "activations", True)
+        else:
+            led.keep("lnf.out")
+        led.alloc("logits", self.c * N * V, "logits")
+        # ForCausalLMLoss: logits.float() (a copy under autocast), shift labels, cross_entropy = log_softmax + nll
+        if p.amp:
+            led.alloc("logits.fp32", 4 * N * V, "logits")
+        led.alloc("labels.pad", 8 * B * (T + 1))
+        led.alloc("labels.shift", 8 * N, "activations", True)
+        led.alloc("log_softmax", 4 * N * V, "logits", True)
+        led.free("logits.fp32", "labels.pad")
+        led.free("logits")                                       # the model returns; only .loss is kept
+        led.release("lnf.out")                                   # fp32: saved by lm_head instead
+        led.free_prefix("cache.")                                # autocast exits: its cache is dropped
+
+    def block_forward(self, i: int) -> None:
+        """GPT2Block.forward: ln_1 -> attn (c_attn, SDPA, c_proj, dropout) -> add -> ln_2 -> mlp -> add.
+
+        Tensors autograd saves live until backward; in a checkpointed block's forward nothing is saved, so the
+        same tensors die as soon as the Python code drops them (``led.release``, a no-op for saved tensors)."""
+        p, led, N, T, B, h, a, c, e = self.p, self.led, self.N, self.T, self.B, self.h, self.a, self.c, self.e
+        x = f"h{i}."
+        Nh, n, aTT = N * h, 4 * N * h, self.a * B * T * T
+        recomputing = self._recomputing
+        S = recomputing or i not in self.ckpt                 # does autograd keep what it saves?
+        A = "activations" if S else "temporaries"
+
+        def save(name, nbytes):
+            led.alloc(x + name, nbytes, A, S)
+
+        def keep(name):
+            if S:
+                led.keep(x + name)
+
+        def release(*names):
+            led.release(*[x + nm for nm in names])
+
+        save("ln1.stats", 8 * N)
+        release("ln1.stats")
+        led.alloc(x + "ln1.out", 4 * Nh)                        # fp32 (LayerNorm runs in fp32)
+        self.half_copy(x + "c_attn", 3 * h * h, i, bias=3 * h)
+        if p.amp:
+            save("ln1.in16", 2 * Nh)
+        else:
+            keep("ln1.out")
+        led.alloc(x + "qkv", 3 * c * Nh)
+        release("ln1.in16")
+        # --- attention
+        if self.attn == "flash":
+            keep("qkv")                                         # q, k, v are views of it; the kernel saves them
+            lse_T = -(-T // 32) * 32 if (self.cuda and not p.amp) else T   # memory-efficient kernel pads to 32
+            save("sdpa.lse", 4 * a * B * lse_T)
+            if p.padded:
+                save("sdpa.bias", c * B * T * T)                # bool mask converted to the query dtype
+            save("attn.out", c * Nh)
+            release("sdpa.lse", "sdpa.bias")
+        else:
+            # math / eager: q, k, v copied for bmm; scores [B, a, T, T] materialised and saved
+            f = 4 if self.attn == "math" else c                 # CPU math SDPA upcasts half inputs to fp32
+            # bmm needs [B*a, T, d] operands: a copy of the head views, except when B == 1 and no cast is
+            # needed, where the reshape is a view of qkv (the math path scales q and k first: copies anyway)
+            aliased = self._qkv_aliases()
+            for t in ("q'", "k'", "v'"):
+                if t not in aliased:
+                    save(t, f * Nh)
+            if aliased:
+                keep("qkv")
+            else:
+                led.free(x + "qkv")
+            led.alloc(x + "scores", f * aTT)
+            soft = 4 if self.attn == "eager" else f              # eager: + fp32 mask promotes the scores to fp32
+            if soft != f:
+                led.alloc(x + "scores32", soft * aTT)
+                led.free(x + "scores")
+                led.rename(x + "scores32", x + "scores")
+            save("probs", soft * aTT)
+            led.free(x + "scores")
+            if self.attn == "eager" and soft != c:
+                led.alloc(x + "probs16", c * aTT)               # .type(value.dtype)
+                if not p.dropout:
+                    keep("probs16")
+            pb = c if self.attn == "eager" else f
+            if p.dropout:
+                save("attn_drop.mask", self.mask_bytes(pb) * aTT)
+                save("attn_drop.out", pb * aTT)
+                led.free(x + "probs16")
+            release("q'", "k'", "probs", "probs16", "attn_drop.mask")
+            led.alloc(x + "attn.bmm", f * Nh)
+            release("v'", "attn_drop.out", "qkv")
+            if f != c:
+                led.alloc(x + "attn.bmm16", c * Nh)
+                led.free(x + "attn.bmm")
+            save("attn.out", c * Nh)                            # transpose(1, 2).contiguous()
+            led.free(x + "attn.bmm", x + "attn.bmm16")
+        # --- output projection, dropout, residual
+        self.half_copy(x + "attn.c_proj", h * h, i, bias=h)
+        led.alloc(x + "attn.proj", c * Nh)
+        release("attn.out")
+        if p.dropout:
+            save("resid1.mask", self.mask_bytes(c) * Nh)
+            release("resid1.mask")
+            led.alloc(x + "resid1.out", c * Nh)
+            led.free(x + "attn.proj")
+        release("qkv")                                          # GPT2Attention.forward returns
+        led.alloc(x + "mid", 4 * Nh, A, S)                      # attn_output + residual: fp32
+        led.release(x + "resid1.out", x + "attn.proj", x + "ln1.out")
+        # --- MLP
+        save("ln2.stats", 8 * N)
+        release("ln2.stats")
+        led.alloc(x + "ln2.out", 4 * Nh)
+        self.half_copy(x + "mlp.c_fc", 4 * h * h, i, bias=4 * h)
+        if p.amp:
+            save("ln2.in16", 2 * Nh)
+        else:
+            keep("ln2.out")
+        led.alloc(x + "fc", c * n)                              # c_fc output, gelu input
+        release("ln2.in16")
+        # gelu_new = 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * pow(x, 3))))
+        save("gelu.half_x", c * n)
+        if e != c:
+            save("gelu.x32", e * n)                             # pow's autocast cast to fp32, saved by pow
+        else:
+            keep("fc")                                          # pow saves its input
+        led.alloc(x + "gelu.t1", e * n)                         # pow
+        release("gelu.x32")
+        led.alloc(x + "gelu.t2", e * n)                         # * 0.044715
+        led.free(x + "gelu.t1")
+        led.alloc(x + "gelu.t3", e * n)                         # x + ...
+        led.free(x + "gelu.t2")
+        led.alloc(x + "gelu.t4", e * n)                         # * sqrt(2/pi)
+        led.free(x + "gelu.t3")
+        save("gelu.tanh", e * n)
+        led.free(x + "gelu.t4")
+        save("gelu.one_plus", e * n)
+        release("gelu.tanh")
+        led.alloc(x + "gelu.out", e * n)                        # half_x * one_plus: promotes to e
+        release("gelu.half_x", "gelu.one_plus", "fc")           # NewGELUActivation.forward returns
+        if e == c:
+            keep("gelu.out")                                    # saved by c_proj's matmul
+        else:
+            save("mlp.proj_in16", c * n)                        # autocast's cast for c_proj
+            led.free(x + "gelu.out")
+        self.half_copy(x + "mlp.c_proj", 4 * h * h, i, bias=h)
+        led.alloc(x + "mlp.proj", c * Nh)
+        release("gelu.out", "mlp.proj_in16")
+        if p.dropout:
+            save("resid2.mask", self.mask_bytes(c) * Nh)
+            release("resid2.mask")
+            led.alloc(x + "resid2.out", c * Nh)
+            led.free(x + "mlp.proj")
+        if not recomputing:                                     # recompute stops before the block output
+            led.alloc(f"res.{i + 1}", 4 * Nh, "activations", True)
+        led.release(x + "resid2.out", x + "mlp.proj", x + "ln2.out", x + "mid")
+
+    # ---- backward --------------------------------------------------------------------------------------------
+    def accumulate(self, buffer: str, incoming: str, inplace: bool | None = None) -> None:
+        """A second gradient for the same tensor: added into autograd's input buffer."""
+        led = self.led
+        if self.inplace_accumulate if inplace is None else inplace:
+            led.free(incoming)
+            return
+        nbytes, kind, _ = led.live[buffer]
+        led.alloc(buffer + ".sum", nbytes, kind)
+        led.free(buffer, incoming)
+        led.rename(buffer + ".sum", buffer)
+
+    def node(self, out=(), params=(), free=(), cast: bool = True) -> None:
+        """One backward node: it allocates its outputs (input gradients, parameter gradients), then releases
+        what it saved and the gradient it consumed; the parameter gradients then go on: a half copy's gradient
+        is cast back to fp32, and AccumulateGrad keeps it (.grad is None) or adds it in place."""
+        led, half, exist = self.led, cast and self.p.amp, self._grads_exist
+        for name, nbytes, *kind in out:
+            led.alloc(name, nbytes, *kind)
+        for name, numel in params:
+            if half:
+                led.alloc("tmp.g16." + name, self.c * numel)
+            elif exist:
+                led.alloc("tmp.g32." + name, 4 * numel)
+            else:
+                led.alloc("grad." + name, 4 * numel, "grads")
+        led.free(*free)
+        for name, numel in params:
+            if half:
+                if exist:
+                    led.alloc("tmp.g32." + name, 4 * numel)
+                else:
+                    led.alloc("grad." + name, 4 * numel, "grads")
+                led.free("tmp.g16." + name)
+            led.free("tmp.g32." + name)
+
+    def backward(self, label: str, grads_exist: bool) -> None:
+        p, led, N, h, V, c = self.p, self.led, self.N, self.h, self.V, self.c
+        self._grads_exist = grads_exist
+        led.phase = f"{label} backward: loss and LM head"
+        NV, Nh = N * V, N * h
+        self.node(out=[("g.nll", 4 * NV, "logits")], free=["labels.shift"])  # nll_loss: dense [N, V] fp32
+        self.node(out=[("g.lsm", 4 * NV, "logits")], free=["g.nll", "log_softmax"])  # log_softmax backward
+        if p.amp:
+            self.node(out=[("g.logits", c * NV, "logits")], free=["g.lsm"])  # .float() backward: cast back
+        else:
+            led.rename("g.lsm", "g.logits")
+        # lm_head: grad wrt its input and wrt the (tied) wte weight; the latter waits in autograd's input
+        # buffer for the embedding's contribution at the very end of backward
+        self.node(out=[("g.lnf16", c * Nh), ("tmp.gwte16", c * V * h)],
+                  free=["g.logits", "lmh.in16", "w16.wte"] + ([] if p.amp else ["lnf.out"]))
+        if p.amp:
+            led.alloc("wte.buffer", 4 * V * h, "temporaries" if grads_exist else "grads")
+            led.free("tmp.gwte16")
+            self.node(out=[("g.lnf", 4 * Nh)], free=["g.lnf16"])
+        else:
+            led.rename("tmp.gwte16", "wte.buffer", "temporaries" if grads_exist else "grads")
+            led.rename("g.lnf16", "g.lnf")
+        self.node(out=[("g.res", 4 * Nh)], params=[("ln_f.weight", h), ("ln_f.bias", h)],
+                  free=["g.lnf", "lnf.stats", f"res.{self.L}"], cast=False)
+        for i in reversed(range(self.L)):
+            led.phase = f"{label} backward: block {i}" + (" (recomputed)" if i in self.ckpt else "")
+            if i in self.ckpt:
+                self._recomputing = True
+                self.block_forward(i)                           # recompute, under autocast again
+                led.free_prefix("cache.")
+                self._recomputing = False
+            self.block_backward(i)
+        led.phase = f"{label} backward: embeddings"
+        if p.dropout:
+            self.node(out=[("g.emb", 4 * Nh)], free=["g.res", "emb.drop_mask"])
+            led.rename("g.emb", "g.res")
+        self.node(out=[("g.wpe_in", 4 * self.T * h)])                       # the add's broadcast: sum over B
+        ws = [("g.emb_ws", 4 * Nh + 16 * N)] if self.cuda else []          # CUDA: sorted ids, partial sums
+        self.node(out=[("g.wte", 4 * V * h)] + ws, free=["res.0", "g.emb_ws"])  # embedding_dense_backward
+        # the buffer holds lm_head's contribution: a fresh fp32 copy under autocast (added into in place),
+        # a transposed view of the matmul's output in fp32 (so the sum is a new tensor)
+        self.accumulate("wte.buffer", "g.wte", self.inplace_accumulate and p.amp)
+        self.node(params=[("wpe", N_POSITIONS * h)], free=["g.wpe_in", "g.res", "emb.pos_ids", "mask4d"],
+                  cast=False)
+        if grads_exist:
+            led.free("wte.buffer")                                          # .grad += buffer
+        else:
+            led.rename("wte.buffer", "grad.wte", "grads")
+        led.free_prefix("g.")
+
+    def _branch_grad(self, name: str, dropout_mask: str) -> str:
+        """The residual gradient entering a branch: cast to the branch's dtype (fp32: the same tensor), then
+        through the branch's output dropout. Returns the name of the gradient that reaches the branch."""
+        g = "g.res"
+        if self.c != 4:
+            self.node(out=[(name, self.c * self.N * self.h)])
+            g = name
+        if self.p.dropout:
+            self.node(out=[(name + "2", self.c * self.N * self.h)], free=[g if g != "g.res" else "", dropout_mask])
+            g = name + "2"
+        return g
+
+    def _layernorm_grad(self, name: str, ln: str, out: str, saved: list[str]) -> None:
+        """A branch's gradient leaves through its LayerNorm: the gradient of the LayerNorm's output, ``name``
+        (``name + "_16"`` under autocast, then cast back to fp32), goes through the fp32 LayerNorm (its weight
+        and bias gradients; ``saved`` freed) and is added into the residual gradient as ``out``."""
+        g = name + "_16"
+        if self.c != 4:
+            self.node(out=[(name, 4 * self.N * self.h)], free=[g])
+            g = name
+        self.node(out=[(out, 4 * self.N * self.h)], params=[(ln + ".weight", self.h), (ln + ".bias", self.h)],
+                  free=[g] + saved, cast=False)
+        self.accumulate("g.res", out)                                       # into the residual gradient
+
+    def block_backward(self, i: int) -> None:
+        """GPT2Block backward, node by node, from the block output back to its input."""
+        p, led, N, T, B, h, c, e = self.p, self.led, self.N, self.T, self.B, self.h, self.c, self.e
+        x = f"h{i}."
+        Nh, n, aTT = N * h, 4 * N * h, self.a * B * T * T
+        node = self.node
+        # residual add: the gradient goes on to the MLP branch, cast to its dtype (fp32: the same tensor)
+        g = self._branch_grad("g.b", x + "resid2.mask")
+        # mlp.c_proj (its input: the gelu output, cast to half under autocast)
+        node(out=[("g.gelu_out", c * n)], params=[(x + "mlp.c_proj.weight", 4 * h * h), (x + "mlp.c_proj.bias", h)],
+             free=[g if g != "g.res" else "", x + "mlp.proj_in16", x + "gelu.out", "w16." + x + "mlp.c_proj"])
+        if e != c:
+            node(out=[("g.prod", e * n)], free=["g.gelu_out"])
+        else:
+            led.rename("g.gelu_out", "g.prod")
+        # gelu_new backward. Autograd runs the highest sequence number first, so the chain through tanh and
+        # pow runs before `0.5 * x`, whose gradient waits in its input buffer meanwhile.
+        # half_x * one_plus: grad * other (computed in the promoted dtype, cast to half_x's), grad * self
+        if e != c:
+            node(out=[("g.half_x32", e * n), ("g.half_x", c * n)])
+            led.free("g.half_x32")
+        else:
+            node(out=[("g.half_x", c * n)])
+        node(out=[("g.one_plus", e * n)], free=["g.prod", x + "gelu.half_x", x + "gelu.one_plus"])
+        node(out=[("g.t", e * n)], free=["g.one_plus", x + "gelu.tanh"])  # tanh backward (1 + . passes on)
+        node(out=[("g.s", e * n)], free=["g.t"])                           # * sqrt(2/pi)
+        if e != c:                                                          # x + ...: x's share, in x's dtype
+            node(out=[("g.xbuf", c * n)])
+            node(out=[("g.m", e * n)], free=["g.s"])                       # * 0.044715
+        else:                                                               # the same tensor goes to both
+            led.rename("g.s", "g.xbuf")
+            node(out=[("g.m", e * n)])
+        # pow backward: grad * (3 * x.pow(2)): the C++ temporaries live until the end of the expression
+        node(out=[("g.pow_t1", e * n), ("g.pow_t2", e * n), ("g.pow", e * n)],
+             free=["g.pow_t1", "g.pow_t2", "g.m", x + "gelu.x32", x + "fc"])
+        if e != c:
+            node(out=[("g.pow16", c * n)], free=["g.pow"])                 # backward of the cast for pow
+            self.accumulate("g.xbuf", "g.pow16")
+        else:
+            self.accumulate("g.xbuf", "g.pow")
+        node(out=[("g.hx", c * n)], free=["g.half_x"])                    # 0.5 * x, at last
+        self.accumulate("g.xbuf", "g.hx")
+        # mlp.c_fc
+        node(out=[("g.ln2_16", c * Nh)], params=[(x + "mlp.c_fc.weight", 4 * h * h), (x + "mlp.c_fc.bias", 4 * h)],
+             free=["g.xbuf", x + "ln2.in16", x + "ln2.out", "w16." + x + "mlp.c_fc"])
+        self._layernorm_grad("g.ln2", x + "ln_2", "g.mid_ln", [x + "mid", x + "ln2.stats"])
+        # attention branch
+        g = self._branch_grad("g.a", x + "resid1.mask")
+        node(out=[("g.attn_out", c * Nh)], params=[(x + "attn.c_proj.weight", h * h), (x + "attn.c_proj.bias", h)],
+             free=[g if g != "g.res" else "", "w16." + x + "attn.c_proj"])
+        if self.attn == "flash":
+            ws = [("g.sdpa_ws", 4 * Nh + 4 * self.a * N)] if self.cuda else []   # fp32 dq accumulator
+            node(out=[("g.dq", c * Nh), ("g.dk", c * Nh), ("g.dv", c * Nh)] + ws,
+                 free=["g.sdpa_ws", "g.attn_out", x + "attn.out", x + "sdpa.lse", x + "sdpa.bias", x + "qkv"])
+            node(out=[("g.qkv", 3 * c * Nh)], free=["g.dq", "g.dk", "g.dv"])   # split backward: one [N, 3h]
+        else:
+            f = 4 if self.attn == "math" else c
+            soft = 4 if self.attn == "eager" else f
+            pb = c if self.attn == "eager" else f
+            if f != c:
+                node(out=[("g.bmm", f * Nh)], free=["g.attn_out"])
+            else:
+                led.rename("g.attn_out", "g.bmm")
+            led.free(x + "attn.out")
+            aliased = self._qkv_aliases()
+            v_last = "v'" in aliased and "q'" not in aliased          # qkv was saved for v only
+            node(out=[("g.probs", pb * aTT), ("g.v", f * Nh)],
+                 free=["g.bmm", x + "v'", x + "attn_drop.out"] + ([x + "qkv"] if v_last else []))
+            if p.dropout:
+                node(out=[("g.probs2", pb * aTT)], free=["g.probs", x + "attn_drop.mask"])
+            if soft != pb:
+                node(out=[("g.probs32", soft * aTT)], free=["g.probs", "g.probs2"])
+            node(out=[("g.scores", soft * aTT)],
+                 free=["g.probs", "g.probs2", "g.probs32", x + "probs", x + "probs16"])
+            node(out=[("g.q", f * Nh), ("g.k", f * Nh)], free=["g.scores", x + "q'", x + "k'", x + "qkv"])
+            node(out=[("g.qkv", 3 * c * Nh)], free=["g.q", "g.k", "g.v"])
+        # attn.c_attn
+        node(out=[("g.ln1_16", c * Nh)],
+             params=[(x + "attn.c_attn.weight", 3 * h * h), (x + "attn.c_attn.bias", 3 * h)],
+             free=["g.qkv", x + "ln1.in16", x + "ln1.out", "w16." + x + "c_attn"])
+        self._layernorm_grad("g.ln1", x + "ln_1", "g.in_ln", [f"res.{i}", x + "ln1.stats"])
+        led.free_prefix(x)                                                  # nothing of the block is left
+        led.free_prefix("cache.b16." + x)
+
+    # ---- optimizer -------------------------------------------------------------------------------------------
+    def param_groups(self) -> tuple[list[int], list[int]]:
+        """Parameter sizes in labutils' two AdamW groups, in model.parameters() order: matrices (decayed), then
+        biases and LayerNorm weights."""
+        h = self.h
+        decay, no_decay = [self.V * h, N_POSITIONS * h], []
+        for _ in range(self.L):
+            for name, numel in _block_params(h).items():
+                (decay if name.endswith("weight") and not name.startswith("ln_") else no_decay).append(numel)
+        return decay, no_decay + [h, h]
+
+    def optimizer_step(self, label: str, first: bool) -> None:
+        """Fused AdamW on CUDA updates in place. On CPU the single-tensor AdamW computes, per parameter,
+        ``denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)``: two temporaries of the parameter's
+        size, while the previous parameter's ``denom`` is still bound to the variable. State is created per
+        group, just before that group's update."""
+        led = self.led
+        led.phase = f"{label} optimizer"
+        for g, sizes in enumerate(self.param_groups()):
+            if first:
+                led.alloc(f"adamw.state{g}", 8 * sum(sizes), "optimizer")
+                led.alloc(f"adamw.steps{g}", (512 if self.cuda else 4) * len(sizes), "optimizer")
+            if not self.cuda:
+                worst = max(2 * s + (sizes[i - 1] if i else 0) for i, s in enumerate(sizes))
+                led.alloc("tmp.adam", 4 * worst)
+                led.free("tmp.adam")
+        led.free_prefix("grad.")                                # zero_grad(set_to_none=True)
+
+    # ---- a whole run ---------------------------------------------------------------------------------------
+    def run(self) -> Ledger:
+        """Load (weights, dataset, cuBLAS workspace), then two optimizer steps of ``plan.accum`` micro-batches
+        (at most two replayed: the later ones repeat the second); the ledger holds the peak and the timeline."""
+        p, led = self.p, self.led
+        led.phase = "load"
+        led.alloc("weights", 4 * sum(map(sum, self.param_groups())), "weights")   # fp32: every parameter
+        if p.num_samples:
+            led.alloc("dataset", 3 * 8 * p.num_samples * p.seq, "data")
+        if self.cuda:
+            led.alloc("cublas.workspace", p.workspace_bytes, "workspace")
+        led.mark("start")
+        for step in range(2):
+            label = f"step {step}"
+            led.alloc("window", p.accum * (3 * 8 * self.N + 8 * self.B), "data")
+            for mb in range(min(p.accum, 2)):
+                self.forward(label)
+                led.mark(f"{label} after forward" + (f" (micro-batch {mb})" if p.accum > 1 else ""))
+                self.backward(label, grads_exist=mb > 0)
+                led.mark(f"{label} after backward" + (f" (micro-batch {mb})" if p.accum > 1 else ""))
+            self.optimizer_step(label, first=step == 0)
+            led.free("window")
+            led.mark(f"{label} after optimizer step")
+        return led
+
