@@ -156,14 +156,16 @@ def measure_step_memory(cfg, precision: str, step_fn, device) -> dict:
             "forward_adds": marks["after forward"] - marks["step start"], "peak": mt.peak_bytes,
             "step_start": marks["step start"], "dtypes": seen,
             "n_params": sum(p.numel() for p in model.parameters()),
-            "matmul_weight_numel": sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "wpe" not in n)}
+            "matmul_weight_numel": sum(p.numel() for n, p in model.named_parameters()
+                                       if p.dim() == 2 and "wpe" not in n)}
 
 
 def memory_breakdown_rows(mem: dict) -> list[dict]:
     """One row (GiB) per precision of :func:`measure_step_memory`'s results ``{precision: result}``."""
     G = 2**30
     return [{"precision": p, "weights_gib": m["weights"] / G, "gradients_gib": m["gradients"] / G,
-             "optimizer_gib": m["optimizer"] / G, "saved_activations_gib": (m["activations_fp32"] + m["activations_half"]) / G,
+             "optimizer_gib": m["optimizer"] / G,
+             "saved_activations_gib": (m["activations_fp32"] + m["activations_half"]) / G,
              "half_weight_copies_gib": m["half_weight_copies"] / G, "forward_adds_gib": m["forward_adds"] / G,
              "model_state_gib": (m["weights"] + m["gradients"] + m["optimizer"]) / G, "peak_gib": m["peak"] / G,
              # model state during the step = weights + gradients + AdamW state: what autocast does not shrink
@@ -231,7 +233,8 @@ def mfu_readings(points: list, amp: str, hardware: str, gpu_name: str | None) ->
              f"{peak_info(hardware, amp)[1]}): " + ", ".join(f"micro-batch {b}: {r.mfu:.1%}" for b, r in points)]
     if len(points) > 1 and r_hi.mfu > 1.5 * r_lo.mfu:
         lines.append(f"micro-batch {b_lo} keeps the card {r_lo.mfu:.1%} busy, micro-batch {b_hi} {r_hi.mfu:.1%} "
-                     f"({r_hi.mfu / r_lo.mfu:.1f}x): the small batch is launch-bound, the big one feeds the tensor cores.")
+                     f"({r_hi.mfu / r_lo.mfu:.1f}x): the small batch is launch-bound, the big one feeds the tensor "
+                     f"cores.")
     elif len(points) > 1:
         lines.append(f"MFU hardly changes with the batch here ({r_lo.mfu:.1%} -> {r_hi.mfu:.1%}): even micro-batch "
                      f"{b_lo} keeps this card as busy as the larger ones, or none of them is matmul-bound.")
@@ -335,7 +338,8 @@ def readme_rows(runs: dict, expected: dict, baseline: str = "fp32") -> list[dict
         else:  # the course's one sign-aware rule (labutils.claims): C1 for memory, C2 for speed
             verdict = (f"memory: {cl.verdict('C1', {'memory_saving': saving})[0]}; "
                        f"speed: {cl.verdict('C2', {'speedup': speedup})[0]}")
-        rows.append({"precision": p, "README_peak_GB": gb, "measured_peak_GB": r.peak_memory_bytes / 1e9 if r.ok else None,
+        rows.append({"precision": p, "README_peak_GB": gb,
+                     "measured_peak_GB": r.peak_memory_bytes / 1e9 if r.ok else None,
                      "README_saving": 1 - gb / claimed_base, "measured_saving": saving,
                      "README_speedup": speed, "measured_speedup": speedup, "verdict": verdict})
     return rows
@@ -358,7 +362,8 @@ def c1_c2_claims(runs: dict, cond: dict, *, amp: str, model_state: int | None = 
                   if model_state is not None else None)
     speed_reason = (None if fp16_matmul_x is None else
                     f"this device's largest fp16 matmul runs at {fp16_matmul_x:.2f}x FP32"
-                    + (" and the rest of the step speeds up less" if fp16_matmul_x > 1 else ": no fast half-precision path"))
+                    + (" and the rest of the step speeds up less" if fp16_matmul_x > 1
+                       else ": no fast half-precision path"))
     sweep_savings = {r["micro_batch"]: r["memory_saving"] for r in sweep_rows if r["memory_saving"] is not None}
     return [cl.claim_entry("C1", {"memory_saving": s16}, cond, reason=mem_reason,
                            extra={f"{amp}_saving_by_micro_batch": sweep_savings}),
