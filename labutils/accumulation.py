@@ -1,5 +1,5 @@
 """Lab 02 (gradient accumulation): the gradient of one accumulation window, exact or naive, and the
-experiments that hold one model for several measurements.
+experiments that hold one model for several measurements; and the lab's setup (AMP precision, memory budget).
 
 The one rule the lab is about: a window of k micro-batches holds N target tokens in all; each micro-batch's
 loss is (sum of its token losses) / N, so the accumulated gradient is that of the whole window's mean loss::
@@ -8,7 +8,8 @@ loss is (sum of its token losses) / N, so the accumulated gradient is that of th
     loss_i = model(**mb_i).loss / k                        # naive: exact only if every mb_i holds N/k tokens
 
 Everything here releases its model and memory when it ends, also on error; an out-of-memory error becomes a
-row with status "oom". ``import labutils.accumulation as acc``.
+row with status "oom". The training runs' tables, fits and figures are in :mod:`labutils.accumulation_sweeps`.
+``import labutils.accumulation as acc``.
 """
 from __future__ import annotations
 
@@ -310,7 +311,7 @@ def replay(cfg: Config, step_fn, device=None) -> dict:
     return out
 
 
-# --------------------------------------------------------------------------- runs, fits, tables
+# --------------------------------------------------------------------------- the lab's setup
 def amp_precision(device=None) -> tuple[str, str]:
     """The mixed precision to train with, and why: BF16 where the hardware has it natively; on a CUDA GPU without
     it, FP16 (with a GradScaler); on a CPU without native BF16 (no AVX512-BF16/AMX), FP32, because autocast
@@ -349,54 +350,3 @@ def memory_budget(cfg: Config, device=None, reference_gib: float = 8.0) -> tuple
     b = int(reference_gib * 2**30 * ratio)
     return b, (f"simulated on CPU: {reference_gib:g} GiB x ({cfg.model.name} params / gpt2 params) = "
                f"{b / 2**20:.1f} MiB, the memory-to-model ratio of GPT-2 small on an {reference_gib:g} GB GPU")
-
-
-def linear_fit(x, y) -> tuple[float, float]:
-    """Least-squares y = a + b x; returns (a, b). Needs two distinct x values."""
-    x, y = np.asarray(x, float), np.asarray(y, float)
-    if len(set(x.tolist())) < 2:
-        raise ValueError("a line needs measurements at two or more distinct x values")
-    b, a = np.polyfit(x, y, 1)
-    return float(a), float(b)
-
-
-def moving_average(x, window: int) -> np.ndarray:
-    """Trailing mean over ``window`` points (shorter at the start), same length as ``x``."""
-    x = np.asarray(x, float)
-    c = np.cumsum(np.insert(x, 0, 0.0))
-    idx = np.arange(1, len(x) + 1)
-    lo = np.maximum(0, idx - window)
-    return (c[idx] - c[lo]) / (idx - lo)
-
-
-def step_noise(losses) -> float:
-    """Step-to-step loss noise: std of consecutive differences / sqrt(2). A slow trend barely moves it, unlike
-    the plain standard deviation, which mixes the downward trend of training into the 'noise'."""
-    d = np.diff(np.asarray(losses, float))
-    return float(np.std(d) / math.sqrt(2)) if len(d) >= 2 else math.nan
-
-
-def recommend(fixed_bytes: float, per_sample_bytes: float, budgets: dict, target_batch: int,
-              headroom: float = 0.9, measured: dict | None = None) -> list[dict]:
-    """Largest micro-batch that fits each budget by the fitted line peak = fixed + per_sample x micro, the
-    power of two at or below it (capped at the target), and the accumulation that reaches ``target_batch``.
-
-    ``budgets``: {label: bytes}; ``headroom``: share of the card the tensors may use (the CUDA context and the
-    allocator's fragmentation take the rest); ``measured``: {micro: tokens/s} from the scan, shown alongside."""
-    rows = []
-    for label, budget in budgets.items():
-        usable = headroom * budget
-        max_micro = int((usable - fixed_bytes) // per_sample_bytes) if per_sample_bytes > 0 else target_batch
-        if max_micro < 1:
-            rows.append({"memory": label, "max_micro_batch": 0, "micro_batch": None, "accum_steps": None,
-                         "effective_batch": None, "predicted_peak_bytes": fixed_bytes + per_sample_bytes,
-                         "tokens_per_s_measured": None,
-                         "advice": "micro-batch 1 does not fit: add checkpointing (lab 03) or a smaller model"})
-            continue
-        micro = 2 ** int(math.log2(min(max_micro, target_batch)))
-        accum = -(-target_batch // micro)
-        rows.append({"memory": label, "max_micro_batch": max_micro, "micro_batch": micro, "accum_steps": accum,
-                     "effective_batch": micro * accum, "predicted_peak_bytes": fixed_bytes + per_sample_bytes * micro,
-                     "tokens_per_s_measured": (measured or {}).get(micro),
-                     "advice": "no accumulation needed" if accum == 1 else f"accumulate {accum} micro-batches"})
-    return rows

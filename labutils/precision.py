@@ -1,23 +1,24 @@
-"""Lab 01 helpers: number formats read from ``torch.finfo``, what autograd saves under autocast, matmul
-throughput per dtype, and the lab's comparison table and figures.
+"""Lab 01 helpers, the numerics: number formats read from ``torch.finfo``, what FP16 storage does to real
+gradients (underflow) and activations (overflow), and the figures of dynamic loss scaling.
 
-The technique itself (autocast, GradScaler, unscale -> clip -> step -> update) is written out in the
-notebook; this module holds the measuring and plotting around it. ``import labutils.precision as lp``.
+The technique itself (autocast, GradScaler, unscale -> clip -> step -> update) and the forward hook that finds
+the first non-finite module are written out in the notebook; this module holds the measuring and plotting
+around them. What AMP saves in memory and time is in :mod:`labutils.amp_speed_memory`.
+``import labutils.precision as lp``.
 """
 from __future__ import annotations
 
-import contextlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from .figures import step_axis, step_numbers
-from .memory import fmt_bytes
+from .env import seed_everything
+from .figures import legend_outside, step_axis, step_numbers
 
-HALF_DTYPES = (torch.float16, torch.bfloat16)
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-PRECISION_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}  # autocast dtype per precision; fp32/tf32: no autocast
+COLORS = {"fp32": "#3498db", "tf32": "#9b59b6", "fp16": "#e74c3c", "bf16": "#2ecc71"}
 
 
 # --------------------------------------------------------------------------------------------- formats
@@ -140,110 +141,136 @@ def half_gradient_census(grads, scale: float, bins: tuple = (-40, 20)) -> HalfGr
     return c
 
 
-# --------------------------------------------------------------------------------------------- saved tensors
-_VIEW_FNS = {"TBackward0", "TransposeBackward0", "TransposeBackward1", "ViewBackward0", "UnsafeViewBackward0",
-             "PermuteBackward0", "ExpandBackward0", "AliasBackward0", "ReshapeAliasBackward0"}
+def fp32_gradient_census(cfg, device) -> tuple[HalfGradientCensus, str]:
+    """One FP32 forward/backward of the lab's model on the lab's first batch; what FP16 storage does to the
+    gradients, unscaled and times GradScaler's default initial loss scale. Returns (census, which weights)."""
+    from .train import prepare
+
+    seed_everything(cfg.train.seed)
+    loaded, dataset = prepare(cfg, device)
+    model = loaded.model.train()
+    window = next(dataset.to(device).windows(cfg.train.micro_batch_size, 1, cfg.train.seed))
+    for mb in window.micro_batches:
+        model(**mb, num_items_in_batch=window.num_targets).loss.backward()
+    scale = torch.amp.GradScaler(device.type).get_scale()  # GradScaler's default initial loss scale
+    return half_gradient_census([p.grad for p in model.parameters()], scale), loaded.weights
 
 
-def _skip_views(fn):
-    """Follow single-input view/transpose nodes (F.linear saves ``weight.t()``, a view of the cast copy)."""
-    for _ in range(8):
-        if fn is None or type(fn).__name__ not in _VIEW_FNS:
-            return fn
-        nxt = [f for f, _ in fn.next_functions if f is not None]
-        if len(nxt) != 1:
-            return fn
-        fn = nxt[0]
-    return fn
+def plot_gradient_census(census: HalfGradientCensus, title: str):
+    """Histogram of log2|gradient| before and after the loss scale, against FP16's zero, normal and max lines."""
+    import matplotlib.pyplot as plt
+
+    f16 = torch.finfo(torch.float16)
+    lo, hi = census.bins
+    edges = torch.arange(lo, hi).float()
+    shift = math.log2(census.scale)
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    ax.bar(edges, census.log2_hist, width=1, align="edge", alpha=0.6, color="#3498db", label="|gradient| (FP32)")
+    ax.bar(edges + shift, census.log2_hist, width=1, align="edge", alpha=0.4, color="#e74c3c",
+           label=f"|gradient| x {census.scale:g} (loss scale)")
+    ax.axvspan(lo, math.log2(f16.smallest_normal * f16.eps) - 1, color="gray", alpha=0.2, label="FP16 rounds to 0")
+    ax.axvline(math.log2(f16.smallest_normal), color="orange", ls="--", label="FP16 smallest normal")
+    ax.axvline(math.log2(f16.max), color="red", ls="--", label="FP16 max")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, math.log2(f16.max) + 4)
+    ax.set_xlabel("log2 |gradient value|")
+    ax.set_ylabel("count (log scale)")
+    ax.set_title(title)
+    legend_outside(ax, fontsize=8)  # the panel has no free corner
+    fig.tight_layout()
+    return fig
 
 
-def _is_weight_copy(t: torch.Tensor) -> bool:
-    """True for autocast's cast of a parameter (or a view of it): a ``_to_copy`` of a leaf weight."""
-    fn = _skip_views(t.grad_fn)
-    if fn is None or type(fn).__name__ != "ToCopyBackward0":
-        return False
-    return any(getattr(_skip_views(nf), "variable", None) is not None for nf, _ in fn.next_functions if nf is not None)
+# --------------------------------------------------------------------------------------------- activations
+def activation_overflow_demo(cfg, device, first_nonfinite, precisions=("fp32", "fp16")):
+    """Make the first MLP layer overflow FP16 on purpose, then look for the first non-finite output.
+
+    Measures that layer's largest output in FP32, multiplies its weights and bias so the output becomes about
+    4 x FP16's max, and runs ``first_nonfinite(model, batch, amp_dtype) -> (module or "none", loss)`` (the
+    notebook's forward-hook search) once per precision. Returns (factor, largest FP32 output, one row per
+    precision)."""
+    from .train import prepare
+
+    seed_everything(cfg.train.seed)
+    loaded, dataset = prepare(cfg, device, verbose=False)
+    model = loaded.model.eval()
+    batch = next(dataset.to(device).windows(cfg.train.micro_batch_size, 1, cfg.train.seed)).micro_batches[0]
+    layer = model.transformer.h[0].mlp.c_fc
+    peak = []
+    hook = layer.register_forward_hook(lambda m, i, o: peak.append(o.abs().max().item()))
+    with torch.no_grad():
+        model(**batch)
+    hook.remove()
+    factor = 4 * torch.finfo(torch.float16).max / peak[0]
+    with torch.no_grad():
+        layer.weight.mul_(factor)
+        layer.bias.mul_(factor)
+    rows = []
+    for p in precisions:
+        where, loss = first_nonfinite(model, batch, AMP_DTYPES.get(p))
+        rows.append({"precision": p, "loss": loss, "first non-finite output": where})
+    return factor, peak[0], rows
 
 
-@dataclass
-class SavedTensorCensus:
-    """Bytes autograd saves for backward, by kind, each storage counted once.
+# --------------------------------------------------------------------------------------------- loss scaling
+def plot_loss_scale_demo(rows: list[dict], growth_interval: int):
+    """The toy model's loss scale per step (rows: step, scale, skipped), the skipped steps marked."""
+    import matplotlib.pyplot as plt
 
-    kinds: ``parameter`` (a reference to an FP32 weight: no new memory), ``half weight copy`` (autocast's
-    FP16/BF16 cast of a weight, kept alive for backward), ``activation fp32`` and ``activation half``.
-    """
-    param_ptrs: set
-    by_kind: dict = field(default_factory=dict)
-    _seen: set = field(default_factory=set)
-
-    def pack(self, t: torch.Tensor):
-        try:
-            st = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            return t
-        key = st.data_ptr()
-        if key in self._seen or st.nbytes() == 0:
-            return t
-        self._seen.add(key)
-        if key in self.param_ptrs:
-            kind = "parameter"
-        elif _is_weight_copy(t):
-            kind = "half weight copy"
-        elif t.dtype in HALF_DTYPES:
-            kind = "activation half"
-        else:
-            kind = "activation fp32"
-        self.by_kind[kind] = self.by_kind.get(kind, 0) + st.nbytes()
-        return t
-
-    def get(self, kind: str) -> int:
-        return self.by_kind.get(kind, 0)
-
-    @property
-    def new_bytes(self) -> int:
-        """Saved bytes that are new memory (everything except references to the weights)."""
-        return sum(v for k, v in self.by_kind.items() if k != "parameter")
+    skipped = [r["step"] for r in rows if r["skipped"]]
+    fig, ax = plt.subplots(figsize=(10, 3.5))
+    ax.step([r["step"] for r in rows], [r["scale"] for r in rows], where="post", color=COLORS["fp16"],
+            label="loss scale")
+    ax.scatter(skipped, [rows[s - 1]["scale"] for s in skipped], marker="x", s=80, color="black", zorder=3,
+               label="step skipped (inf in gradients)")
+    ax.set_yscale("log", base=2)
+    step_axis(ax)
+    ax.set(ylabel="loss scale (log2 axis)",
+           title=f"GradScaler on a toy model: x2 after {growth_interval} clean steps, x0.5 after each overflow")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
 
 
-@contextlib.contextmanager
-def saved_tensor_census(model: torch.nn.Module):
-    """``with saved_tensor_census(model) as census: loss = model(...)`` then ``census.by_kind``."""
-    census = SavedTensorCensus({p.untyped_storage().data_ptr() for p in model.parameters()})
-    with torch.autograd.graph.saved_tensors_hooks(census.pack, lambda t: t):
-        yield census
+def loss_scale_rows(run, inject: set) -> list[dict]:
+    """One row per step of an fp16 run: loss scale, skipped, injected overflow, loss. Steps numbered from 1
+    (``run.skipped`` and ``inject`` count from 0, as labutils.train does)."""
+    return [{"step": i + 1, "loss_scale": s, "skipped": i in run.skipped, "injected": i in inject, "loss": l}
+            for i, (s, l) in enumerate(zip(run.loss_scales, run.losses))]
 
 
-def dtype_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
-    """The dtypes the training state is held in: weights, gradients, optimizer state (sets of names)."""
-    name = lambda d: DTYPE_NAMES.get(d, str(d))
-    out = {"weights": {name(p.dtype) for p in model.parameters()},
-           "gradients": {name(p.grad.dtype) for p in model.parameters() if p.grad is not None}}
-    if optimizer is not None:
-        out["optimizer state"] = {name(v.dtype) for s in optimizer.state.values() for v in s.values()
-                                  if isinstance(v, torch.Tensor) and v.dim() > 0}
-    return {k: ", ".join(sorted(v)) or "-" for k, v in out.items()}
+def plot_loss_scale_run(run, inject: set, title: str, reference=None):
+    """Loss scale (injected and natural overflows marked) and loss of an fp16 run; ``reference``: a run whose
+    loss curve is drawn for comparison (dashed)."""
+    import matplotlib.pyplot as plt
+
+    natural = sorted(set(run.skipped) - inject)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4))
+    ax1.step(list(step_numbers(run.loss_scales)), run.loss_scales, where="post", color=COLORS["fp16"],
+             label="loss scale")
+    for s in sorted(inject):
+        ax1.axvline(s + 1, color="black", ls=":", lw=1)
+    ax1.scatter([s + 1 for s in sorted(inject)], [run.loss_scales[s] for s in sorted(inject)], marker="x", s=80,
+                color="black", zorder=3, label="skipped: injected overflow")
+    if natural:
+        ax1.scatter([s + 1 for s in natural], [run.loss_scales[s] for s in natural], marker="o", facecolors="none",
+                    edgecolors="red", s=60, zorder=3, label="skipped: real overflow")
+    ax1.set_yscale("log", base=2)
+    ax1.set(ylabel="loss scale (log2 axis)", title=title)
+    ax2.plot(step_numbers(run.losses), run.losses, color=COLORS["fp16"], label="with injected overflow")
+    if reference is not None and reference.ok:
+        ax2.plot(step_numbers(reference.losses), reference.losses, color="gray", ls="--", label="section 4 fp16 run")
+    ax2.set(ylabel="loss [nats / token]", title="Loss")
+    for ax in (ax1, ax2):
+        step_axis(ax)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
 
 
-# --------------------------------------------------------------------------------------------- matmul speed
-def matmul_tflops(m: int, k: int, n: int, precision: str, device: torch.device, min_run_time: float = 0.2) -> float:
-    """Achieved TFLOP/s of an (m x k) @ (k x n) matmul in ``precision`` (tf32: FP32 tensors, TF32 math).
-
-    Timed with ``torch.utils.benchmark`` (which synchronises CUDA); inputs are freed on return."""
-    from torch.utils import benchmark
-
-    from .env import matmul_precision
-
-    dtype = PRECISION_DTYPES[precision]
-    g = torch.Generator(device="cpu").manual_seed(0)
-    a = torch.randn(m, k, generator=g).to(device=device, dtype=dtype)
-    b = torch.randn(k, n, generator=g).to(device=device, dtype=dtype)
-    with matmul_precision(tf32=precision == "tf32"):
-        t = benchmark.Timer("a @ b", globals={"a": a, "b": b}).blocked_autorange(min_run_time=min_run_time)
-    del a, b
-    return 2 * m * k * n / t.median / 1e12
-
-
-# --------------------------------------------------------------------------------------------- tables/figures
+# --------------------------------------------------------------------------------------------- notebook helpers
 def guarded(fn, *args, **kw):
     """Run one of the notebook's hand-written experiments: an out-of-memory error becomes ``None`` (the reason
     is printed and the notebook carries on), and memory is released either way."""
@@ -263,85 +290,7 @@ def readable(rows: list[dict], digits: int = 4) -> list[dict]:
     return [{k: (f"{v:.{digits}g}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows]
 
 
-def skipped_result(cfg, reason: str, device=None):
-    """A RunResult row for an experiment this machine cannot run, with the reason."""
-    from .env import environment
-    from .train import RunResult
-
-    return RunResult(config=cfg.to_dict(), env=environment(device, cfg.mode), status="skipped", error=reason,
-                     effective_batch_size=cfg.effective_batch_size)
-
-
-def comparison_rows(runs: dict, baseline: str = "fp32") -> list[dict]:
-    """One row per run: loss, time, throughput, TFLOP/s, peak memory, and speed-up/saving against ``baseline``."""
-    base = runs.get(baseline)
-    base_ok = base is not None and base.ok
-    rows = []
-    for label, r in runs.items():
-        d = r.to_dict()
-        ok = r.ok
-        rows.append({
-            "run": label, "status": r.status,
-            "avg_loss": d["avg_loss"], "final_loss": d["final_loss"],
-            # wall time of every step, warm-up included (the spec's "training time"); everything else below is
-            # over the timed steps only (train.timing_warmup_steps left out): step_time_s and steps_per_s = 1 / it
-            "time_all_steps_s": sum(r.step_times) if ok else None,
-            "step_time_s": r.step_time_seconds if ok else None,
-            "steps_per_s": 1 / r.step_time_seconds if ok else None,
-            "target_tokens_per_s": r.target_tokens_per_second, "tflops": r.achieved_tflops,
-            "peak_memory_gib": r.peak_memory_bytes / 2**30 if r.peak_memory_bytes else None,
-            "speedup_vs_fp32": base.step_time_seconds / r.step_time_seconds if ok and base_ok else None,
-            "memory_saving_vs_fp32": 1 - r.peak_memory_bytes / base.peak_memory_bytes
-            if ok and base_ok and r.peak_memory_bytes and base.peak_memory_bytes else None,
-            "skipped_steps": r.skipped_steps if ok else None,
-            "note": r.error or "",
-        })
-    return rows
-
-
-COLORS = {"fp32": "#3498db", "tf32": "#9b59b6", "fp16": "#e74c3c", "bf16": "#2ecc71"}
-
-
-def plot_comparison(runs: dict, title: str):
-    """The spec's 2x2 figure: training time, throughput, peak memory, loss curves. Skipped runs are labelled."""
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-    fig.suptitle(title, fontsize=13, fontweight="bold")
-    labels = list(runs)
-    colors = [COLORS.get(k, "gray") for k in labels]
-    panels = [
-        (axes[0, 0], "Training time (all steps)", "time [s]", lambda r: sum(r.step_times)),
-        (axes[0, 1], "Throughput (timed steps)", "target tokens / s", lambda r: r.target_tokens_per_second),
-        (axes[1, 0], "Peak memory", "peak memory [GiB]", lambda r: r.peak_memory_bytes / 2**30),
-    ]
-    for ax, name, unit, get in panels:
-        values = [get(runs[k]) if runs[k].ok else 0.0 for k in labels]
-        bars = ax.bar(labels, values, color=colors)
-        for bar, k in zip(bars, labels):
-            if not runs[k].ok:
-                ax.text(bar.get_x() + bar.get_width() / 2, 0, runs[k].status, ha="center", va="bottom",
-                        rotation=90, fontsize=9, color="gray")
-        ax.set_title(name)
-        ax.set_ylabel(unit)
-        ax.grid(axis="y", alpha=0.3)
-    ax = axes[1, 1]
-    for k in labels:
-        if runs[k].ok:
-            ax.plot(step_numbers(runs[k].losses), runs[k].losses, label=k, color=COLORS.get(k), lw=1.5)
-    ax.set_title("Training loss")
-    step_axis(ax)
-    ax.set_ylabel("loss [nats / token]")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    return fig
-
-
-def gib(n: float | None) -> float | None:
-    return None if n is None else n / 2**30
-
-
-__all__ = ["format_rows", "bit_fields", "stored", "plot_bit_layouts", "half_gradient_census",
-           "HalfGradientCensus", "saved_tensor_census", "SavedTensorCensus", "dtype_report", "matmul_tflops",
-           "guarded", "readable", "skipped_result", "comparison_rows", "plot_comparison", "COLORS", "gib", "fmt_bytes"]
+__all__ = ["DTYPE_NAMES", "AMP_DTYPES", "COLORS", "format_rows", "bit_fields", "stored", "plot_bit_layouts",
+           "HalfGradientCensus", "half_gradient_census", "fp32_gradient_census", "plot_gradient_census",
+           "activation_overflow_demo", "plot_loss_scale_demo", "loss_scale_rows", "plot_loss_scale_run", "guarded",
+           "readable"]

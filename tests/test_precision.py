@@ -1,10 +1,11 @@
-"""Tests for labutils.precision (lab 01's measuring helpers)."""
+"""Tests for labutils.precision and labutils.amp_speed_memory (lab 01's measuring helpers)."""
 import math
 
 import pytest
 import torch
 
 import labutils as lu
+import labutils.amp_speed_memory as am
 import labutils.precision as lp
 from labutils.models import gpt2_config
 
@@ -45,9 +46,9 @@ def test_saved_tensor_census_finds_half_weight_copies(dtype):
     model.loss_type = "ForCausalLM"
     x = torch.randint(0, 256, (2, 16))
     matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "wpe" not in n)
-    with lp.saved_tensor_census(model) as fp32:
+    with am.saved_tensor_census(model) as fp32:
         model(input_ids=x, labels=x)
-    with lp.saved_tensor_census(model) as amp, torch.amp.autocast("cpu", dtype=dtype):
+    with am.saved_tensor_census(model) as amp, torch.amp.autocast("cpu", dtype=dtype):
         model(input_ids=x, labels=x)
     assert fp32.get("half weight copy") == 0 and fp32.get("activation half") == 0
     assert amp.get("half weight copy") == 2 * matmul
@@ -60,8 +61,8 @@ def test_comparison_rows_speedup_and_saving():
                      step_time_seconds=1.0, peak_memory_bytes=1000)
     b = lu.RunResult(config=cfg.to_dict(), env={}, losses=[2.0, 1.5], step_times=[0.5, 0.5],
                      step_time_seconds=0.5, peak_memory_bytes=600)
-    skipped = lp.skipped_result(cfg, "no GPU")
-    rows = {r["run"]: r for r in lp.comparison_rows({"fp32": a, "fp16": b, "tf32": skipped})}
+    skipped = am.skipped_result(cfg, "no GPU")
+    rows = {r["run"]: r for r in am.comparison_rows({"fp32": a, "fp16": b, "tf32": skipped})}
     assert rows["fp16"]["speedup_vs_fp32"] == pytest.approx(2.0)
     assert rows["fp16"]["memory_saving_vs_fp32"] == pytest.approx(0.4)
     assert rows["tf32"]["status"] == "skipped" and rows["tf32"]["note"] == "no GPU"
@@ -73,7 +74,7 @@ def test_comparison_rows_times_say_which_steps_they_cover():
     cfg = lu.load_config(None, mode="smoke")
     r = lu.RunResult(config=cfg.to_dict(), env={}, losses=[2.0, 1.5, 1.0], step_times=[3.0, 1.0, 1.0],
                      step_time_seconds=1.0, peak_memory_bytes=1000)
-    row = lp.comparison_rows({"fp32": r})[0]
+    row = am.comparison_rows({"fp32": r})[0]
     assert "time_s" not in row
     assert row["time_all_steps_s"] == pytest.approx(5.0)
     assert row["step_time_s"] == pytest.approx(1.0) and row["steps_per_s"] == pytest.approx(1 / row["step_time_s"])
@@ -103,7 +104,7 @@ def test_guarded_turns_oom_into_none(capsys):
 
 
 def test_matmul_tflops_positive():
-    assert lp.matmul_tflops(32, 32, 32, "fp32", torch.device("cpu"), min_run_time=0.01) > 0
+    assert am.matmul_tflops(32, 32, 32, "fp32", torch.device("cpu"), min_run_time=0.01) > 0
 
 
 def test_legend_outside_places_the_legend_off_the_axes():
