@@ -7,7 +7,8 @@ Runs: ``measure(cfg, variants)`` (one model, one training run per variant, OOM -
 ``largest_batch(cfg, variant)``, ``memory_budget(bytes)``, ``loaded(cfg)``, ``peak_during(fn)``; each run is a
 :class:`Measured` (``.row(baseline)`` is its table row).
 Checks of one forward + backward: ``step_grads`` / ``max_rel_diff``, ``step_flops``, ``forward_calls``;
-``one_batch`` and ``captured_logs`` feed and quiet them.
+``compare`` gathers one row per forward of the notebook's toy models; ``one_batch`` and ``captured_logs`` feed
+and quiet them.
 """
 from __future__ import annotations
 
@@ -228,6 +229,22 @@ def peak_during(fn: Callable[[], object], device: torch.device | str | None = No
 
 
 # ------------------------------------------------------------------------------------------------------ checking
+def compare(step: Callable, forwards) -> tuple[list[dict], dict]:
+    """Measure each forward once: ``step(forward)`` runs one forward + backward and returns (row, gradients).
+
+    ``forwards``: ``(name, forward)`` or ``(name, forward, ok, why)``; one whose ``ok`` is false is skipped, with
+    ``why`` printed. Returns the table rows (``{"forward": name, **row}``) and the gradients by name."""
+    rows, grads = [], {}
+    for name, forward, *available in forwards:
+        ok, why = available or (True, "")
+        if not ok:
+            print(f"skipped '{name}': {why}")
+            continue
+        row, grads[name] = step(forward)
+        rows.append({"forward": name, **row})
+    return rows, grads
+
+
 def one_batch(dataset, micro_batch_size: int, seed: int, device) -> dict:
     """The first micro-batch the training loop would see, on ``device``."""
     window = next(dataset.windows(micro_batch_size, 1, seed))
