@@ -269,6 +269,7 @@ def check_profiler(c: Checks, device: torch.device, session) -> None:
 
 def check_checkpointing(c: Checks, device: torch.device) -> None:
     """Every checkpointing variant gives the gradients of no checkpointing, with dropout on."""
+    from . import checkpoint_measure as cm
     from . import checkpointing as ck
     from .env import matmul_precision
     from .memory import release
@@ -279,17 +280,17 @@ def check_checkpointing(c: Checks, device: torch.device) -> None:
                           ("offload", ck.checkpoint_offload)):
         if ck.available(feature)[0]:
             variants.append(make())
-    with ck.loaded(cfg, device) as s, matmul_precision(False):
-        batch = ck.one_batch(s.dataset, 2, cfg.train.seed, device)
+    with cm.loaded(cfg, device) as s, matmul_precision(False):
+        batch = cm.one_batch(s.dataset, 2, cfg.train.seed, device)
 
         def grads(v):
             torch.manual_seed(1234)  # the same dropout masks for every variant
-            return ck.step_grads(s.model, batch, v)
+            return cm.step_grads(s.model, batch, v)
 
         ref = grads(None)
         for v in variants:
             with c.check(f"checkpointing grads: {v.name} (dropout 0.1)") as row:
-                d = ck.max_rel_diff(grads(v), ref)
+                d = cm.max_rel_diff(grads(v), ref)
                 row["value"] = d
                 _expect(row, d <= GRAD_TOLERANCE, f"max relative difference vs no checkpointing (limit {GRAD_TOLERANCE:g})")
     release()
@@ -369,10 +370,10 @@ def run_doctor(device=None, verbose: bool = True) -> dict:
             _expect(row, 0 < outside < 4 * GiB, f"{how}; {outside_at_start / GiB:.2f} GiB at the start (what the "
                                                 f"budget subtracts); value = GiB now")
     check_cap_and_oom(c, device)
-    from . import checkpointing as ck
+    from . import checkpoint_measure as cm
     cfg = _cfg("gpt2" if device.type == "cuda" else "tiny", **{"data.seq_length": 64})
-    with ck.loaded(cfg, device) as s:
-        session = (s.model, ck.one_batch(s.dataset, 2, 0, device))
+    with cm.loaded(cfg, device) as s:
+        session = (s.model, cm.one_batch(s.dataset, 2, 0, device))
         check_snapshot(c, device, session)
         check_profiler(c, device, session)
         session = None

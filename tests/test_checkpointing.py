@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import labutils as lu
+import labutils.checkpoint_measure as cm
 import labutils.checkpointing as ck
 from labutils.models import checkpointed_layers, gpt2_config
 
@@ -50,30 +51,30 @@ VARIANTS = {
 @pytest.fixture(scope="module")
 def plain():
     model, batch = _model(), _batch()
-    return model, batch, ck.step_grads(model, batch)
+    return model, batch, cm.step_grads(model, batch)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_every_variant_gives_the_plain_gradients(plain, name):
     model, batch, reference = plain
-    grads = ck.step_grads(model, batch, VARIANTS[name]())
+    grads = cm.step_grads(model, batch, VARIANTS[name]())
     assert all(g is not None for g in grads)
-    assert ck.max_rel_diff(grads, reference) < 1e-6, name
-    assert ck.max_rel_diff(ck.step_grads(model, batch), reference) == 0.0  # the variant was switched off again
+    assert cm.max_rel_diff(grads, reference) < 1e-6, name
+    assert cm.max_rel_diff(cm.step_grads(model, batch), reference) == 0.0  # the variant was switched off again
 
 
 def test_the_gradient_check_can_fail():
     """Negative control: with dropout, a recompute that does not restore the RNG state draws other masks."""
     model, batch = _model(dropout=0.1), _batch()
     torch.manual_seed(1)
-    reference = ck.step_grads(model, batch)
+    reference = cm.step_grads(model, batch)
     torch.manual_seed(1)
-    same = ck.step_grads(model, batch, ck.full())  # preserve_rng_state=True (default): same masks
+    same = cm.step_grads(model, batch, ck.full())  # preserve_rng_state=True (default): same masks
     torch.manual_seed(1)
-    wrong = ck.step_grads(model, batch, ck.full(preserve_rng_state=False))
-    assert ck.max_rel_diff(same, reference) < 1e-6
-    assert ck.max_rel_diff(wrong, reference) > 1e-3
-    assert ck.max_rel_diff(reference[:-1] + [None], reference) == math.inf
+    wrong = cm.step_grads(model, batch, ck.full(preserve_rng_state=False))
+    assert cm.max_rel_diff(same, reference) < 1e-6
+    assert cm.max_rel_diff(wrong, reference) > 1e-3
+    assert cm.max_rel_diff(reference[:-1] + [None], reference) == math.inf
 
 
 @pytest.mark.parametrize("name, expected", [
@@ -82,7 +83,7 @@ def test_the_gradient_check_can_fail():
 def test_recompute_happens_where_it_should(plain, name, expected):
     model, batch, _ = plain
     variant = ck.baseline() if name == "baseline" else VARIANTS[name]()
-    assert ck.forward_calls(model, batch, variant) == expected
+    assert cm.forward_calls(model, batch, variant) == expected
 
 
 def test_every_n_checkpoints_blocks_0_k_2k_and_undo_restores():
@@ -100,9 +101,9 @@ def test_every_n_checkpoints_blocks_0_k_2k_and_undo_restores():
 
 def test_flops_full_recomputes_the_forward_selective_recomputes_no_matmul(plain):
     model, batch, _ = plain
-    base = ck.step_flops(model, batch)
-    full = ck.step_flops(model, batch, ck.full())
-    sel = ck.step_flops(model, batch, ck.selective())
+    base = cm.step_flops(model, batch)
+    full = cm.step_flops(model, batch, ck.full())
+    sel = cm.step_flops(model, batch, ck.selective())
     assert sel == base                       # matmuls and attention come from the cache
     assert 1.15 < full / base <= 4 / 3 + 1e-9  # the blocks' forward once more; the LM head is not recomputed
 
@@ -152,35 +153,35 @@ def test_offload_hooks_do_not_leak_after_an_error(plain):
 
 def test_measure_and_largest_batch_under_a_budget():
     cfg = tiny_config(train__steps=2, train__micro_batch_size=4, data__seq_length=32)
-    free = ck.measure(cfg, [ck.baseline(), ck.full()], "cpu", progress=False)
+    free = cm.measure(cfg, [ck.baseline(), ck.full()], "cpu", progress=False)
     assert all(m.ok for m in free)
     base, full = (m.peak for m in free)
     assert full < base
     budget = (base + full) // 2
-    capped = ck.measure(cfg, [ck.baseline(), ck.full()], "cpu", budget_bytes=budget, progress=False)
+    capped = cm.measure(cfg, [ck.baseline(), ck.full()], "cpu", budget_bytes=budget, progress=False)
     assert [m.result.status for m in capped] == ["oom", "ok"]
     assert "simulated out of memory" in capped[0].result.error
     assert capped[0].row(capped[0])["status"] == "OOM"
     row = free[1].row(free[0])
     assert 0 < row["memory_saving_pct"] < 100
-    b_base, probes = ck.largest_batch(cfg, ck.baseline(), "cpu", budget_bytes=budget, start=4, max_batch=16)
+    b_base, probes = cm.largest_batch(cfg, ck.baseline(), "cpu", budget_bytes=budget, start=4, max_batch=16)
     assert 1 <= b_base < 4
     assert probes[[p.micro_batch for p in probes].index(b_base)].ok
     assert not probes[[p.micro_batch for p in probes].index(b_base + 1)].ok  # the next batch up was tried, failed
-    b_full, probes = ck.largest_batch(cfg, ck.full(), "cpu", budget_bytes=budget, start=4, max_batch=16)
+    b_full, probes = cm.largest_batch(cfg, ck.full(), "cpu", budget_bytes=budget, start=4, max_batch=16)
     assert 4 <= b_full
     assert b_full == 16 or not probes[[p.micro_batch for p in probes].index(b_full + 1)].ok
-    assert ck.largest_batch(cfg, ck.baseline(), "cpu", budget_bytes=1, max_batch=4)[0] == 0  # nothing fits
+    assert cm.largest_batch(cfg, ck.baseline(), "cpu", budget_bytes=1, max_batch=4)[0] == 0  # nothing fits
 
 
 def test_peak_during_counts_what_the_function_allocates():
-    assert ck.peak_during(lambda: torch.empty(1000, dtype=torch.float32) + 1, "cpu") >= 2 * 4000
+    assert cm.peak_during(lambda: torch.empty(1000, dtype=torch.float32) + 1, "cpu") >= 2 * 4000
 
 
 def test_memory_budget_on_cpu_yields_the_budget():
-    with ck.memory_budget(123, "cpu") as b:
+    with cm.memory_budget(123, "cpu") as b:
         assert b == 123
-    with ck.memory_budget(None, "cpu") as b:
+    with cm.memory_budget(None, "cpu") as b:
         assert b is None
 
 
@@ -189,7 +190,7 @@ def test_captured_logs_capture_the_use_cache_message():
     model = _model(n_layer=2)
     ck.full().apply(model)
     model.config.use_cache = True
-    with ck.captured_logs() as logs:
+    with cm.captured_logs() as logs:
         logging.getLogger("transformers.test").warning("seen")
         out = model(**_batch(), use_cache=True)
     assert "seen" in logs

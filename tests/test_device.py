@@ -17,6 +17,7 @@ import torch
 
 import labutils as lu
 from labutils import accumulation as acc
+from labutils import checkpoint_measure as cm
 from labutils import checkpointing as ck
 from labutils import device as dev
 from labutils import env as lenv
@@ -163,7 +164,7 @@ def test_selective_checkpointing_is_exact_with_a_seeded_op_it_would_save(monkeyp
     monkeypatch.setattr(ck, "SAVE_OPS", ck.SAVE_OPS | {FUSED})  # as CUDA's fused attention kernels are
     ref = _grads(None, p)
     got = _grads(ck.save_matmuls, p)
-    assert ck.max_rel_diff(got, ref) < 1e-6
+    assert cm.max_rel_diff(got, ref) < 1e-6
     if p == 0:  # deterministic: kept, as the policy intends (no recompute of the expensive op)
         assert ck.save_matmuls(None, FUSED, torch.ones(1), torch.ones(1), 0.0) == ck.CheckpointPolicy.MUST_SAVE
     else:
@@ -356,7 +357,7 @@ def exercise_device_module(monkeypatch, tmp_path, profile: str) -> None:
             with pytest.raises(torch.OutOfMemoryError):
                 gpu.alloc(5 * GiB)
         assert dev.get_cap_fraction() == cap_before
-        with ck.memory_budget(2 * GiB) as cpu_budget:
+        with cm.memory_budget(2 * GiB) as cpu_budget:
             assert cpu_budget is None and dev.cap_bytes() <= 2 * GiB
         assert dev.current_budget()["card_gib"] == 8.0
         gpu.host_pinned = 123

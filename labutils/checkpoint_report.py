@@ -1,0 +1,260 @@
+"""Lab 03's report: the tables, figures, written conclusions and claims that the notebook builds from its runs.
+
+Nothing here measures: every function takes what :mod:`labutils.checkpoint_measure` measured in this run (its
+:class:`~labutils.checkpoint_measure.Measured` runs, or plain numbers) and lays it out. In the order of the lab:
+
+    plot_chain                      section 3: Chen et al.'s chain, peak vs segment length
+    every_k_table, sqrt_note,       section 4: every_n_layers = k and segments of k blocks on GPT-2
+      plot_every_k
+    pareto_front, plot_pareto       section 5: the memory / time trade-off of every variant
+    recommendation                  section 6: which variant for which memory gap
+    spec_check, spec_conclusions,   section 7: the spec's expectations against this run; claims C4 and C5
+      claim_c4, claim_c5
+"""
+from __future__ import annotations
+
+import math
+
+from . import claims as cl
+from .figures import legend_outside
+from .memory import fmt_bytes as fmt
+from .models import vocab_size
+
+MiB = 2**20
+
+
+# ------------------------------------------------------------------------------------ section 3: Chen's chain
+def plot_chain(ks: list[int], peaks: list[float], n_layers: int):
+    """Peak memory (in layer tensors) of a chain of ``n_layers`` equal layers against segment length k, with
+    Chen et al.'s model L/k + k and k = sqrt(L). Returns the figure."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    ax.plot(ks, peaks, "o-", label="measured")
+    ax.plot(ks, [n_layers / k + k for k in ks], "--", label="L/k + k")
+    ax.axvline(math.sqrt(n_layers), color="gray", linestyle=":", label="k = sqrt(L)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ks, [str(k) for k in ks])
+    ax.minorticks_off()
+    ax.set_xlabel("segment length k (layers)")
+    ax.set_ylabel("peak memory (layer tensors)")
+    ax.set_title(f"Chen et al. 2016 on a {n_layers}-layer chain of equal-sized layers")
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+# ---------------------------------------------------------------------------------- section 4: k on GPT-2
+def every_k_table(ks: list[int], every: dict, segs: dict) -> list[dict]:
+    """One row per k: status, peak (MiB) and step time of ``every_n_layers = k`` and of segments of k blocks
+    (``every`` and ``segs``: the Measured runs by k)."""
+    return [{"k": k, **{f"{name}_{col}": m.row()[col]
+                        for name, m in (("every_n", every[k]), ("segments", segs[k]))
+                        for col in ("status", "peak_mib", "step_s")}} for k in ks]
+
+
+def sqrt_note(seg_blocks: float) -> str:
+    """What Chen's optimal segment, counted in tensors and converted back to blocks (``seg_blocks``), means for
+    checkpointing block by block."""
+    if seg_blocks < 0.5:
+        return ("even one block is longer than that segment: per-block checkpointing is the finest this API gets "
+                "(finer means choosing tensors inside a block: selective checkpointing, section 5)")
+    if seg_blocks <= 2:
+        return "so checkpointing every block is (close to) the sqrt schedule already"
+    return f"so segments of ~{seg_blocks:.0f} blocks should beat per-block checkpointing on memory"
+
+
+def plot_every_k(ks: list[int], every: dict, segs: dict, pred_every: dict, pred_seg: dict, base, budget: int,
+                 title: str):
+    """Two panels against k: peak memory (measured, and the accounting's prediction dashed; OOM runs as x at the
+    budget) and step time, for every_n_layers = k and segments of k, beside the run without checkpointing
+    (``base``) and k = sqrt(L). Returns the figure."""
+    import matplotlib.pyplot as plt
+
+    n_blocks = max(ks)
+    fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(11, 4))
+    for series, pred, mark, label in [(every, pred_every, "o", "every_n_layers = k (model API)"),
+                                      (segs, pred_seg, "s", "segments of k blocks (Chen)")]:
+        kk = [k for k in ks if series[k].ok]
+        line, = ax_m.plot(kk, [series[k].peak / MiB for k in kk], mark + "-", label=label)
+        ax_m.plot(ks, [pred[k] / MiB for k in ks], "--", color=line.get_color(), alpha=0.6)
+        ax_t.plot(kk, [series[k].step_time for k in kk], mark + "-", label=label)
+        oom = [k for k in ks if not series[k].ok]
+        if oom:
+            ax_m.plot(oom, [budget / MiB] * len(oom), "x", color=line.get_color(), label=f"{label}: OOM")
+    for ax, value in [(ax_m, base.peak / MiB if base.ok else None), (ax_t, base.step_time)]:
+        if value is not None:
+            ax.axhline(value, color="black", linestyle=":", label="no checkpointing")
+        ax.axvline(math.sqrt(n_blocks), color="gray", linestyle="-.", label="k = sqrt(L)")
+        ax.set_xlabel("k (blocks)")
+        ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+    ax_m.axhline(budget / MiB, color="red", linestyle=":", label="budget")
+    ax_m.set_ylabel("peak memory (MiB)")
+    ax_t.set_ylabel("step time (s)")
+    ax_m.set_title(title)
+    ax_t.set_title("Step time vs k")
+    legend_outside(ax_m, "below", fontsize=7)  # many curves, no free corner: legends below the panels
+    legend_outside(ax_t, "below", fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+# ---------------------------------------------------------------------------- section 5: memory vs time
+def pareto_front(runs) -> list:
+    """The runs that ran and that no other run beats on both peak memory and step time, fastest first."""
+    front, best = [], math.inf
+    for m in sorted((m for m in runs if m.ok), key=lambda m: (m.step_time, m.peak)):
+        if m.peak < best:
+            front.append(m)
+            best = m.peak
+    return front
+
+
+def plot_pareto(ks: list[int], every: dict, segs: dict, points: list, front: list, budget: int, title: str):
+    """Peak memory against step time: the every_n / segments sweeps as grey lines, ``points`` (baseline, full,
+    the variants beyond) as labelled dots, the Pareto front and the budget. Returns the figure."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for series, mark, label in [(every, "o", "every_n_layers = 1..L"), (segs, "s", "segments of 1..L blocks")]:
+        kk = [k for k in ks if series[k].ok]
+        ax.plot([series[k].step_time for k in kk], [series[k].peak / MiB for k in kk], mark + "-", ms=3, lw=0.8,
+                color="silver", label=label)
+        if kk:
+            ax.annotate(f"k={kk[-1]}", (series[kk[-1]].step_time, series[kk[-1]].peak / MiB), fontsize=7,
+                        color="gray")
+    for m, color in zip(points, ["black", "C0", "C1", "C2", "C3"]):
+        if m.ok:
+            ax.scatter(m.step_time, m.peak / MiB, s=60, color=color, label=m.variant, zorder=3)
+            ax.annotate(m.variant, (m.step_time, m.peak / MiB), xytext=(5, 5), textcoords="offset points",
+                        fontsize=8)
+    ax.plot([m.step_time for m in front], [m.peak / MiB for m in front], "-", color="C4", alpha=0.5,
+            label="Pareto front")
+    ax.axhline(budget / MiB, color="red", linestyle=":", label="budget")
+    ax.set_xlabel("step time (s)")
+    ax.set_ylabel("peak memory (MiB)")
+    ax.set_title(title)
+    legend_outside(ax, fontsize=7)  # points fill the corners: the legend goes to the right
+    fig.tight_layout()
+    return fig
+
+
+# ---------------------------------------------------------------------------- section 6: which one when
+def recommendation(front: list, base) -> list[dict]:
+    """One row per Pareto-front run, fastest first: the budget it needs, the gap to the baseline it closes, its
+    step time and overhead; a last row says what to do below the front's smallest peak."""
+    rec = []
+    for m in front:  # fastest first, so the first row that fits your budget is the one to use
+        rec.append({"budget_at_least_mib": m.peak / MiB, "use": m.variant,
+                    "gap_it_closes_mib": (base.peak - m.peak) / MiB if base.ok else None,
+                    "step_s": m.step_time,
+                    "time_overhead_pct": 100 * (m.step_time / base.step_time - 1) if base.ok else None})
+    if front:
+        rec.append({"budget_at_least_mib": None,
+                    "use": f"below {fmt(front[-1].peak)}: checkpointing alone is not enough: "
+                           "smaller micro-batch + accumulation, mixed precision (below), or a bigger GPU"})
+    return rec
+
+
+# ------------------------------------------------------------------------- section 7: against the spec
+def spec_check(cfg, info: dict, *, off, on, saving, overhead, hw: str, flops_ratio: float, block_ratio: float,
+               k_seg) -> list[dict]:
+    """The spec's expectations beside this run's measurements (``off`` / ``on``: the config's batch without and
+    with checkpointing; ``saving`` / ``overhead``: their fractions, None if one did not run). The spec's
+    absolute sizes are GPT-2 on a GPU, so outside full mode they are not put next to a smoke run's MiB."""
+    B, T = cfg.train.micro_batch_size, cfg.data.seq_length
+    gb = (lambda s: s) if info["mode"] == "full" else (lambda s: "(a GPU size: full mode only)")
+    return [
+        {"quantity": f"peak, no checkpointing ({B} x {T})", "spec": gb("~12 GB"),
+         "this run": fmt(off.peak) if off.ok else f"OOM on {hw}"},
+        {"quantity": "peak, checkpointing", "spec": gb("~7 GB"), "this run": fmt(on.peak) if on.ok else "OOM"},
+        {"quantity": "memory saving", "spec": "42%", "this run": f"{saving:.0%}" if saving is not None else "-"},
+        {"quantity": "step time", "spec": "125%", "this run": f"{1 + overhead:.0%}" if overhead is not None else "-"},
+        {"quantity": "extra FLOPs", "spec": "20-30% (time)", "this run": f"{flops_ratio - 1:+.0%}"},
+        {"quantity": "activations vs depth", "spec": "O(L) -> O(sqrt L)",
+         "this run": f"L*A -> L*x + A, A = {block_ratio:.0f}x; best segment k = {k_seg}"}]
+
+
+def spec_conclusions(cfg, info: dict, *, off, on, saving, overhead, state_bytes: int, flops_ratio: float,
+                     block_ratio: float, k_star: float, k_seg, sqrt_note: str, k_chain: int) -> list[str]:
+    """Why this run's memory, time and best segment length differ from the spec's: one paragraph each.
+
+    ``state_bytes``: FP32 weights, gradients and AdamW state (16N); ``block_ratio``: a block's saved activations
+    over its input (A/x); ``k_star``: sqrt(L*x/A); ``k_chain``: the measured optimum of section 3's chain."""
+    B, T = cfg.train.micro_batch_size, cfg.data.seq_length
+    out = []
+    if saving is not None:
+        V = vocab_size(cfg.model.name)
+        out.append(f"- memory: {fmt(off.peak)} -> {fmt(on.peak)} ({saving:.0%} saved) vs the spec's "
+                   f"{'~12 GB -> ~7 GB (42%)' if info['mode'] == 'full' else '42% (its GPU sizes are not comparable here)'}. "
+                   f"Checkpointing only touches activations inside the blocks: the {fmt(state_bytes)} of FP32 weights, "
+                   f"gradients and AdamW state stay ({state_bytes / on.peak:.0%} of the checkpointed peak), and so does "
+                   f"the LM head: its logits alone are {fmt(B * T * V * 4)} at {B} x {T} x {V} (vocabulary), and "
+                   f"log_softmax and the gradient add copies of that size. The spec gives no batch, sequence length or "
+                   f"precision; the saving grows with the share of block activations in the peak (here "
+                   f"{(off.peak - state_bytes) / off.peak:.0%} is not state).")
+    else:
+        out.append(f"- memory: the baseline did not fit on this device at batch {B} x {T}, which is the spec's point; "
+                   f"with checkpointing the peak was {fmt(on.peak) if on.ok else 'OOM too'}.")
+    if overhead is not None:
+        reason = ("negative: with these few short steps the timing noise is larger than the recompute itself"
+                  if overhead < 0 else
+                  "the optimizer step, the LM head and the data movement are not recomputed, so the wall-clock "
+                  "overhead stays below the FLOP overhead" if overhead < flops_ratio - 1 else
+                  "small kernels, launch overhead and (on CPU) the Python work of the checkpoint machinery cost more "
+                  "than their FLOPs")
+        out.append(f"- time: {overhead:+.0%} per step vs the spec's +25%; the FLOP counter says {flops_ratio - 1:+.0%} "
+                   f"(one more forward of the blocks, bounded by +33%): {reason}.")
+    out.append(f"- O(sqrt L): per-block checkpointing keeps L block inputs plus one block (L*x + A). Chen's sqrt(L) "
+               f"assumes equal-sized layers; a GPT-2 block holds {block_ratio:.0f} block-input-sized tensors, so the "
+               f"best segment length is sqrt(L*x/A) = {k_star:.2f} blocks (measured k = {k_seg}): {sqrt_note}. "
+               f"Counted in equal-sized tensors, the sqrt rule holds (measured optimum {k_chain} on the 64-layer chain "
+               f"of section 3).")
+    return out
+
+
+def _conditions(cfg, info: dict, batch: int, budget_text: str) -> dict:
+    return cl.conditions(model=cfg.model.name, batch=f"{batch} x 1", sequence=cfg.data.seq_length,
+                         precision=cfg.train.precision,
+                         hardware=cl.hardware({"gpu_name": info["gpu_name"], "device": info["device"].type}),
+                         mode=info["mode"], budget=budget_text)
+
+
+def claim_c4(cfg, info: dict, *, pair, b0: int, b1: int, budget: int, saving, overhead, state_bytes: int,
+             flops_ratio: float, hw: str) -> dict:
+    """Claim C4 (checkpointing's memory saving and time overhead), judged by :mod:`labutils.claims`.
+
+    Measured within the lab's budget at the largest micro-batch where the baseline fits (``b0``; ``b1`` with
+    checkpointing): ``pair`` is (no checkpointing, checkpointing) at ``b0``, or None if nothing fit. The config's
+    batch (``saving`` / ``overhead`` of section 2's switch) is kept as extra context."""
+    B = cfg.train.micro_batch_size
+    spec_size = ({"micro_batch": B, "memory_saving": saving, "time_overhead": overhead,
+                  "memory_cap": (fmt(info["gpu"]["budget_bytes"]) if info.get("gpu") else "cpu")}
+                 if saving is not None else {"micro_batch": B, "status": "baseline or checkpointing did not fit"})
+    if pair and all(m.ok for m in pair):
+        o, n = pair
+        c4_time = n.step_time / o.step_time - 1
+        reason = (f"{fmt(state_bytes)} of FP32 weights, gradients and AdamW state ({state_bytes / o.peak:.0%} of the "
+                  f"baseline peak) and the LM head are not checkpointed; the recompute costs {flops_ratio - 1:+.0%} "
+                  f"FLOPs, the step {c4_time:+.0%} time" + (" (timing noise exceeds the recompute)" if c4_time < 0 else "")
+                  + f"; within {fmt(budget)} the largest micro-batch is {b0} without checkpointing and {b1} with it")
+        return cl.claim_entry("C4", {"memory_saving": 1 - n.peak / o.peak, "time_overhead": c4_time},
+                              _conditions(cfg, info, b0, fmt(budget)), reason=reason,
+                              extra={"largest_micro_batch_within_budget": {"no checkpointing": b0, "checkpointing": b1},
+                                     "at_config_batch": spec_size})
+    return cl.not_measured("C4", f"the baseline did not fit {fmt(budget)} at micro-batch 1 on {hw}" if not b0 else
+                           f"the runs at micro-batch {b0} failed: {[m.result.error for m in pair if not m.ok]}",
+                           _conditions(cfg, info, b0 or 1, fmt(budget)))
+
+
+def claim_c5(cfg, info: dict, *, k_chain: int, chain_layers: int, k_seg, n_blocks: int, block_ratio: float,
+             k_star: float) -> dict:
+    """Claim C5 (the best segment length is about sqrt(L)): the chain of equal layers (section 3) and GPT-2's
+    measured best segment (section 4), each over sqrt of its depth."""
+    return cl.claim_entry("C5", {"chain_optimum_over_sqrt_L": k_chain / math.sqrt(chain_layers),
+                                 "gpt2_optimum_over_sqrt_L": k_seg / math.sqrt(n_blocks) if k_seg else None},
+                          _conditions(cfg, info, cfg.train.micro_batch_size, "-"),
+                          reason=(f"the {chain_layers}-layer chain of equal layers is best at k = {k_chain} (sqrt = "
+                                  f"{math.sqrt(chain_layers):.0f}); a GPT-2 block holds {block_ratio:.0f} "
+                                  f"block-input-sized tensors, so its best segment is sqrt(L*x/A) = {k_star:.2f} "
+                                  f"blocks (measured {k_seg}), not sqrt(L) = {math.sqrt(n_blocks):.1f}"))
