@@ -157,16 +157,37 @@ def _grads(policy, p):
     return [w1.grad, w2.grad]
 
 
+def notebook_policy(name: str = "save_matmuls"):
+    """Lab 03's own written-out SAC policy (cell "SAC_OK, ..."), compiled from the notebook with MATMULS = ck.SAVE_OPS
+    as the cell sets it: the policy its GPT-2 runs and gradient check pass to ``ck.selective``."""
+    import ast
+    import json
+    from pathlib import Path
+
+    nb = json.loads((Path(__file__).resolve().parent.parent / "03-Gradient_Checkpointing.ipynb").read_text())
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            for node in ast.parse("".join(cell["source"])).body:
+                if isinstance(node, ast.FunctionDef) and node.name == name:
+                    ns = {"ck": ck, "MATMULS": ck.SAVE_OPS}
+                    exec(compile(ast.Module([node], []), "03-Gradient_Checkpointing.ipynb", "exec"), ns)
+                    return ns[name]
+    raise LookupError(f"lab 03 defines no {name}()")
+
+
+@pytest.mark.parametrize("policy", ["labutils", "lab 03 notebook"])
 @pytest.mark.parametrize("p", [0.0, 0.3])
-def test_selective_checkpointing_is_exact_with_a_seeded_op_it_would_save(monkeypatch, p):
+def test_selective_checkpointing_is_exact_with_a_seeded_op_it_would_save(monkeypatch, p, policy):
     """Row 5: save_matmuls marked CUDA's fused attention (which draws its dropout mask inside) MUST_SAVE; the
-    recompute then skipped its random draw and every later dropout got another mask: wrong gradients."""
+    recompute then skipped its random draw and every later dropout got another mask: wrong gradients. Lab 03
+    writes the policy out and trains GPT-2 with it (dropout 0.1): its copy needs the same guard."""
     monkeypatch.setattr(ck, "SAVE_OPS", ck.SAVE_OPS | {FUSED})  # as CUDA's fused attention kernels are
+    save_matmuls = ck.save_matmuls if policy == "labutils" else notebook_policy()
     ref = _grads(None, p)
-    got = _grads(ck.save_matmuls, p)
+    got = _grads(save_matmuls, p)
     assert cm.max_rel_diff(got, ref) < 1e-6
     if p == 0:  # deterministic: kept, as the policy intends (no recompute of the expensive op)
-        assert ck.save_matmuls(None, FUSED, torch.ones(1), torch.ones(1), 0.0) == ck.CheckpointPolicy.MUST_SAVE
+        assert save_matmuls(None, FUSED, torch.ones(1), torch.ones(1), 0.0) == ck.CheckpointPolicy.MUST_SAVE
     else:
         assert ck.draws_random_numbers(FUSED, (None, None, p), {})
 
