@@ -5,30 +5,41 @@ A map, one line a module. A lab imports its own module by name (``import labutil
 private names (tests/test_structure.py checks both).
 
 Core (every lab and command builds on these):
-  device         every CUDA/CPU difference in one place: memory counters, the cap, the mode, BF16/TF32 support
-  config         YAML -> typed dataclasses, with the mode's defaults, --set overrides and strict validation
-  env            where we run: the setup cell, device and version facts, seeds, TF32 switch, memory budget
-  data           the offline corpus, tokenised into fixed-length samples, and the accumulation-exact sampler
-  models         GPT-2 sizes plus tiny: hub cache, hub or random weights; tokenizers; checkpointing switch
-  peaks          dense peak TFLOP/s of NVIDIA GPUs per precision (the denominator of MFU)
-  flops          FLOPs of a training step (model and executed), the SDPA kernel, MFU and HFU of a run
-  memory         MemoryTracker: peak and live memory of a region, the same meaning on CUDA and CPU
-  train          the one training loop (AMP, accumulation, clipping, checkpointing) and RunResult
-  figures        conventions every lab's figures follow (step axis, legends)
-Labs (one module per lab; the technique itself is written out in the notebook):
-  precision      lab 01: number formats, what autocast saves, matmul speed, GradScaler behaviour
-  accumulation   lab 02: the gradient of an accumulation window, exact or naive; padding and clipping pitfalls
-  checkpointing  lab 03: checkpointing variants (every k, segments, selective, offload) and their measurement
-  profiling      lab 04: what autograd saves per module, profiler ranges, allocator snapshot traces
-  claims         C1-C7, the course's folklore claims, and the rule that turns measurements into verdicts
+  device              every CUDA/CPU difference in one place: memory counters, the cap, the mode, BF16/TF32
+  config              YAML -> typed dataclasses, with the mode's defaults, --set overrides, strict validation
+  env                 where we run: the setup cell, device and version facts, seeds, TF32 switch, budget
+  data                the offline corpus, tokenised into fixed-length samples; the accumulation-exact sampler
+  models              GPT-2 sizes plus tiny: hub cache, hub or random weights; tokenizers; checkpointing switch
+  peaks               dense peak TFLOP/s of NVIDIA GPUs per precision (the denominator of MFU)
+  flops               FLOPs of a training step (model and executed), the SDPA kernel, MFU and HFU of a run
+  memory              MemoryTracker: peak and live memory of a region, the same meaning on CUDA and CPU
+  train               the one training loop (AMP, accumulation, clipping, checkpointing) and RunResult
+  figures             conventions every lab's figures follow (step axis, legends)
+Labs (the technique itself is written out in the notebook; these hold what its experiments need):
+  precision           lab 01: number formats, underflow and overflow, loss scaling
+  amp_speed_memory    lab 01: what AMP saves (memory by kind, dtypes), matmul speed, comparison, C1/C2
+  accumulation        lab 02: the gradient of an accumulation window, exact or naive; padding, clipping
+  accumulation_sweeps lab 02: the batch-split sweeps read out: fits, stability, learning rate, advice, C3
+  checkpointing       lab 03: the variants (every k, segments, selective, offload) a student switches on
+  checkpoint_measure  lab 03: each variant trained under a budget and checked (gradients, FLOPs, calls)
+  checkpoint_report   lab 03: tables, figures, conclusions and C4/C5 from what was measured
+  profiling           lab 04: what autograd saves per module, profiler ranges, allocator snapshot traces
+  profiling_runs      lab 04: every experiment as rows next to the estimator's prediction, under a budget
+  profiling_figures   lab 04: the lab's figures, from the rows its cells measured
+  profiling_claims    lab 04: C6 (all techniques together), C1/C2/C4 from its table, C7 (ZeRO-2 offload)
+  claims              C1-C7, the course's folklore claims, and the one rule that turns numbers into verdicts
 Tools (commands and what they share):
-  results        tables, figures and result files with the hardware and weights they came from
-  estimate       predicts a training step's peak memory by replaying its allocations (no GPU needed)
-  bench          `python -m labutils bench`: the one loop against a bare loop
-  distributed    the same loop under accelerate (DDP, FSDP, DeepSpeed ZeRO) and the ZeRO memory table
-  doctor         `python -m labutils doctor`: every GPU path of the course, checked in minutes
-  regenerate     `python -m labutils regenerate`: re-run the notebooks, render results and README tables
-  cli            `python -m labutils run | bench | estimate | doctor | regenerate`
+  results             tables, figures and result files with the hardware and weights they came from
+  replay              one training step replayed as tensor allocations: the estimator's engine
+  estimate            a training step's peak memory, predicted without a GPU, and what fits a budget
+  advise              what to run when a config does not fit (or could run faster); `labutils estimate`
+  bench               `python -m labutils bench`: the one loop against a bare loop
+  distributed         the same loop under accelerate (DDP, FSDP, DeepSpeed ZeRO); ZeRO memory per GPU
+  doctor              `python -m labutils doctor`: every GPU path of the course, checked in minutes
+  notebook_runner     runs one notebook in a kernel, safely: timeouts, Ctrl-C, the failing line
+  report              Markdown from result files: the results page and the README's tables
+  regenerate          `python -m labutils regenerate`: re-run the notebooks, render results and README
+  cli                 `python -m labutils run | bench | estimate | doctor | regenerate`
 """
 from . import device
 from .config import Config, ConfigError, load_config
