@@ -124,6 +124,12 @@ def write_atomic(path: Path, data: bytes) -> None:
             os.unlink(tmp)
 
 
+def write_keeping_file(path: Path, text: str) -> None:
+    """Replace ``path``'s content atomically, keeping what the file is: through a symlink (the link stays, its
+    target is rewritten), with the file's mode, and the exact bytes of ``text`` (no newline translation)."""
+    write_atomic(Path(os.path.realpath(path)), text.encode("utf-8"))
+
+
 def results_dir(mode: str) -> Path:
     env = os.environ.get("LAB_RESULTS_DIR")
     if env:

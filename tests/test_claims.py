@@ -127,7 +127,7 @@ def test_collect_prefers_the_owning_lab_then_fallback():
 
 
 def test_rendered_claims_tables(tmp_path, monkeypatch):
-    from labutils import regenerate as rg
+    from labutils import report as rp
     from labutils.results import read_results, record_results
 
     c1 = cl.claim_entry("C1", {"memory_saving": 0.12}, SMOKE, reason="the FP32 model state stays")
@@ -139,10 +139,10 @@ def test_rendered_claims_tables(tmp_path, monkeypatch):
     lab01 = read_results("01-Mixed_Precision", "smoke")  # found through LAB_RESULTS_READ_DIR
     assert lab01["claims"][0]["verdict"] == "does not hold"
     assert read_results("01-Mixed_Precision", "full") is None  # a smoke file never stands in for a full run
-    md = rg.render_lab(lab01)
+    md = rp.render_lab(lab01)
     assert "| claim | verdict | measured | why | conditions | lab |" in md
     assert "| C1 | does not hold | peak-memory saving 12 % (smoke) |" in md
-    page = rg.render_results({"01": lab01, "04": {"notebook": "04-Memory_Profiling", "mode": "smoke",
+    page = rp.render_results({"01": lab01, "04": {"notebook": "04-Memory_Profiling", "mode": "smoke",
                                                   "claims": [c7], "env": {}}})
     assert "## Claims C1-C7 across the labs" in page
     assert "| C7 | not measured | prediction: peak-memory saving 41 % |" in page.replace("GPU peak", "peak")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from labutils import cli, regenerate as rg
+from labutils import cli, regenerate as rg, report as rp
 
 from test_regenerate import FIX, outside_markers, write_notebooks
 
@@ -48,9 +48,9 @@ def test_stale_or_renamed_results_never_shadow_the_lab(tmp_path, stale):
     data["notebook"] = stale
     data["env"]["gpu"]["name"] = "STALE GPU"
     (out / f"{stale}.json").write_text(json.dumps(data))
-    results = rg.load_results(out, FIXTURE_STEMS)
+    results = rp.load_results(out, FIXTURE_STEMS)
     assert results["01"]["notebook"] == "01-Mixed_Precision"
-    assert "STALE GPU" not in rg.render_results(results)
+    assert "STALE GPU" not in rp.render_results(results)
     readme = tmp_path / "README.md"
     readme.write_text((FIX / "README.md").read_text())
     render_readme(out, readme)
@@ -99,7 +99,7 @@ BROKEN = {
 def test_broken_markers_refuse_and_leave_the_readme_byte_for_byte(tmp_path, case):
     text = "# Course\r\n\r\nintro\r\n" + BROKEN[case] + "tail\n"
     with pytest.raises(ValueError) as info:
-        rg.update_readme(text, {"01": "new table", "02": "new", "03": "new"})
+        rp.update_readme(text, {"01": "new table", "02": "new", "03": "new"})
     assert len(str(info.value).splitlines()) == 1 and "line " in str(info.value)
     readme = tmp_path / "README.md"
     readme.write_bytes(text.encode())
@@ -113,8 +113,8 @@ def test_broken_markers_refuse_and_leave_the_readme_byte_for_byte(tmp_path, case
 
 def test_marker_like_text_is_not_a_marker():
     text = "see `<!-- results:NN -->` and `<!-- /results:NN -->`\n<!-- results:01 -->\nx\n<!-- /results:01 -->\n"
-    assert rg.readme_labs(text) == ["01"]
-    assert "see `<!-- results:NN -->`" in rg.update_readme(text, {"01": "y"})
+    assert rp.readme_labs(text) == ["01"]
+    assert "see `<!-- results:NN -->`" in rp.update_readme(text, {"01": "y"})
 
 
 # ------------------------------------------------------------------------------------ bytes, endings, mode, links

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from labutils import cli, regenerate as rg
+from labutils import cli, regenerate as rg, report as rp
 
 REPO = Path(__file__).resolve().parent.parent
 FIX = Path(__file__).resolve().parent / "fixtures"
@@ -75,7 +75,7 @@ def tiny(tmp_path) -> Path:
 
 
 def fixture_results() -> dict[str, dict]:
-    return rg.load_results(FIX / "results")
+    return rp.load_results(FIX / "results")
 
 
 def outside_markers(text: str) -> str:
@@ -109,7 +109,7 @@ def git_status() -> str:
 # ------------------------------------------------------------------------------------------------ rendering
 def test_render_full_lab_has_provenance_table_and_figures():
     data = fixture_results()["01"]
-    md = rg.render_lab(data, "results/", readme=True)
+    md = rp.render_lab(data, "results/", readme=True)
     assert "NVIDIA H100 80GB HBM3" in md and "79.2 GiB" in md
     assert "capped to 8.0 GiB (`--gpu-memory-gb 8`)" in md
     assert "CUDA 12.8" in md and "compute capability 9.0" in md
@@ -127,7 +127,7 @@ def test_render_full_lab_has_provenance_table_and_figures():
 
 
 def test_render_weights_from_rows_and_uncapped_card():
-    md = rg.render_lab(fixture_results()["03"])
+    md = rp.render_lab(fixture_results()["03"])
     assert "Weights: pretrained GPT-2" in md  # env has weights null; the rows say pretrained
     assert "NVIDIA GeForce RTX 3070, 8.0 GiB, no memory cap" in md
     assert "*checkpointing*" in md and "*recompute cost*" in md
@@ -137,19 +137,19 @@ def test_render_weights_from_rows_and_uncapped_card():
 def test_smoke_results_are_refused_as_readme_results():
     results = fixture_results()
     with pytest.raises(ValueError, match="smoke results never go into README.md"):
-        rg.render_lab(results["02"], readme=True)
-    blocks, refused = rg.readme_blocks(results)
+        rp.render_lab(results["02"], readme=True)
+    blocks, refused = rp.readme_blocks(results)
     assert sorted(blocks) == ["01", "03"] and refused == ["02"]
-    md = rg.render_lab(results["02"])  # outside the README a smoke run is rendered, and labelled
+    md = rp.render_lab(results["02"])  # outside the README a smoke run is rendered, and labelled
     assert "**SMOKE RUN**" in md and "CPU (x86_64), no GPU" in md
-    page = rg.render_results(results)
+    page = rp.render_results(results)
     assert "**Smoke results**" in page and page.index("## 01-Mixed_Precision") < page.index("## 03-Gradient")
 
 
 def test_update_readme_replaces_marked_blocks_only():
     text = (FIX / "README.md").read_text(encoding="utf-8")
-    blocks, _ = rg.readme_blocks(fixture_results())
-    new = rg.update_readme(text, blocks)
+    blocks, _ = rp.readme_blocks(fixture_results())
+    new = rp.update_readme(text, blocks)
     assert outside_markers(new) == outside_markers(text)  # other README text untouched, byte for byte
     assert "old lab 03 text" not in new and "NVIDIA GeForce RTX 3070" in new
     lab01 = re.search(r"<!-- results:01 -->\n(.*?)\n<!-- /results:01 -->", new, re.S).group(1)
@@ -158,20 +158,20 @@ def test_update_readme_replaces_marked_blocks_only():
     placeholder = "<!-- results:02 -->\n_No full GPU run yet._ Run `make results` on a CUDA GPU.\n<!-- /results:02 -->"
     assert placeholder in text and placeholder in new  # smoke-only lab 02: left as it was
     assert placeholder.replace("02", "04") in new  # lab 04 has no JSON: left as it was
-    assert rg.update_readme(new, blocks) == new  # idempotent
-    assert rg.update_readme(text, {}) == text
+    assert rp.update_readme(new, blocks) == new  # idempotent
+    assert rp.update_readme(text, {}) == text
 
 
 def test_update_readme_markers_checked():
-    assert rg.readme_labs((FIX / "README.md").read_text(encoding="utf-8")) == LABS
-    assert rg.update_readme("no markers here\n", {"01": "table"}) == "no markers here\n"
+    assert rp.readme_labs((FIX / "README.md").read_text(encoding="utf-8")) == LABS
+    assert rp.update_readme("no markers here\n", {"01": "table"}) == "no markers here\n"
     twice = "<!-- results:01 -->a<!-- /results:01 -->\n<!-- results:01 -->b<!-- /results:01 -->"
     with pytest.raises(ValueError, match="exactly one"):
-        rg.update_readme(twice, {"01": "x"})
+        rp.update_readme(twice, {"01": "x"})
     with pytest.raises(ValueError, match="never closed"):
-        rg.update_readme("<!-- results:01 --> unclosed", {"01": "x"})
+        rp.update_readme("<!-- results:01 --> unclosed", {"01": "x"})
     with pytest.raises(ValueError, match="closes no open block"):
-        rg.update_readme("<!-- /results:01 --> <!-- results:01 -->", {"01": "x"})  # wrong order
+        rp.update_readme("<!-- /results:01 --> <!-- results:01 -->", {"01": "x"})  # wrong order
 
 
 def test_find_notebooks_and_kernel_env(tiny):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from labutils import regenerate as rg
+from labutils import notebook_runner as nr, regenerate as rg
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -116,8 +116,8 @@ def test_signal_stops_regenerate_cleanly(tmp_path, sig, code, middle, first):
 def test_signal_guard_holds_a_signal_until_the_critical_section_ends():
     """Moving results into place is never cut in half: a signal inside critical() is raised after it."""
     steps = []
-    with rg.SignalGuard() as guard:
-        with pytest.raises(rg.Interrupted) as info:
+    with nr.SignalGuard() as guard:
+        with pytest.raises(nr.Interrupted) as info:
             with guard.critical():
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(0.05)  # the handler has run by now: held, not raised
@@ -147,7 +147,7 @@ def test_concurrent_runs_into_one_folder_do_not_share_a_kernel_log(tmp_path):
 
         def one():
             try:
-                results.append(rg.execute_notebook(nb_path, rg.kernel_env(tmp_path / "st", True, None),
+                results.append(nr.execute_notebook(nb_path, rg.kernel_env(tmp_path / "st", True, None),
                                                    executed_dir=out / "executed"))
             except Exception as exc:  # noqa: BLE001 - the test reports it
                 errors.append(exc)

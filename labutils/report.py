@@ -1,0 +1,233 @@
+"""The results pages: recorded lab results (``<stem>.json``) read back and rendered as Markdown.
+
+* :func:`load_results` reads the JSONs of an output folder, keyed by the notebook that wrote them.
+* :func:`render_lab` turns one lab's JSON into Markdown (provenance header, claims, tables, figures);
+  :func:`render_results` is the whole ``README-results.md``; :func:`readme_blocks` the README's per-lab blocks
+  (full-run results only).
+* :func:`update_readme` puts those blocks between the README's ``<!-- results:NN -->`` and ``<!-- /results:NN -->``
+  markers (:func:`marker_spans` checks every marker first), leaving every other byte as it was.
+
+All of it is pure (text in, text out) except the two readers; ``regenerate`` decides what is written where.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+from .results import format_table
+
+RESULTS = "results"  # the committed results folder, relative to the repository root
+
+
+def lab_id(stem: str) -> str:
+    """"03-Gradient_Checkpointing" -> "03" (the marker key)."""
+    return stem.split("-", 1)[0]
+
+
+class ResultsError(ValueError):
+    """A results file that cannot be read: one line naming it."""
+
+
+def load_results(out: str | os.PathLike, stems: list[str] | None = None) -> dict[str, dict]:
+    """{lab id: recorded JSON}, keyed by the notebook that wrote it: ``<stem>.json`` for each notebook stem, so a
+    stale or renamed ``NN-Old_Name.json`` lying in ``out`` never stands in for the current lab. Without
+    ``stems``, every ``NN-*.json`` in ``out`` (one per lab id, else ResultsError). A file that is not a JSON
+    object raises ResultsError (one line)."""
+    out = Path(out)
+    if stems is None:
+        files = sorted(out.glob("[0-9][0-9]-*.json"))
+        ids = [lab_id(js.stem) for js in files]
+        twice = sorted({i for i in ids if ids.count(i) > 1})
+        if twice:
+            raise ResultsError(f"{out}: several results files for lab {', '.join(twice)}; name the notebooks")
+    else:
+        files = [out / f"{stem}.json" for stem in stems if (out / f"{stem}.json").is_file()]
+    results = {}
+    for js in files:
+        try:
+            data = json.loads(js.read_text(encoding="utf-8"))
+        except (ValueError, OSError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            raise ResultsError(f"{js}: not a readable results file ({str(exc).splitlines()[0][:120]}); "
+                               "restore it (git checkout) or delete it") from None
+        if not isinstance(data, dict) or not isinstance(data.get("tables", {}), dict):
+            raise ResultsError(f"{js}: not a results file (a JSON object with 'tables' expected); restore it "
+                               "(git checkout) or delete it")
+        results[lab_id(js.stem)] = data
+    return results
+
+
+def _gib(n) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def hardware_line(env: dict) -> str:
+    """One line: the GPU a run used (memory, cap, compute capability, driver, CUDA), or the CPU when none."""
+    gpu = env.get("gpu") or {}
+    if not gpu and not env.get("gpu_name"):
+        return f"CPU ({env.get('cpu') or 'unknown'}), no GPU"
+    parts = [gpu.get("name") or env.get("gpu_name")]
+    total, budget = gpu.get("total_memory_bytes"), gpu.get("budget_bytes")
+    if total:
+        parts.append(_gib(total))
+    if budget and total and budget < total:
+        parts.append(f"capped to {_gib(budget)} (`--gpu-memory-gb {env.get('gpu_memory_budget_gb') or budget / 2**30:g}`)")
+    elif total:
+        parts.append("no memory cap")
+    if gpu.get("compute_capability"):
+        parts.append(f"compute capability {gpu['compute_capability']}")
+    if gpu.get("driver"):
+        parts.append(f"driver {gpu['driver']}")
+    if gpu.get("cuda"):
+        parts.append(f"CUDA {gpu['cuda']}")
+    return ", ".join(str(p) for p in parts)
+
+
+def weights_line(data: dict) -> str:
+    """Pretrained or random, from the env record (or, failing that, a "weights" column of the tables)."""
+    w = (data.get("env") or {}).get("weights")
+    kinds = {w} if w else {r.get("weights") for rows in (data.get("tables") or {}).values() for r in rows
+                           if isinstance(r, dict) and r.get("weights")}
+    if not kinds:
+        return "not recorded"
+    if kinds == {"random"}:
+        return "random init" + (" (no model hub: memory and speed are GPT-2's, loss values are not those of "
+                                "pretrained GPT-2)" if data.get("mode") == "full" else "")
+    if kinds == {"pretrained"}:
+        return "pretrained GPT-2"
+    return "mixed: " + ", ".join(sorted(map(str, kinds)))
+
+
+def render_lab(data: dict, figure_prefix: str = "", *, readme: bool = False) -> str:
+    """One lab's recorded results as Markdown: provenance header, one table per recorded table, its figures.
+
+    ``figure_prefix`` is prepended to the recorded figure paths (which are relative to the results folder),
+    e.g. "results/" for the repository README. ``readme=True`` refuses anything but a full run.
+    """
+    mode = data.get("mode")
+    if readme and mode != "full":
+        raise ValueError(f"{data.get('notebook')}: {mode} results never go into README.md (only a full GPU run's)")
+    env = data.get("env") or {}
+    lines = []
+    if mode != "full":
+        lines += [f"> **{str(mode).upper()} RUN** (tiny model, few steps): these numbers only show that the "
+                  "notebook runs; they are not results.", ""]
+    versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "transformers") if env.get(k))
+    lines += [f"- Hardware: {hardware_line(env)}",
+              f"- Weights: {weights_line(data)}",
+              f"- Run: {mode} mode, {env.get('date') or 'date not recorded'}" + (f"; {versions}" if versions else ""),
+              ""]
+    lines += render_claims(data.get("claims") or [])
+    for name, rows in (data.get("tables") or {}).items():
+        lines += [f"*{name}*", "", format_table(rows), ""]
+    for key, value in (data.get("notes") or {}).items():
+        lines.append(f"- {key}: {value}")
+    if data.get("notes"):
+        lines.append("")
+    for fig in data.get("figures") or []:
+        lines.append(f"![{Path(fig).stem}]({figure_prefix}{fig})")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def render_claims(entries: list[dict], title: str = "Claims of the course design: verdicts from this run") -> list[str]:
+    """The claims table (C1-C7 verdicts, labs' ``claims`` entries) as Markdown lines; nothing when there are none."""
+    if not entries:
+        return []
+    from .claims import table_rows
+
+    return [f"*{title}*", "", format_table(table_rows(entries), ["claim", "verdict", "measured", "why", "conditions",
+                                                                  "lab"]), ""]
+
+
+def render_results(results: dict[str, dict], figure_prefix: str = "") -> str:
+    """``README-results.md``: every lab's block, under a banner saying which kind of run this was."""
+    modes = {d.get("mode") for d in results.values()}
+    lines = ["# Lab results", ""]
+    if modes - {"full"}:
+        lines += ["**Smoke results**: tiny model, few steps, possibly on a CPU. They show that the notebooks run "
+                  "end to end; they are not GPU measurements and never go into README.md.", ""]
+    if not results:
+        lines += ["No lab recorded results.", ""]
+    elif any(d.get("claims") for d in results.values()):
+        from .claims import collect
+        lines += ["## Claims C1-C7 across the labs", ""] + render_claims(collect(results), "Every claim, one verdict")
+    for lab, data in sorted(results.items()):
+        lines += [f"## {data.get('notebook') or lab}", "", render_lab(data, figure_prefix)]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def readme_blocks(results: dict[str, dict], figure_prefix: str = f"{RESULTS}/") -> tuple[dict[str, str], list[str]]:
+    """({lab: block} for the full-run results, [labs refused because they are not full-run results])."""
+    blocks, refused = {}, []
+    for lab, data in sorted(results.items()):
+        if data.get("mode") == "full":
+            blocks[lab] = render_lab(data, figure_prefix, readme=True)
+        else:
+            refused.append(lab)
+    return blocks, refused
+
+
+_MARKER = re.compile(r"<!-- (/?)results:(\d+) -->")
+
+
+def marker_spans(text: str) -> dict[str, tuple[int, int]]:
+    """{lab: (start, end) of what lies between ``<!-- results:NN -->`` and ``<!-- /results:NN -->``}.
+
+    Every marker in ``text`` is checked, whichever labs are being rendered: one block per lab, each closed by its
+    own closing marker before any other marker appears (no nesting, no interleaving, nothing unclosed, no stray
+    closing marker). Any problem raises ValueError with one line naming the line and the marker."""
+    spans: dict[str, tuple[int, int]] = {}
+    opened = None  # (lab, content start, line)
+    for m in _MARKER.finditer(text):
+        closing, lab, line = m.group(1) == "/", m.group(2), text.count("\n", 0, m.start()) + 1
+        if not closing:
+            if opened:
+                raise ValueError(f"line {line}: '<!-- results:{lab} -->' inside lab {opened[0]}'s block (opened on "
+                                 f"line {opened[2]}, not yet closed); blocks must not nest or interleave")
+            if lab in spans:
+                raise ValueError(f"line {line}: a second '<!-- results:{lab} -->' block; need exactly one per lab")
+            opened = (lab, m.end(), line)
+        elif not opened:
+            raise ValueError(f"line {line}: '<!-- /results:{lab} -->' closes no open block")
+        elif opened[0] != lab:
+            raise ValueError(f"line {line}: '<!-- /results:{lab} -->' inside lab {opened[0]}'s block (opened on "
+                             f"line {opened[2]}); blocks must not nest or interleave")
+        else:
+            spans[lab] = (opened[1], m.start())
+            opened = None
+    if opened:
+        raise ValueError(f"line {opened[2]}: '<!-- results:{opened[0]} -->' is never closed by "
+                         f"'<!-- /results:{opened[0]} -->'")
+    return spans
+
+
+def readme_labs(text: str) -> list[str]:
+    """Labs that have a marker pair in ``text`` (ValueError when the markers are broken)."""
+    return sorted(marker_spans(text))
+
+
+def update_readme(text: str, blocks: dict[str, str]) -> str:
+    """Replace what is between each lab's markers with its block; everything else is left byte for byte.
+
+    A lab without a block keeps what it had; a block without markers is ignored (see :func:`readme_labs`).
+    Broken markers anywhere (see :func:`marker_spans`) raise ValueError rather than guess. The block takes the
+    text's line ending (CRLF stays CRLF)."""
+    spans = marker_spans(text)
+    newline = "\r\n" if "\r\n" in text else "\n"
+    for lab in sorted((lab for lab in blocks if lab in spans), key=lambda lab: spans[lab][0], reverse=True):
+        start, end = spans[lab]
+        body = blocks[lab].strip().replace("\r\n", "\n").replace("\n", newline)
+        text = f"{text[:start]}{newline}{body}{newline}{text[end:]}"
+    return text
+
+
+def read_readme(path: Path) -> str:
+    """The README's text exactly as stored (no newline translation); ValueError (one line) when unreadable."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (offset {exc.start})") from None
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+
