@@ -36,9 +36,9 @@ from pathlib import Path
 
 from .notebook_runner import (FULL_CELL_TIMEOUT, REPO_ROOT, SMOKE_CELL_TIMEOUT, Interrupted, Outcome, SignalGuard,
                               execute_notebook)
-from .report import (RESULTS, ResultsError, lab_id, load_results, marker_spans, read_readme, readme_blocks,
+from .report import (ResultsError, lab_id, load_results, marker_spans, read_readme, readme_blocks,
                      render_results, update_readme)
-from .results import write_atomic, write_keeping_file
+from .results import RESULTS_DIR, write_atomic, write_keeping_file
 
 NOTEBOOK_GLOB = "[0-9][0-9]-*.ipynb"
 
@@ -210,7 +210,7 @@ def _cuda_available() -> bool:
     return dev.cuda_available()
 
 
-def _summary(outcomes: list[Outcome], seconds: float) -> str:
+def summary_line(outcomes: list[Outcome], seconds: float) -> str:
     failed = [o for o in outcomes if not o.ok]
     took = f"{int(seconds // 60)} min {seconds % 60:.0f} s" if seconds >= 60 else f"{seconds:.1f} s"
     lines = [f"summary: {len(outcomes) - len(failed)} ok, {len(failed)} failed, {took} in all"]
@@ -245,14 +245,14 @@ def cli_regenerate(args) -> int:
     from .results import OutputPathError, check_output_dir
 
     smoke = bool(args.smoke)
-    results_default = REPO_ROOT / RESULTS
+    results_default = REPO_ROOT / RESULTS_DIR
     out = Path(args.out).expanduser().resolve() if args.out else None if smoke else results_default
     if smoke and out and (out == results_default or results_default in out.parents):
-        return _refuse(f"--smoke --out {args.out}: smoke results never go into {RESULTS}/ (use a temporary folder, "
+        return _refuse(f"--smoke --out {args.out}: smoke results never go into {RESULTS_DIR}/ (use a temporary folder, "
                        "or leave --out out)")
     if out == REPO_ROOT:
         return _refuse(f"--out {args.out}: not the repository root (the results would litter it); use "
-                       f"{RESULTS}/ or another folder")
+                       f"{RESULTS_DIR}/ or another folder")
     gb = args.gpu_memory_gb
     if gb is not None and not (gb >= 0):  # the CLI's type already refuses these; regenerate() may be called too
         return _refuse(f"--gpu-memory-gb {gb:g}: must be >= 0 (0 = no cap: the whole card)")
@@ -301,5 +301,5 @@ def cli_regenerate(args) -> int:
     except Interrupted as exc:
         print(exc.summary(), file=sys.stderr, flush=True)
         return exc.exit_code
-    print(_summary(outcomes, time.perf_counter() - t0))
+    print(summary_line(outcomes, time.perf_counter() - t0))
     return 0 if all(o.ok for o in outcomes) else 1

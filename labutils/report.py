@@ -16,9 +16,8 @@ import os
 import re
 from pathlib import Path
 
-from .results import format_table
+from .results import RESULTS_DIR, format_table
 
-RESULTS = "results"  # the committed results folder, relative to the repository root
 
 
 def lab_id(stem: str) -> str:
@@ -157,7 +156,7 @@ def render_results(results: dict[str, dict], figure_prefix: str = "") -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def readme_blocks(results: dict[str, dict], figure_prefix: str = f"{RESULTS}/") -> tuple[dict[str, str], list[str]]:
+def readme_blocks(results: dict[str, dict], figure_prefix: str = f"{RESULTS_DIR.as_posix()}/") -> tuple[dict[str, str], list[str]]:
     """({lab: block} for the full-run results, [labs refused because they are not full-run results])."""
     blocks, refused = {}, []
     for lab, data in sorted(results.items()):

@@ -218,7 +218,7 @@ def test_regenerate_fixture_notebooks(tmp_path, tiny):
     assert "## 91-Tiny" in page and "**Smoke results**" in page and "| a | yes | 8 |" in page
     assert any("92-Broken" in line and "FAILED" in line and "cell 3, In [2]: ValueError: boom 1 (line 2" in line
                for line in lines)
-    summary = rg._summary(outcomes, 1.0)
+    summary = rg.summary_line(outcomes, 1.0)
     assert "1 ok, 2 failed" in summary and "92-Broken failed at cell 3" in summary
 
 
