@@ -11,6 +11,7 @@ so a file being replaced is never left half written. ``regenerate`` runs every l
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import signal
@@ -26,6 +27,21 @@ from .results import write_atomic
 REPO_ROOT = Path(__file__).resolve().parent.parent  # the notebooks' working directory
 SMOKE_CELL_TIMEOUT = 900  # s per cell; a smoke notebook takes ~1 min in all on a 2-core CPU
 FULL_CELL_TIMEOUT = 4 * 3600  # s per cell; a full sweep cell can legitimately take long, but not forever
+
+
+class KernelPollNoise(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" for nbclient's kernel-alive poll, and nothing else.
+
+    That poll (``NotebookClient._async_poll_kernel_alive``, every second) can outlive a kernel we killed on
+    Ctrl-C: its next check finds the kernel client already cleaned up and fails an ``assert self.kc is not None``;
+    the task is never awaited again, so asyncio prints its traceback when it is collected, after our summary.
+    The kernel is gone either way: the traceback is noise that would bury the one line that says what stopped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "_async_poll_kernel_alive" not in record.getMessage()
+
+
+logging.getLogger("asyncio").addFilter(KernelPollNoise())
 
 
 @dataclass

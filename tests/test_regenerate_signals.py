@@ -162,3 +162,33 @@ def test_concurrent_runs_into_one_folder_do_not_share_a_kernel_log(tmp_path):
     assert errors == [] and len(results) == 2
     assert all(o.ok for o in results), [o.error for o in results]
     assert not [p for p in (out / "executed").iterdir() if p.name.endswith(".tmp")]
+
+
+def test_only_the_kernel_poll_of_a_killed_kernel_is_silenced(caplog):
+    """nbclient's kernel-alive poll can fail after we kill the kernel on a signal (its client is gone); asyncio
+    then printed that task's traceback after our summary line, now and then (a race with the 1 s poll). Only that
+    task is silenced: any other task's unretrieved exception still prints."""
+    import asyncio
+    import gc
+
+    from labutils import notebook_runner  # noqa: F401 (installs the filter)
+
+    async def _async_poll_kernel_alive():
+        raise AssertionError  # as nbclient's check does once the kernel client is cleaned up
+
+    async def other_task():
+        raise AssertionError("a real error")
+
+    loop = asyncio.new_event_loop()
+    try:
+        for coro in (_async_poll_kernel_alive, other_task):
+            task = loop.create_task(coro())
+            loop.run_until_complete(asyncio.sleep(0.01))
+            assert task.done()
+            del task
+            gc.collect()
+    finally:
+        loop.close()
+    err = "\n".join(r.getMessage() for r in caplog.records if r.name == "asyncio")
+    assert "other_task" in err and "a real error" in err
+    assert "_async_poll_kernel_alive" not in err
