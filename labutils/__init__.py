@@ -48,7 +48,7 @@ from .figures import legend_outside, step_axis, step_numbers
 from .device import card_allocator_bytes, detect_mode
 from .env import (apply_budget_from_env, bf16_supported, default_device, environment, matmul_precision,
                   seed_everything, set_memory_budget, setup, tf32_supported)
-from .memory import MemoryTracker, fmt_bytes, release, state_bytes
+from .memory import MemoryTracker, fmt_bytes, gib, release, state_bytes
 from .flops import flops_per_token, model_flops_per_token
 from .models import enable_checkpointing, load_model
 from .peaks import peak_info, peak_tflops

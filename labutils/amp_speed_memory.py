@@ -314,11 +314,6 @@ def plot_comparison(runs: dict, title: str):
     return fig
 
 
-def gib(n: float | None) -> float | None:
-    """Bytes in GiB (None stays None)."""
-    return None if n is None else n / 2**30
-
-
 # --------------------------------------------------------------------------------------------- claims C1, C2
 def readme_rows(runs: dict, expected: dict, baseline: str = "fp32") -> list[dict]:
     """The course README's expected (peak GB, speed vs FP32) per precision next to the measured ratios, with the
@@ -372,4 +367,4 @@ def c1_c2_claims(runs: dict, cond: dict, *, amp: str, model_state: int | None = 
 
 __all__ = ["HALF_DTYPES", "PRECISION_DTYPES", "SavedTensorCensus", "saved_tensor_census", "dtype_report",
            "measure_step_memory", "memory_breakdown_rows", "dtype_rows", "matmul_tflops", "speedup_readings",
-           "mfu_readings", "skipped_result", "comparison_rows", "plot_comparison", "gib", "readme_rows", "c1_c2_claims"]
+           "mfu_readings", "skipped_result", "comparison_rows", "plot_comparison", "readme_rows", "c1_c2_claims"]

@@ -22,6 +22,11 @@ from . import device as dev
 MB, GB, GiB = 10**6, 10**9, 2**30
 
 
+def gib(n: float | None) -> float | None:
+    """Bytes in GiB, as a number for a table or a plot (None stays None); :func:`fmt_bytes` writes it as text."""
+    return None if n is None else n / 2**30
+
+
 def fmt_bytes(n: float | None) -> str:
     if n is None:
         return "-"

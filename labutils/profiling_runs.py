@@ -20,14 +20,10 @@ import torch
 from . import device as dev
 from . import estimate as est
 from .config import load_config
-from .memory import MemoryTracker, release
+from .memory import MemoryTracker, gib, release
 from .train import autocast_for, make_optimizer, prepare, run
 
 GiB, MiB = 2**30, 2**20
-
-
-def _gib(n):
-    return None if n is None else n / GiB
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -134,8 +130,8 @@ def batch_sweep(cfg, batch_sizes, runs: MeasuredRuns, **run_kw) -> list[dict]:
         c = cfg.override({"train.micro_batch_size": b, "train.steps": 2, "train.timing_warmup_steps": 1})
         res = run(c, desc=f"micro-batch {b}", verbose=False, **run_kw)
         e = est.estimate_memory(c, device=runs.device.type)
-        row = {"micro_batch": b, "status": res.status, "peak (GiB)": _gib(res.peak_memory_bytes) if res.ok else None,
-               "estimate (GiB)": _gib(runs.estimate_for(res, e)), "target tokens/s": res.target_tokens_per_second,
+        row = {"micro_batch": b, "status": res.status, "peak (GiB)": gib(res.peak_memory_bytes) if res.ok else None,
+               "estimate (GiB)": gib(runs.estimate_for(res, e)), "target tokens/s": res.target_tokens_per_second,
                "device": res.env.get("gpu_name") or res.env.get("device"), "weights": res.env.get("weights"),
                "error": (res.error or "")[:80]}
         if res.ok:
@@ -176,8 +172,8 @@ def technique_rows(tech_cfg, techniques, runs: MeasuredRuns, budget: int, **run_
         if res.ok:
             runs.record(f"technique: {name}", c, res.peak_memory_bytes, res.memory["start_bytes"])
         rows.append({"technique": name, "micro x accum": f"{c.train.micro_batch_size} x {c.train.accumulation_steps}",
-                     "status": res.status, "peak (GiB)": _gib(res.peak_memory_bytes) if res.ok else None,
-                     "estimate (GiB)": _gib(runs.estimate_for(res, e)),
+                     "status": res.status, "peak (GiB)": gib(res.peak_memory_bytes) if res.ok else None,
+                     "estimate (GiB)": gib(runs.estimate_for(res, e)),
                      "fits the budget (estimate)": est.fits(e, budget, context),
                      "target tokens/s": res.target_tokens_per_second, "mfu": res.mfu,
                      "peak phase (estimate)": e["peak_phase"],
