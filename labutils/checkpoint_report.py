@@ -65,13 +65,12 @@ def sqrt_note(seg_blocks: float) -> str:
 
 
 def plot_every_k(ks: list[int], every: dict, segs: dict, pred_every: dict, pred_seg: dict, base, budget: int,
-                 title: str):
+                 title: str, n_blocks: int):
     """Two panels against k: peak memory (measured, and the accounting's prediction dashed; OOM runs as x at the
     budget) and step time, for every_n_layers = k and segments of k, beside the run without checkpointing
-    (``base``) and k = sqrt(L). Returns the figure."""
+    (``base``) and k = sqrt(L), L = ``n_blocks``. Returns the figure."""
     import matplotlib.pyplot as plt
 
-    n_blocks = max(ks)
     fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(11, 4))
     for series, pred, mark, label in [(every, pred_every, "o", "every_n_layers = k (model API)"),
                                       (segs, pred_seg, "s", "segments of k blocks (Chen)")]:

@@ -13,7 +13,9 @@ Variants: ``variant.apply(model)`` switches it on and returns a function that sw
     offload()             no recompute: every saved activation goes to host memory (torch.autograd.graph.save_on_cpu)
     checkpoint_offload()  full checkpointing, and what it still saves (block inputs, LM head) goes to host memory
 
-``available(feature)`` says whether this torch/transformers has what a variant needs.
+``available(feature)`` says whether this torch/transformers has what a variant needs. Selective checkpointing's
+policy is :func:`save_matmuls` (saves the ops in ``SAVE_OPS``, never one that :func:`draws_random_numbers`);
+offload's hooks are :class:`CountingSaveOnCPU`; :func:`first_line` shortens an error for a table row.
 """
 from __future__ import annotations
 

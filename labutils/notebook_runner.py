@@ -41,7 +41,11 @@ class KernelPollNoise(logging.Filter):
         return "_async_poll_kernel_alive" not in record.getMessage()
 
 
-logging.getLogger("asyncio").addFilter(KernelPollNoise())
+def quiet_kernel_poll() -> None:
+    """Install :class:`KernelPollNoise` on asyncio's logger, once per process (:func:`execute_notebook` calls it)."""
+    log = logging.getLogger("asyncio")
+    if not any(isinstance(f, KernelPollNoise) for f in log.filters):
+        log.addFilter(KernelPollNoise())
 
 
 @dataclass
@@ -230,6 +234,7 @@ def execute_notebook(path: Path, env: dict, *, cwd: Path = REPO_ROOT, timeout: i
         if on_cell and cell.cell_type == "code":
             on_cell(cell_index, n_code)
 
+    quiet_kernel_poll()  # its traceback after a killed kernel would land after our summary line
     km = _current_env_kernel_manager()
     client = NotebookClient(nb, km=km, timeout=timeout, allow_errors=False,
                             resources={"metadata": {"path": str(cwd)}}, on_cell_start=cell_started)

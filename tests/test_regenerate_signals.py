@@ -8,6 +8,7 @@ in a real process that receives a real signal: nbclient installs signal handlers
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -171,7 +172,11 @@ def test_only_the_kernel_poll_of_a_killed_kernel_is_silenced(caplog):
     import asyncio
     import gc
 
-    from labutils import notebook_runner  # noqa: F401 (installs the filter)
+    from labutils import notebook_runner
+
+    notebook_runner.quiet_kernel_poll()
+    notebook_runner.quiet_kernel_poll()  # once: a second call adds no second filter
+    assert sum(isinstance(f, notebook_runner.KernelPollNoise) for f in logging.getLogger("asyncio").filters) == 1
 
     async def _async_poll_kernel_alive():
         raise AssertionError  # as nbclient's check does once the kernel client is cleaned up
