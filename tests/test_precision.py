@@ -123,3 +123,18 @@ def test_legend_outside_places_the_legend_off_the_axes():
     with pytest.raises(ValueError, match="where='left'.*'right', 'below'"):
         lu.legend_outside(ax, "left")
     plt.close(fig)
+
+
+def test_mfu_readings_on_a_gpu_say_whether_the_small_batch_is_launch_bound():
+    """The GPU-only branch of lab 01's MFU cell (smoke has no MFU): the card's peak and its source, each batch's
+    MFU, and the reading follows the measured ratio."""
+    from types import SimpleNamespace as R
+
+    gpu = "NVIDIA GeForce RTX 3070"
+    peak = lu.peak_tflops(gpu, "fp16")
+    busy = am.mfu_readings([(1, R(mfu=0.05, peak_tflops=peak)), (8, R(mfu=0.30, peak_tflops=peak))], "fp16", gpu, gpu)
+    assert f"{peak:g} TFLOP/s" in busy[0] and "micro-batch 1: 5.0%" in busy[0] and "boost clock" in busy[0]
+    assert "launch-bound" in busy[1] and "6.0x" in busy[1]
+    flat = am.mfu_readings([(1, R(mfu=0.30, peak_tflops=peak)), (8, R(mfu=0.31, peak_tflops=peak))], "fp16", gpu, gpu)
+    assert "hardly changes" in flat[1]
+    assert "MFU not computed: no GPU" in am.mfu_readings([], "fp16", "CPU (x86_64)", None)[0]

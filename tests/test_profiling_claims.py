@@ -36,3 +36,33 @@ def test_c6_c1_c2_c4_come_from_the_table_when_its_baseline_fits():
 
 def test_no_technique_claims_when_the_baseline_did_not_fit():
     assert technique_claims({"baseline (fp32)": {"status": "oom"}}, {}) == []
+
+
+def test_lab04_rows_on_a_pretend_gpu(monkeypatch):
+    """The CUDA branches of lab 04's row builders (smoke runs only the CPU ones): a real 8 GiB budget, no
+    simulated-OOM argument, the CUDA context kept out of what fits, estimates on an absolute basis."""
+    from types import SimpleNamespace
+
+    from labutils import device as dev
+    from labutils import estimate as est
+    from labutils.profiling_runs import (add_stage_estimates, budget_like, context_bytes, cpu_budget_kwargs,
+                                         largest_batch_rows)
+    from tests import fake_cuda
+
+    monkeypatch.setattr(dev, "_state", {})
+    gpu = fake_cuda.install(monkeypatch, "rtx3070-8gb")
+    cuda = torch.device("cuda", 0)
+    assert budget_like(8, TECHNIQUES, cuda) == 8 * GiB and cpu_budget_kwargs(8 * GiB, cuda) == {}
+    assert context_bytes(cuda) == est.CUDA_CONTEXT_BYTES > 0
+    e = {"peak_bytes": 5 * GiB, "resident_bytes": GiB}
+    assert MeasuredRuns(cuda).estimate_for(SimpleNamespace(ok=True, memory={"start_bytes": 123}), e) == 5 * GiB
+    rows = [{"step": 0, "stage": "after forward", "allocated": 3 * GiB, "params": GiB, "grads": 0, "optimizer": 0}]
+    add_stage_estimates(rows, {"resident_bytes": GiB, "timeline": [{"label": "step 0 after forward", "bytes": 2 * GiB}]},
+                        start_bytes=7, device=cuda, n_params=1)
+    assert rows[0]["estimate"] == 2 * GiB and rows[0]["other"] == 2 * GiB   # no CPU shift on CUDA
+    cfg = lu.load_config("configs/lab04_profile.yaml", mode="full")
+    fixed, per_sample = 2 * GiB, 256 * 2**20
+    (row,) = largest_batch_rows(cfg, [("8 GB", 8 * GiB)], fixed, per_sample, cuda)
+    assert row["largest batch (fit)"] == (8 * GiB - gpu.profile.outside - fixed) // per_sample
+    key = "recommended (estimator, 10% headroom, CUDA context)"
+    assert key in row and row[key] <= row["largest batch (estimator, raw peak)"]
