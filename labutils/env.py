@@ -27,27 +27,59 @@ def tf32_supported(dev: torch.device | str | None = None) -> tuple[bool, str]:
     return device.tf32_support(dev)
 
 
+def _fp32_precision_switches() -> dict:
+    """The new API's per-backend switches this torch has (torch >= 2.9: ``fp32_precision`` on cuBLAS matmul,
+    cuDNN conv and RNN, oneDNN matmul); {} on torch 2.6-2.8. Each is checked on its own: reading
+    ``torch.backends.cudnn.conv`` on torch < 2.9 raises AttributeError."""
+    b = torch.backends
+    found = {"cuda.matmul": b.cuda.matmul, "cudnn.conv": getattr(b.cudnn, "conv", None),
+             "cudnn.rnn": getattr(b.cudnn, "rnn", None), "mkldnn.matmul": getattr(b.mkldnn, "matmul", None)}
+    return {k: o for k, o in found.items() if o is not None and hasattr(o, "fp32_precision")}
+
+
+def _read_or_none(read):
+    try:  # torch refuses to read a legacy flag while the legacy and new settings disagree
+        return read()
+    except RuntimeError:
+        return None
+
+
 @contextlib.contextmanager
 def matmul_precision(tf32: bool):
-    """Switch TF32 for float32 matmuls/convolutions on (tf32=True) or explicitly off, restoring afterwards."""
-    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-    # torch >= 2.9: fp32_precision on both (the allow_tf32 flags are its legacy view); check both before use:
-    # torch 2.6-2.8 has neither, and reading torch.backends.cudnn.conv there raises AttributeError.
-    if hasattr(matmul, "fp32_precision") and hasattr(cudnn, "conv"):
-        conv = cudnn.conv
-        saved = (matmul.fp32_precision, conv.fp32_precision)
-        matmul.fp32_precision = conv.fp32_precision = "tf32" if tf32 else "ieee"
-        try:
-            yield
-        finally:
-            matmul.fp32_precision, conv.fp32_precision = saved
-    else:
-        saved = (matmul.allow_tf32, cudnn.allow_tf32)
-        matmul.allow_tf32 = cudnn.allow_tf32 = tf32
-        try:
-            yield
-        finally:
-            matmul.allow_tf32, cudnn.allow_tf32 = saved
+    """Switch TF32 for float32 matmuls/convolutions on (tf32=True) or explicitly off, restoring afterwards.
+
+    Inside, every reader agrees, legacy and new: ``torch.backends.cuda.matmul.allow_tf32``,
+    ``torch.get_float32_matmul_precision()`` ("high" / "highest"), ``torch.backends.cudnn.allow_tf32``, and on
+    torch >= 2.9 ``torch.backends.cuda.matmul.fp32_precision`` and ``cudnn.conv`` / ``cudnn.rnn.fp32_precision``
+    ("tf32" / "ieee"). Setting only the new API leaves torch's legacy state behind: ATen's Context keeps the
+    legacy matmul precision and cuDNN flag beside the new per-backend values, and its legacy getters
+    (``allowTF32CuBLAS``, ``float32MatmulPrecision``, ``allowTF32CuDNN``) raise "mix of the legacy and new
+    APIs" when they disagree. The legacy setters (there since torch 1.7) update both sides
+    (``setAllowTF32CuBLAS``: legacy precision + cuda/matmul; ``setAllowTF32CuDNN``: legacy flag + cuda/conv and
+    cuda/rnn, "none" when off), so they go first; then conv and rnn get an explicit "ieee" when off.
+    """
+    b = torch.backends
+    matmul, cudnn = b.cuda.matmul, b.cudnn
+    switches = _fp32_precision_switches()
+    saved_new = {k: o.fp32_precision for k, o in switches.items()}
+    saved_matmul = _read_or_none(torch.get_float32_matmul_precision)
+    saved_cudnn = _read_or_none(lambda: cudnn.allow_tf32)
+    matmul.allow_tf32 = tf32
+    cudnn.allow_tf32 = tf32
+    for k in ("cudnn.conv", "cudnn.rnn"):
+        if k in switches:
+            switches[k].fp32_precision = "tf32" if tf32 else "ieee"
+    try:
+        yield
+    finally:
+        # legacy values first (their setters also write the new per-backend values), then the new values as
+        # they were; a legacy value that could not be read (the caller had mixed the APIs) stays as set above
+        if saved_matmul is not None:
+            torch.set_float32_matmul_precision(saved_matmul)
+        if saved_cudnn is not None:
+            cudnn.allow_tf32 = saved_cudnn
+        for k, value in saved_new.items():
+            switches[k].fp32_precision = value
 
 
 PROGRESS_ENV = "LAB_PROGRESS"
