@@ -9,6 +9,37 @@ measured peaks; matmul TFLOP/s per precision. Exit code 1 if anything failed.
 
 Without a GPU it says so, runs the CPU equivalents that exist (tiny model), and exits 0: the GPU checks are
 listed as skipped, never as passed.
+
+Every check can fail on a broken machine. One function per check (``check_*``); where the verdict needs a GPU,
+it is a small function of the measured numbers (``*_verdict``) so a test can hand it broken numbers. What
+fails each (tests/test_doctor_checks.py breaks each on purpose):
+
+  device: memory counters           a 64 MiB tensor not seen by memory_allocated / peak / reserved; on CPU, a
+                                    CUDA-only counter answering a number
+  device: mem_info / total / stats  cudaMemGetInfo's total != get_device_properties().total_memory (exactly),
+                                    free > total, no allocator stats
+  device: cap set / restore         the driver ignoring set_per_process_memory_fraction; a nested larger cap
+                                    raising the smaller one; the cap not restored
+  device: outside-allocator memory  cudaMemGetInfo unanswerable (only the default is known), 0 or >= 4 GiB
+  device: bf16 / tf32 support       labutils' answer differs from torch.cuda.is_bf16_supported(including_
+                                    emulation=False) or from NVIDIA's Ampere (8.0) line for TF32
+  torch.cuda calls of lab 04        a counter < 0, free > total, total != the device's total memory (NVML
+                                    refusing list_gpu_processes, as in WSL, is reported "unavailable", no fail)
+  tf32 switch: legacy + new flags   a TF32 reader raising ("mix of the legacy and new APIs") or disagreeing
+  train step <precision>            a non-finite loss, too few steps; fp16: no GradScaler, or more than half
+                                    of the steps skipped by it
+  outside-allocator after training  as above, measured again after lazily loaded kernels
+  cap + OOM recovery                a training step under a cap too small for it not refused, refused before
+                                    training started, memory not back to baseline, no successful run after
+  snapshot record -> dump -> parse  no events recorded, or the top holder has no stack
+  profiler ranges                   forward/backward ranges missing; on CUDA no device time, backward < forward
+  checkpointing grads: <variant>    gradients differ from no checkpointing (e.g. the RNG state not restored
+                                    for the recompute: other dropout masks)
+  estimator vs measured             the estimate more than 10 % from the measured peak
+  device: empty caches              pinned host memory still held after empty_caches (needs
+                                    torch.cuda.host_memory_stats, torch >= 2.7: skipped with the reason before)
+  matmul TFLOP/s <format>           a wrong product (vs float64); TF32 not engaged (fp32-sized error); on CUDA
+                                    TF32 / FP16 / BF16 not faster than FP32 by what the card's datasheet promises
 """
 from __future__ import annotations
 
@@ -88,8 +119,9 @@ def _cfg(name: str, **over):
 
 
 # ----------------------------------------------------------------------------------------------------- the checks
-def check_device_functions(c: Checks, device: torch.device) -> None:
-    """Every function of labutils.device, and the raw torch.cuda calls lab 04 teaches, answer sensibly."""
+def check_memory_counters(c: Checks, device: torch.device) -> None:
+    """A 64 MiB tensor moves memory_allocated, the peak and reserved (a pretend GPU cannot hold one: it fails
+    there with NotImplementedError). CPU: there are no allocator counters (the CPU tracker counts)."""
     cuda = device.type == "cuda"
     with c.check("device: memory counters") as row:
         dev.synchronize(device)
@@ -104,17 +136,32 @@ def check_device_functions(c: Checks, device: torch.device) -> None:
             row["value"] = (a2 - a) / MiB
         else:
             _expect(row, a is None and p is None and r is None, "CPU: no allocator counters (the CPU tracker counts)")
+
+
+def mem_info_verdict(free: int, driver_total: int, device_total: int, stats: dict) -> tuple[bool, str]:
+    """cudaMemGetInfo's total is the device's totalGlobalMem: the same number, to the byte."""
+    ok = 0 < free <= driver_total and driver_total == device_total and "allocated_bytes.all.current" in stats
+    detail = f"free {free / GiB:.2f} of {driver_total / GiB:.2f} GiB"
+    if driver_total != device_total:
+        detail += f"; cudaMemGetInfo total {driver_total} B != device total {device_total} B"
+    return ok, detail
+
+
+def check_mem_info(c: Checks, device: torch.device) -> None:
     with c.check("device: mem_info / total / stats") as row:
         info, total, stats = dev.mem_info(device), dev.total_memory(device), dev.memory_stats(device)
-        if cuda:
-            free, tot = info
-            _expect(row, 0 < free <= tot == total and "allocated_bytes.all.current" in stats,
-                    f"free {free / GiB:.2f} of {tot / GiB:.2f} GiB")
-            row["value"] = tot / GiB
+        if device.type == "cuda":
+            ok, detail = mem_info_verdict(info[0], info[1], total, stats)
+            _expect(row, ok, detail)
+            row["value"] = info[1] / GiB
         else:
             _expect(row, info is None and total is None and stats == {}, "CPU: none of these exist")
+
+
+def check_cap(c: Checks, device: torch.device) -> None:
+    """The cap is set as asked, a larger cap inside never raises it, and the one before comes back."""
     with c.check("device: cap set / restore / never raised") as row:
-        if cuda:
+        if device.type == "cuda":
             before = dev.get_cap_fraction(device)
             total = dev.total_memory(device)
             with dev.memory_cap(total // 2, device):
@@ -128,35 +175,140 @@ def check_device_functions(c: Checks, device: torch.device) -> None:
         else:
             with dev.memory_cap(123, device) as cpu_budget:
                 _expect(row, cpu_budget == 123, "CPU: the budget is handed to the CPU tracker")
-    with c.check("device: outside-allocator memory") as row:
-        outside, how = dev.outside_allocator_bytes(device)
+
+
+def outside_verdict(outside: int, how: str) -> tuple[bool, str]:
+    """Memory outside the allocator is measured (not the documented default), above 0 (the CUDA context alone
+    takes hundreds of MiB) and below 4 GiB."""
+    measured = not how.startswith("default")
+    return measured and 0 < outside < 4 * GiB, how
+
+
+def check_outside_allocator(c: Checks, device: torch.device, name: str = "device: outside-allocator memory",
+                            refresh: bool = False, at_start: int | None = None) -> None:
+    with c.check(name) as row:
+        outside, how = dev.outside_allocator_bytes(device, refresh=refresh)
         row["value"] = outside / GiB
-        _expect(row, (0 < outside < 4 * GiB) if cuda else outside == 0, how)
-    with c.check("device: empty caches (device + pinned host)") as row:
-        dev.empty_caches(device)
-        pinned = dev.pinned_host_bytes()
-        _expect(row, (pinned is not None) == cuda, f"pinned host bytes after: {pinned}")
+        if device.type == "cuda":
+            ok, detail = outside_verdict(outside, how)
+            if at_start is not None:
+                detail += f"; {at_start / GiB:.2f} GiB at the start (what the budget subtracts); value = GiB now"
+            _expect(row, ok, detail)
+        else:
+            _expect(row, outside == 0, how)
+
+
+def support_verdict(capability: tuple[int, int], bf16: bool, tf32: bool, torch_bf16: bool) -> tuple[bool, str]:
+    """BF16 as torch itself answers it (``is_bf16_supported(including_emulation=False)``); TF32 from NVIDIA's
+    Ampere (compute capability 8.0) on."""
+    want_tf32 = capability[0] >= 8
+    ok = bf16 == torch_bf16 and tf32 == want_tf32
+    return ok, (f"bf16: {bf16} (torch: {torch_bf16}); tf32: {tf32} (Ampere or newer: {want_tf32})")
+
+
+def check_support_facts(c: Checks, device: torch.device) -> None:
     with c.check("device: bf16 / tf32 support, facts") as row:
-        bf, why_bf = dev.bf16_support(device)
-        tf, why_tf = dev.tf32_support(device)
+        bf, _ = dev.bf16_support(device)
+        tf, _ = dev.tf32_support(device)
         facts = dev.facts(device)
-        _expect(row, (facts is not None) == cuda and isinstance(bf, bool) and isinstance(tf, bool),
-                f"{dev.name(device)}; bf16: {bf}; tf32: {tf}")
+        if device.type == "cuda":
+            cap = torch.cuda.get_device_capability(device.index)
+            ok, detail = support_verdict(cap, bf, tf, torch.cuda.is_bf16_supported(including_emulation=False))
+            _expect(row, ok and facts is not None, f"{dev.name(device)}; {detail}")
+        else:
+            _expect(row, facts is None and isinstance(bf, bool) and tf is False, f"CPU; bf16: {bf}; tf32: {tf}")
         row["value"] = facts["compute_capability"] if facts else None
-    if not cuda:
+
+
+def gpu_processes() -> tuple[str | None, str]:
+    """``torch.cuda.list_gpu_processes()``, or None and why: NVML refuses in WSL and some containers."""
+    try:
+        return torch.cuda.list_gpu_processes(), "list_gpu_processes"
+    except Exception as exc:  # pynvml.NVMLError_NotSupported, NVMLError_NoPermission, ...
+        return None, f"list_gpu_processes unavailable ({type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''})"
+
+
+def lab04_verdict(free: int, total: int, device_total: int, counters: list) -> bool:
+    return 0 < free <= total == device_total and all(v >= 0 for v in counters)
+
+
+def check_lab04_calls(c: Checks, device: torch.device) -> None:
+    if device.type != "cuda":
         c.skip("torch.cuda calls of lab 04", "no CUDA GPU")
         return
     with c.check("torch.cuda calls of lab 04") as row:
         free, total = torch.cuda.mem_get_info()
         vals = [torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), torch.cuda.max_memory_allocated(),
                 torch.cuda.memory_stats().get("num_alloc_retries", 0), torch.cuda.current_device()]
-        procs = torch.cuda.list_gpu_processes()
-        _expect(row, free <= total and all(v >= 0 for v in vals) and isinstance(procs, str),
-                "mem_get_info, memory_allocated/reserved, max_memory_allocated, memory_stats, list_gpu_processes")
+        procs, how = gpu_processes()
+        _expect(row, lab04_verdict(free, total, torch.cuda.get_device_properties(device.index).total_memory, vals),
+                f"mem_get_info, memory_allocated/reserved, max_memory_allocated, memory_stats; {how}")
 
 
-def check_training(c: Checks, device: torch.device) -> None:
-    """One short run per precision this device supports: finite losses, the fp16 scaler working."""
+def check_device_functions(c: Checks, device: torch.device) -> None:
+    """Every function of labutils.device, and the raw torch.cuda calls lab 04 teaches, answer sensibly."""
+    check_memory_counters(c, device)
+    check_mem_info(c, device)
+    check_cap(c, device)
+    check_outside_allocator(c, device)
+    check_support_facts(c, device)
+    check_lab04_calls(c, device)
+
+
+def tf32_flags(tf32: bool) -> dict:
+    """Every TF32 reader of torch, legacy and new (where this torch has it), inside ``matmul_precision(tf32)``."""
+    from .env import matmul_precision
+
+    b = torch.backends
+    readers = {"cuda.matmul.allow_tf32": lambda: b.cuda.matmul.allow_tf32,
+               "get_float32_matmul_precision": torch.get_float32_matmul_precision,
+               "cudnn.allow_tf32": lambda: b.cudnn.allow_tf32}
+    if hasattr(b.cuda.matmul, "fp32_precision"):
+        readers["cuda.matmul.fp32_precision"] = lambda: b.cuda.matmul.fp32_precision
+    with matmul_precision(tf32):
+        out = {}
+        for k, read in readers.items():
+            try:
+                out[k] = read()
+            except RuntimeError as exc:
+                out[k] = f"RuntimeError: {str(exc)[:100]}"
+    return out
+
+
+def tf32_flags_verdict(flags: dict, tf32: bool) -> tuple[bool, str]:
+    want = {"cuda.matmul.allow_tf32": tf32, "get_float32_matmul_precision": "high" if tf32 else "highest",
+            "cudnn.allow_tf32": tf32, "cuda.matmul.fp32_precision": "tf32" if tf32 else "ieee"}
+    wrong = {k: v for k, v in flags.items() if v != want[k]}
+    return not wrong, ("all agree" if not wrong else "; ".join(f"{k} = {v!r}" for k, v in wrong.items()))
+
+
+def check_tf32_flags(c: Checks, device: torch.device) -> None:
+    """Inside the course's TF32 switch, students and libraries read the legacy flags: they must agree."""
+    with c.check("tf32 switch: legacy + new flags agree") as row:
+        results = [tf32_flags_verdict(tf32_flags(on), on) for on in (True, False)]
+        _expect(row, all(ok for ok, _ in results), f"on: {results[0][1]}; off: {results[1][1]}")
+
+
+FP16_STEPS = 6  # enough steps that a scaler skipping most of them is not just calibrating its initial scale
+
+
+def train_verdict(precision: str, res, steps: int) -> tuple[bool, str]:
+    """A run trains: status ok, every step's loss finite. fp16: the GradScaler is there (a scale per step) and
+    skipped at most half of the steps (its first steps may overflow at the initial scale of 65536)."""
+    ok = res.ok and len(res.losses) == steps and all(math.isfinite(x) for x in res.losses)
+    detail = "status " + res.status + ", losses " + ", ".join(f"{x:.3f}" for x in res.losses)
+    if precision == "fp16":
+        scaled = len(res.loss_scales) == steps
+        few_skips = 2 * len(res.skipped) <= steps
+        ok = ok and scaled and few_skips
+        detail += (f", skipped {len(res.skipped)} of {steps}" + ("" if few_skips else " (more than half)")
+                   + ("" if scaled else "; no GradScaler"))
+    return ok, detail + (f"; {res.error}" if res.error else "")
+
+
+def check_training(c: Checks, device: torch.device, only: tuple[str, ...] | None = None) -> None:
+    """One short run per precision this device supports (``only``: those of them): finite losses, the fp16
+    scaler working."""
     from .train import run
 
     name = "gpt2" if device.type == "cuda" else "tiny"
@@ -166,49 +318,74 @@ def check_training(c: Checks, device: torch.device) -> None:
         c.skip("train step bf16", dev.bf16_support(device)[1])
     if device.type != "cuda":
         c.skip("train step tf32", dev.tf32_support(device)[1])
-    for precision in precisions:
+    for precision in [p for p in precisions if only is None or p in only]:
         with c.check(f"train step {precision}") as row:
-            res = run(_cfg(name, **{"train.precision": precision}), device, progress=False, verbose=False)
-            ok = res.ok and all(math.isfinite(x) for x in res.losses) and len(res.losses) == 3
+            steps = FP16_STEPS if precision == "fp16" else 3
+            res = run(_cfg(name, **{"train.precision": precision, "train.steps": steps}), device, progress=False,
+                      verbose=False)
+            ok, detail = train_verdict(precision, res, steps)
             row["value"] = res.peak_memory_bytes / MiB if res.peak_memory_bytes else None
-            _expect(row, ok, f"{name}: status {res.status}, losses "
-                             + ", ".join(f"{x:.3f}" for x in res.losses) + (f", skipped {res.skipped}" if res.skipped else "")
-                             + (f"; {res.error}" if res.error else "") + "; value = peak MiB")
+            _expect(row, ok, f"{name}: {detail}; value = peak MiB")
+
+
+def oom_recovery_verdict(capped_status: str, capped_peak: int | None, step_start: int, base: int | None,
+                         after_oom: int | None, rerun_status: str, after_rerun: int | None) -> tuple[bool, str]:
+    """A training run under a cap too small for it is refused by an out-of-memory error raised *during training*
+    (its peak went above what was held when training started), the memory comes back to where it was, and the
+    same run then trains. ``base``/``after_*``: allocated bytes (None on CPU: no allocator to read)."""
+    problems = []
+    if capped_status != "oom":
+        problems.append(f"the capped run was not refused (status {capped_status})")
+    elif capped_peak is None or capped_peak <= step_start:
+        problems.append("the out-of-memory error came before training started")
+    if base is not None and after_oom != base:
+        problems.append(f"after the OOM {((after_oom or 0) - base) / MiB:+.1f} MiB stayed allocated")
+    if rerun_status != "ok":
+        problems.append(f"the run after the OOM did not train (status {rerun_status})")
+    if base is not None and after_rerun != base:
+        problems.append(f"after the rerun {((after_rerun or 0) - base) / MiB:+.1f} MiB stayed allocated")
+    return not problems, "; ".join(problems) or (
+        "OOM raised inside a training step, caught; memory back to baseline; the next run trained"
+        + ("" if base is not None else " (CPU: simulated budget, no allocator to read)"))
 
 
 def check_cap_and_oom(c: Checks, device: torch.device) -> None:
-    """Exceed a cap on purpose, catch the error, and get the memory back to where it was."""
+    """Run a real training step under a cap too small for it, catch the error, get the memory back, train again."""
     from .memory import release
+    from .train import run
 
+    cuda = device.type == "cuda"
+    cfg = _cfg("gpt2" if cuda else "tiny", **{"train.steps": 2})
     with c.check("cap + OOM recovery") as row:
         release()
-        if device.type == "cuda":
-            base = dev.allocated(device)
-            caught = False
-            with dev.memory_cap(base + 256 * MiB, device):
-                try:
-                    x = torch.empty(512 * MiB, dtype=torch.uint8, device=device)
-                    del x
-                except torch.OutOfMemoryError:
-                    caught = True
-            release()
-            after = dev.allocated(device)
-            row["value"] = (after - base) / MiB
-            _expect(row, caught and after == base, f"512 MiB under a {base / MiB + 256:.0f} MiB cap: "
-                                                   f"{'OOM caught' if caught else 'NOT refused'}; back to baseline: {after == base}")
+        base = dev.allocated(device)
+        fits = run(cfg, device, progress=False, verbose=False)
+        start, peak = fits.memory["start_bytes"], fits.peak_memory_bytes
+        cap = start + (peak - start) // 2  # the model and data fit, half of what the step adds does not
+        if cuda:
+            with dev.memory_cap(cap, device):
+                capped = run(cfg, device, progress=False, verbose=False)
         else:
-            from .memory import MemoryTracker
-            caught = False
-            try:
-                with MemoryTracker(device, cpu_budget_bytes=0):
-                    torch.ones(1 * MiB)
-            except torch.OutOfMemoryError:
-                caught = True
-            _expect(row, caught, "CPU: the tracker's simulated budget raises torch.OutOfMemoryError")
+            capped = run(cfg, device, progress=False, verbose=False, cpu_budget_bytes=cap)
+        release()
+        after_oom = dev.allocated(device)
+        rerun = run(cfg, device, progress=False, verbose=False)
+        release()
+        after_rerun = dev.allocated(device)
+        ok, detail = oom_recovery_verdict(capped.status, capped.peak_memory_bytes, start, base, after_oom,
+                                          rerun.status, after_rerun)
+        row["value"] = cap / MiB
+        _expect(row, ok and fits.ok, f"cap {cap / MiB:.0f} MiB (peak {peak / MiB:.0f}): {detail}; value = cap MiB")
 
 
 def _tiny_step(model, batch):
     model(**batch, use_cache=False).loss.backward()
+
+
+def snapshot_verdict(summary: dict) -> tuple[bool, str]:
+    top = summary["top_at_peak"][0]["site"] if summary["top_at_peak"] else "(none)"
+    return summary["events"] > 0 and top not in ("(no stack)", "(none)"), \
+        f"peak {summary['peak_bytes'] / MiB:.1f} MiB; top holder: {top}"
 
 
 def check_snapshot(c: Checks, device: torch.device, session) -> None:
@@ -236,9 +413,19 @@ def check_snapshot(c: Checks, device: torch.device, session) -> None:
             model.zero_grad(set_to_none=True)
             snap, start = rec.snapshot(), rec.start_bytes
         s = trace_summary(snap, start_bytes=start, top=3)
-        top = s["top_at_peak"][0]["site"] if s["top_at_peak"] else "(none)"
         row["value"] = s["events"]
-        _expect(row, s["events"] > 0 and top != "(no stack)", f"peak {s['peak_bytes'] / MiB:.1f} MiB; top holder: {top}")
+        _expect(row, *snapshot_verdict(s))
+
+
+def profiler_verdict(rows: list[dict], cuda: bool) -> bool:
+    """The two ranges, in order; on CUDA with device time, backward (about twice forward's matmuls) >= forward;
+    on CPU no device time at all."""
+    if [r["range"] for r in rows] != ["forward", "backward"]:
+        return False
+    if cuda:
+        fwd, bwd = (r["device time (ms)"] for r in rows)
+        return fwd is not None and bwd is not None and 0 < fwd <= bwd
+    return all(r["device time (ms)"] is None for r in rows)
 
 
 def check_profiler(c: Checks, device: torch.device, session) -> None:
@@ -257,14 +444,9 @@ def check_profiler(c: Checks, device: torch.device, session) -> None:
                 loss.backward()
         model.zero_grad(set_to_none=True)
         rows = range_times(prof.events(), ("forward", "backward"))
-        names = [r["range"] for r in rows]
-        if device.type == "cuda":  # backward does about twice forward's matmuls: its GPU time must show it
-            fwd, bwd = (r["device time (ms)"] or 0 for r in rows)
-            ok = names == ["forward", "backward"] and fwd > 0 and bwd >= fwd
-        else:
-            ok = names == ["forward", "backward"] and all(r["device time (ms)"] is None for r in rows)
-        _expect(row, ok, "; ".join(f"{r['range']}: cpu {r['cpu time (ms)']:.1f} ms, device "
-                                   f"{_fmt(r['device time (ms)']) or '-'} ms" for r in rows))
+        _expect(row, profiler_verdict(rows, device.type == "cuda"),
+                "; ".join(f"{r['range']}: cpu {r['cpu time (ms)']:.1f} ms, device "
+                          f"{_fmt(r['device time (ms)']) or '-'} ms" for r in rows) or "no forward/backward range")
 
 
 def check_checkpointing(c: Checks, device: torch.device) -> None:
@@ -315,30 +497,110 @@ def check_estimator(c: Checks, device: torch.device) -> None:
                     f"{(cmp['measured_bytes'] or 0) / MiB:.1f} MiB; value = error %")
 
 
-def check_matmul(c: Checks, device: torch.device) -> None:
-    from .env import matmul_precision
+def empty_caches_verdict(before: int | None, after: int | None) -> tuple[str, str]:
+    """("pass" | "fail" | "skip", detail): pinned host memory was held, and empty_caches gave all of it back."""
+    if before is None:
+        return "skip", (f"torch {torch.__version__} has no torch.cuda.host_memory_stats (torch >= 2.7): pinned "
+                        "host memory cannot be read, so freeing it is not judged")
+    if before <= 0:
+        return "fail", "no pinned host memory was held before emptying: nothing was tested"
+    return ("pass" if after == 0 else "fail"), f"pinned host bytes {before} -> {after}"
 
-    n = 4096 if device.type == "cuda" else 512
+
+def check_empty_caches(c: Checks, device: torch.device) -> None:
+    """After the offload variants (save_on_cpu pins host memory), empty_caches frees the pinned host cache too."""
+    with c.check("device: empty caches (device + pinned host)") as row:
+        if device.type != "cuda":
+            dev.empty_caches(device)
+            _expect(row, dev.pinned_host_bytes() is None, "CPU: no pinned host allocator")
+            return
+        if dev.pinned_host_bytes() == 0:  # hold some: a freed pinned block stays in the caching host allocator
+            buf = torch.empty(MiB, dtype=torch.uint8, pin_memory=True)
+            del buf
+        before = dev.pinned_host_bytes()
+        dev.empty_caches(device)
+        status, detail = empty_caches_verdict(before, dev.pinned_host_bytes())
+        row["status"], row["detail"] = status, detail
+
+
+def _matmul_speed_floor(label: str, gpu_name: str, capability: tuple[int, int]) -> tuple[float | None, str]:
+    """How much faster than strict FP32 ``label`` must be on this card (None: not judged), and why: the ratio
+    of the datasheets' dense peaks (labutils.peaks). Where that ratio is about 2 or more (L4 TF32: 1.98;
+    datacentre TF32, every tensor-core FP16/BF16), at least 1.5x; GeForce Ampere/Ada/Blackwell run TF32 at the FP32 rate
+    (whitepapers), so there only "not slower" (0.9x) is asked."""
+    from .peaks import peak_tflops
+
+    fp32, other = peak_tflops(gpu_name, "fp32"), peak_tflops(gpu_name, label)
+    if fp32 and other:
+        ratio = other / fp32
+        return (1.5 if ratio >= 1.9 else 0.9), f"datasheet {label}/fp32 = {ratio:.1f}x"
+    if label in ("fp16", "bf16") and capability[0] >= (8 if label == "bf16" else 7):
+        return 1.5, f"{label} tensor cores (compute capability {capability[0]}.{capability[1]})"
+    return None, "card not in the peaks table: speed not judged"
+
+
+def matmul_verdict(label: str, tflops: float, rel_error: float, fp32_tflops: float | None,
+                   floor: float | None, why: str, cuda: bool) -> tuple[bool, str]:
+    """The product is right (vs float64) to what the format allows; TF32 really engaged (its 10-bit mantissa
+    shows) and FP32 strict; on CUDA, faster than strict FP32 by ``floor``. CPU timing judges no speed."""
+    limit = {"fp32": 1e-5, "tf32": 5e-3, "fp16": 5e-3, "bf16": 3e-2}[label]
+    ok = tflops > 0 and rel_error <= limit
+    detail = f"relative error vs float64 {rel_error:.1e} (limit {limit:g})"
+    if label == "tf32" and rel_error <= 1e-5:
+        ok, detail = False, detail + "; an FP32-sized error: TF32 not engaged"
+    if not cuda:
+        return ok, detail + "; CPU timing: speed not judged"
+    if label != "fp32" and floor is not None and fp32_tflops:
+        fast = tflops >= floor * fp32_tflops
+        ok = ok and fast
+        detail += f"; {tflops / fp32_tflops:.2f}x fp32 (needs >= {floor:g}x: {why})"
+    elif label != "fp32":
+        detail += f"; {why}"
+    return ok, detail
+
+
+def check_matmul(c: Checks, device: torch.device) -> None:
+    cuda = device.type == "cuda"
+    n = 4096 if cuda else 512
     formats = [("fp32", torch.float32, False), ("bf16", torch.bfloat16, False)]
-    if device.type == "cuda":
+    if cuda:
         formats = [("fp32", torch.float32, False), ("fp16", torch.float16, False)]
         if dev.tf32_support(device)[0]:
             formats.insert(1, ("tf32", torch.float32, True))
         if dev.bf16_support(device)[0]:
             formats.append(("bf16", torch.bfloat16, False))
+        capability = torch.cuda.get_device_capability(device.index)
+    fp32_tflops = None
     for label, dtype, tf32 in formats:
-        with c.check(f"matmul TFLOP/s {label} ({n}x{n})") as row, matmul_precision(tf32):
-            a = torch.randn(n, n, device=device, dtype=dtype)
-            b = torch.randn(n, n, device=device, dtype=dtype)
-            for _ in range(2):
-                a @ b
-            dev.synchronize(device)
-            reps, start = 5, time.perf_counter()
-            for _ in range(reps):
-                a @ b
-            dev.synchronize(device)
-            row["value"] = 2 * n**3 * reps / (time.perf_counter() - start) / 1e12
-            _expect(row, row["value"] > 0, "measured (dense, no sparsity)")
+        with c.check(f"matmul TFLOP/s {label} ({n}x{n})") as row:
+            tflops, err = _matmul_measure(n, dtype, tf32, device)
+            row["value"] = tflops
+            floor, why = _matmul_speed_floor(label, dev.name(device), capability) if cuda else (None, "")
+            _expect(row, *matmul_verdict(label, tflops, err, fp32_tflops, floor, why, cuda))
+            if label == "fp32":
+                fp32_tflops = tflops
+
+
+def _matmul_measure(n: int, dtype: torch.dtype, tf32: bool, device: torch.device) -> tuple[float, float]:
+    """(TFLOP/s of an n x n matmul, relative error of a 256 x 256 block of the product vs float64)."""
+    from .env import matmul_precision
+
+    with matmul_precision(tf32):
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        for _ in range(2):
+            a @ b
+        dev.synchronize(device)
+        reps, start = 5, time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        dev.synchronize(device)
+        tflops = 2 * n**3 * reps / (time.perf_counter() - start) / 1e12
+        m = 256
+        x, y = a[:m], b[:, :m]
+        ref = x.double() @ y.double()
+        err = float((x @ y).double().sub(ref).norm() / ref.norm())
+    return tflops, err
 
 
 def run_doctor(device=None, verbose: bool = True) -> dict:
@@ -362,13 +624,11 @@ def run_doctor(device=None, verbose: bool = True) -> dict:
               f"outside the allocator, {budget['how']})")
     outside_at_start = dev.outside_allocator_bytes(device)[0]
     check_device_functions(c, device)
+    check_tf32_flags(c, device)
     check_training(c, device)
     if device.type == "cuda":  # lazily loaded kernels (attention, fused AdamW) add memory outside the allocator
-        with c.check("device: outside-allocator memory after training") as row:
-            outside, how = dev.outside_allocator_bytes(device, refresh=True)
-            row["value"] = outside / GiB
-            _expect(row, 0 < outside < 4 * GiB, f"{how}; {outside_at_start / GiB:.2f} GiB at the start (what the "
-                                                f"budget subtracts); value = GiB now")
+        check_outside_allocator(c, device, "device: outside-allocator memory after training", refresh=True,
+                                at_start=outside_at_start)
     check_cap_and_oom(c, device)
     from . import checkpoint_measure as cm
     cfg = _cfg("gpt2" if device.type == "cuda" else "tiny", **{"data.seq_length": 64})
@@ -378,6 +638,7 @@ def run_doctor(device=None, verbose: bool = True) -> dict:
         check_profiler(c, device, session)
         session = None
     check_checkpointing(c, device)
+    check_empty_caches(c, device)  # after the offload variants, which pin host memory
     check_estimator(c, device)
     check_matmul(c, device)
     release()

@@ -1,0 +1,342 @@
+"""Issue 20, item 5: every ``python -m labutils doctor`` check can fail, and here each is broken on purpose.
+
+On the CPU the CPU branch of a check runs for real with one collaborator broken (torch's or labutils', never
+the verdict itself). GPU-only branches run under the pretend GPU (tests/fake_cuda.py: only driver entry points
+replaced) where they need no tensor on the device; where they do, the verdict is a function of the measured
+numbers and gets broken numbers. The table of check -> breakage is in labutils/doctor.py's docstring.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import pytest
+import torch
+
+from labutils import device as dev
+from labutils import doctor
+from labutils.train import RunResult
+from tests import fake_cuda
+
+tr = importlib.import_module("labutils.train")  # the module: `labutils.train` is also the function
+
+MiB, GiB = 2**20, 2**30
+CPU = torch.device("cpu")
+
+
+def rows(check, *args) -> dict:
+    c = doctor.Checks(verbose=False)
+    check(c, *args)
+    return {r["name"]: r for r in c.rows}
+
+
+def status(check, *args, name=None) -> str:
+    r = rows(check, *args)
+    return (r[name] if name else next(iter(r.values())))["status"]
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """The pretend H100 (default) with fresh labutils device state."""
+    monkeypatch.setattr(dev, "_state", {})
+    monkeypatch.delenv("LAB_GPU_MEMORY_GB", raising=False)
+    return fake_cuda.install(monkeypatch, "h100")
+
+
+CUDA0 = torch.device("cuda", 0)
+
+
+# ------------------------------------------------------------------------------------------- device functions
+def test_memory_counters_fail_when_the_cpu_answers_a_cuda_counter(monkeypatch):
+    assert status(doctor.check_memory_counters, CPU) == "pass"
+    monkeypatch.setattr(dev, "allocated", lambda device=None: 0)
+    assert status(doctor.check_memory_counters, CPU) == "fail"
+
+
+def test_memory_counters_fail_on_a_gpu_that_cannot_hold_a_tensor(gpu):
+    """The pretend GPU has no kernels: allocating the 64 MiB probe fails, so the check does."""
+    r = rows(doctor.check_memory_counters, CUDA0)["device: memory counters"]
+    assert r["status"] == "fail" and r["detail"].startswith("NotImplementedError")
+
+
+def test_mem_info_fails_when_the_driver_total_is_not_the_device_total(gpu, monkeypatch):
+    assert status(doctor.check_mem_info, CUDA0) == "pass"
+    free, total = gpu._mem_get_info(0)
+    monkeypatch.setattr(torch.cuda._cudart, "cudaMemGetInfo", lambda d: (free, total - 1))  # one byte off
+    r = rows(doctor.check_mem_info, CUDA0)["device: mem_info / total / stats"]
+    assert r["status"] == "fail" and "!=" in r["detail"]
+    assert not doctor.mem_info_verdict(total + 1, total, total, {"allocated_bytes.all.current": 0})[0]  # free > total
+
+
+def test_mem_info_fails_when_the_cpu_reports_a_total(monkeypatch):
+    assert status(doctor.check_mem_info, CPU) == "pass"
+    monkeypatch.setattr(dev, "total_memory", lambda device=None: 8 * GiB)
+    assert status(doctor.check_mem_info, CPU) == "fail"
+
+
+def test_cap_fails_when_the_driver_ignores_the_fraction(gpu, monkeypatch):
+    assert status(doctor.check_cap, CUDA0) == "pass"
+    monkeypatch.setattr(torch._C, "_cuda_setMemoryFraction", lambda fraction, device: None)
+    assert status(doctor.check_cap, CUDA0) == "fail"
+
+
+def test_cap_fails_on_cpu_when_the_budget_is_not_handed_on(monkeypatch):
+    assert status(doctor.check_cap, CPU) == "pass"
+    monkeypatch.setattr(dev, "memory_cap", lambda budget, device=None: contextlib.nullcontext())
+    assert status(doctor.check_cap, CPU) == "fail"
+
+
+@pytest.mark.parametrize("broken", [{"mem_info_fails": True}, {"outside": 0}, {"outside": 5 * GiB}])
+def test_outside_allocator_fails_on_a_driver_that_cannot_measure_it(monkeypatch, broken):
+    """A driver that cannot answer cudaMemGetInfo leaves only the documented default: not a measurement."""
+    monkeypatch.setattr(dev, "_state", {})
+    fake_cuda.install(monkeypatch, "t4", **broken)
+    assert status(doctor.check_outside_allocator, CUDA0) == "fail"
+    assert status(doctor.check_outside_allocator, CUDA0, "after training", True, 0) == "fail"
+
+
+def test_outside_allocator_passes_on_a_working_driver(gpu):
+    assert status(doctor.check_outside_allocator, CUDA0) == "pass"
+    assert status(doctor.check_outside_allocator, CUDA0, "after training", True, 300 * MiB) == "pass"
+
+
+def test_outside_allocator_fails_when_the_cpu_reports_outside_memory(monkeypatch):
+    assert status(doctor.check_outside_allocator, CPU) == "pass"
+    monkeypatch.setattr(dev, "outside_allocator_bytes", lambda device=None, refresh=False: (GiB // 2, "x"))
+    assert status(doctor.check_outside_allocator, CPU) == "fail"
+
+
+def test_support_fails_when_labutils_and_torch_disagree_on_bf16(monkeypatch):
+    monkeypatch.setattr(dev, "_state", {})
+    fake_cuda.install(monkeypatch, "t4")  # 7.5: no BF16, no TF32
+    assert status(doctor.check_support_facts, CUDA0) == "pass"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert status(doctor.check_support_facts, CUDA0) == "fail"
+    assert not doctor.support_verdict((8, 0), True, False, True)[0]   # TF32 denied on an Ampere card
+    assert not doctor.support_verdict((7, 5), False, True, False)[0]  # TF32 claimed before Ampere
+
+
+def test_support_fails_when_the_cpu_has_gpu_facts(monkeypatch):
+    assert status(doctor.check_support_facts, CPU) == "pass"
+    monkeypatch.setattr(dev, "facts", lambda device=None: {"compute_capability": "8.0"})
+    assert status(doctor.check_support_facts, CPU) == "fail"
+
+
+def test_lab04_calls_report_nvml_refusing_as_unavailable_not_fail(gpu, monkeypatch):
+    class NVMLError_NotSupported(Exception):  # what pynvml raises in WSL
+        pass
+
+    def refuse(device=None):
+        raise NVMLError_NotSupported("Not Supported")
+    monkeypatch.setattr(torch.cuda, "list_gpu_processes", refuse)
+    r = rows(doctor.check_lab04_calls, CUDA0)["torch.cuda calls of lab 04"]
+    assert r["status"] == "pass" and "unavailable (NVMLError_NotSupported" in r["detail"]
+
+
+def test_lab04_calls_fail_when_mem_get_info_disagrees_with_the_device(gpu, monkeypatch):
+    assert status(doctor.check_lab04_calls, CUDA0) == "pass"
+    free, total = gpu._mem_get_info(0)
+    monkeypatch.setattr(torch.cuda._cudart, "cudaMemGetInfo", lambda d: (free, total + MiB))
+    assert status(doctor.check_lab04_calls, CUDA0) == "fail"
+    assert not doctor.lab04_verdict(1, 2, 2, [0, -1])  # a negative counter
+
+
+def test_lab04_calls_are_skipped_on_cpu():
+    assert status(doctor.check_lab04_calls, CPU) == "skip"
+
+
+# ----------------------------------------------------------------------------------------------- TF32 switch
+def test_tf32_flags_check_fails_with_a_new_api_only_switch(monkeypatch):
+    """The switch before issue 20 set only fp32_precision: torch's legacy readers then raised."""
+    from labutils import env as lenv
+
+    assert status(doctor.check_tf32_flags, CPU) == "pass"
+    if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        pytest.skip("torch < 2.9 has only the legacy API: nothing to mix")
+
+    @contextlib.contextmanager
+    def new_api_only(tf32):
+        m, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+        saved = (m.fp32_precision, conv.fp32_precision)
+        m.fp32_precision = conv.fp32_precision = "tf32" if tf32 else "ieee"
+        try:
+            yield
+        finally:
+            m.fp32_precision, conv.fp32_precision = saved
+    monkeypatch.setattr(lenv, "matmul_precision", new_api_only)
+    r = rows(doctor.check_tf32_flags, CPU)["tf32 switch: legacy + new flags agree"]
+    assert r["status"] == "fail" and "RuntimeError" in r["detail"]
+
+
+# ------------------------------------------------------------------------------------------------- training
+def _train_rows(*precisions):
+    return rows(doctor.check_training, CPU, precisions or ("fp16",))
+
+
+def test_fp16_fails_when_the_scaler_skips_every_step(monkeypatch):
+    """A scale so large every scaled loss overflows: the GradScaler skips all steps (no weight ever moves)."""
+    monkeypatch.setattr(tr, "scaler_for", lambda precision, device, **kw:
+                        torch.amp.GradScaler(device.type, init_scale=1e38) if precision == "fp16" else None)
+    r = _train_rows("fp16", "fp32")
+    assert r["train step fp16"]["status"] == "fail" and "skipped 6 of 6" in r["train step fp16"]["detail"]
+    assert r["train step fp32"]["status"] == "pass"
+
+
+def test_fp16_fails_without_its_scaler(monkeypatch):
+    monkeypatch.setattr(tr, "scaler_for", lambda precision, device, **kw: None)
+    r = _train_rows()["train step fp16"]
+    assert r["status"] == "fail" and "no GradScaler" in r["detail"]
+
+
+def test_training_fails_when_the_optimizer_writes_nan(monkeypatch):
+    """A broken optimizer kernel: the weights become NaN, the next loss is NaN, the run diverges."""
+    step = torch.optim.AdamW.step
+
+    def broken(self, *a, **k):
+        out = step(self, *a, **k)
+        with torch.no_grad():
+            for g in self.param_groups:
+                for p in g["params"]:
+                    p.fill_(float("nan"))
+        return out
+    monkeypatch.setattr(torch.optim.AdamW, "step", broken)
+    r = _train_rows("fp32", "bf16")
+    assert {r[f"train step {p}"]["status"] for p in ("fp32", "bf16")} == {"fail"}
+
+
+def test_fp16_verdict_fails_when_most_steps_were_skipped():
+    def res(skipped):
+        return RunResult(config={}, env={}, losses=[3.0] * 6, loss_scales=[2.0**16] * 6, skipped=skipped)
+    assert doctor.train_verdict("fp16", res([0]), 6)[0]            # the first step calibrates the scale: fine
+    assert doctor.train_verdict("fp16", res([0, 1, 2]), 6)[0]
+    assert not doctor.train_verdict("fp16", res([0, 1, 2, 4]), 6)[0]  # most steps skipped: not training
+    assert not doctor.train_verdict("fp32", RunResult(config={}, env={}, losses=[3.0, float("nan"), 3.0]), 3)[0]
+
+
+# ------------------------------------------------------------------------------------------ cap + OOM recovery
+def test_oom_check_fails_when_the_budget_never_refuses(monkeypatch):
+    """The CPU tracker's simulated budget ignored: the run under a cap too small for it is not refused."""
+    # (that it passes on this machine: tests/test_doctor.py runs the whole doctor on the CPU)
+    class NoBudget(tr.MemoryTracker):
+        def __init__(self, device=None, cpu_budget_bytes=None, **kw):
+            super().__init__(device, **kw)
+    monkeypatch.setattr(tr, "MemoryTracker", NoBudget)
+    r = rows(doctor.check_cap_and_oom, CPU)["cap + OOM recovery"]
+    assert r["status"] == "fail" and "not refused" in r["detail"]
+
+
+def test_oom_verdict_needs_the_oom_inside_training_and_memory_back():
+    v = doctor.oom_recovery_verdict
+    ok = dict(capped_status="oom", capped_peak=900, step_start=600, base=100, after_oom=100, rerun_status="ok",
+              after_rerun=100)
+    assert v(**ok)[0]
+    assert not v(**{**ok, "capped_status": "ok"})[0]     # the cap did not refuse the step
+    assert not v(**{**ok, "capped_peak": 500})[0]        # refused while loading the model, not in a step
+    assert not v(**{**ok, "after_oom": 100 + 64 * MiB})[0]  # memory not back to baseline after the OOM
+    assert not v(**{**ok, "rerun_status": "oom"})[0]     # could not train after recovering
+    assert not v(**{**ok, "after_rerun": 101})[0]
+
+
+# ------------------------------------------------------------------------------- snapshot, profiler, ckpt, est
+@pytest.fixture(scope="module")
+def session():
+    from labutils import checkpoint_measure as cm
+
+    cfg = doctor._cfg("tiny", **{"data.seq_length": 64})
+    with cm.loaded(cfg, CPU) as s:
+        yield s.model, cm.one_batch(s.dataset, 2, 0, CPU)
+
+
+def test_snapshot_fails_when_nothing_is_recorded(session, monkeypatch):
+    from labutils import profiling
+
+    assert status(doctor.check_snapshot, CPU, session) == "pass"
+    monkeypatch.setattr(profiling.CPUTraceRecorder, "snapshot", lambda self: {"segments": [], "device_traces": [[]]})
+    assert status(doctor.check_snapshot, CPU, session) == "fail"
+    assert not doctor.snapshot_verdict({"events": 9, "peak_bytes": 0, "top_at_peak": [{"site": "(no stack)"}]})[0]
+
+
+def test_profiler_fails_when_ranges_are_not_recorded(session, monkeypatch):
+    assert status(doctor.check_profiler, CPU, session) == "pass"
+    monkeypatch.setattr(torch.profiler, "record_function", lambda name: contextlib.nullcontext())
+    assert status(doctor.check_profiler, CPU, session) == "fail"
+
+
+def test_profiler_verdict_on_cuda_needs_device_time_and_backward_at_least_forward():
+    def r(f, b):
+        return [{"range": "forward", "device time (ms)": f}, {"range": "backward", "device time (ms)": b}]
+    assert doctor.profiler_verdict(r(1.0, 2.0), cuda=True)
+    assert not doctor.profiler_verdict(r(2.0, 1.0), cuda=True)
+    assert not doctor.profiler_verdict(r(None, None), cuda=True)
+    assert not doctor.profiler_verdict(r(1.0, 2.0), cuda=False)  # device time on a CPU run
+
+
+def test_checkpointing_fails_when_recompute_does_not_restore_the_rng(monkeypatch):
+    """The recompute must draw the forward's dropout masks: with the RNG state not restored it draws others."""
+    monkeypatch.setattr(torch, "set_rng_state", lambda state: None)
+    r = rows(doctor.check_checkpointing, CPU)
+    assert r["checkpointing grads: full (dropout 0.1)"]["status"] == "fail"
+
+
+def test_estimator_fails_when_it_estimates_another_batch(monkeypatch):
+    from labutils import estimate as est
+
+    plan = est.plan_from_config
+    monkeypatch.setattr(est, "plan_from_config", lambda cfg, device="cuda", **o: plan(cfg, device=device, **{**o, "micro": 16}))
+    assert status(doctor.check_estimator, CPU) == "fail"
+
+
+# ------------------------------------------------------------------------------------------------ empty caches
+def test_empty_caches_frees_pinned_memory_on_the_pretend_gpu(gpu, monkeypatch):
+    torch.cuda.init()  # host_memory_stats answers {} before CUDA is initialised (the doctor's first checks do it)
+    gpu.host_pinned = MiB  # what an offload variant leaves in the caching host allocator
+    assert status(doctor.check_empty_caches, CUDA0) == "pass" and gpu.host_pinned == 0
+    gpu.host_pinned = MiB
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: None)  # a torch whose host cache is never emptied
+    assert status(doctor.check_empty_caches, CUDA0) == "fail"
+
+
+def test_empty_caches_fails_when_nothing_could_be_pinned(gpu):
+    """Nothing pinned and no pinned allocation possible (a CPU build cannot pin): nothing was tested."""
+    torch.cuda.init()
+    assert status(doctor.check_empty_caches, CUDA0) == "fail"
+
+
+def test_empty_caches_is_skipped_with_the_reason_on_torch_without_host_memory_stats(gpu, monkeypatch):
+    """torch 2.6 (the floor) has no torch.cuda.host_memory_stats: not judged, never a fail (regenerate runs on)."""
+    gpu.host_pinned = MiB
+    monkeypatch.delattr(torch.cuda, "host_memory_stats")
+    r = rows(doctor.check_empty_caches, CUDA0)["device: empty caches (device + pinned host)"]
+    assert r["status"] == "skip" and "host_memory_stats" in r["detail"]
+
+
+def test_empty_caches_fails_when_the_cpu_reports_pinned_memory(monkeypatch):
+    assert status(doctor.check_empty_caches, CPU) == "pass"
+    monkeypatch.setattr(dev, "pinned_host_bytes", lambda: 0)
+    assert status(doctor.check_empty_caches, CPU) == "fail"
+
+
+# ------------------------------------------------------------------------------------------------------ matmul
+def test_matmul_fails_on_a_wrong_product(monkeypatch):
+    assert {r["status"] for r in rows(doctor.check_matmul, CPU).values()} == {"pass"}
+    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: torch.zeros(a.shape[0], b.shape[1], dtype=a.dtype))
+    assert {r["status"] for r in rows(doctor.check_matmul, CPU).values()} == {"fail"}
+
+
+@pytest.mark.parametrize("name,label,floor", [
+    ("NVIDIA H100 80GB HBM3", "tf32", 1.5), ("NVIDIA A100-SXM4-80GB", "tf32", 1.5), ("NVIDIA L4", "tf32", 1.5),
+    ("NVIDIA GeForce RTX 3090", "tf32", 0.9),   # GeForce: TF32 at the FP32 rate (Ampere whitepaper)
+    ("NVIDIA GeForce RTX 3090", "fp16", 1.5), ("Tesla T4", "fp16", 1.5), ("Some Future GPU", "tf32", None),
+    ("Some Future GPU", "bf16", 1.5)])
+def test_matmul_speed_floor_follows_the_datasheets(name, label, floor):
+    assert doctor._matmul_speed_floor(label, name, (9, 0))[0] == floor
+
+
+def test_matmul_verdict_fails_tf32_that_is_not_faster_or_not_engaged():
+    v = doctor.matmul_verdict
+    assert v("tf32", 300.0, 5e-4, 50.0, 1.5, "datasheet", cuda=True)[0]
+    assert not v("tf32", 55.0, 5e-4, 50.0, 1.5, "datasheet", cuda=True)[0]   # only 1.1x on an H100: TF32 off
+    assert not v("tf32", 300.0, 1e-7, 50.0, 1.5, "datasheet", cuda=True)[0]  # FP32-sized error: not engaged
+    assert not v("fp16", 60.0, 1e-4, 50.0, 1.5, "tensor cores", cuda=True)[0]
+    assert not v("fp32", 50.0, 1e-3, None, None, "", cuda=True)[0]           # a wrong FP32 product
+    assert v("bf16", 0.01, 1e-3, 1.0, None, "", cuda=False)[0]               # CPU: speed never judged
