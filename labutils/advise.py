@@ -208,3 +208,23 @@ def cli_estimate(cfg, args) -> int:
         print(f"wrote {args.json}")
     print(f"({time.perf_counter() - start:.2f} s)")
     return 0
+
+
+def fit_micro_batch(cfg, budget_bytes: int) -> tuple[object, str | None]:
+    """The config with the largest micro-batch predicted to fit ``budget_bytes`` (:func:`labutils.estimate.fits`),
+    accumulating to the same effective batch: micro-batches are divisors of the effective batch, at most the
+    config's own. Returns (config, one line saying what changed) or (cfg, None) when it fits as it is or
+    nothing smaller fits either (then the run goes ahead and reports its own OOM)."""
+    t = cfg.train
+    eff = t.micro_batch_size * t.accumulation_steps
+    # sdpa_causal holds what transformers' sdpa holds without a mask (the replay knows sdpa and eager)
+    attn = {"attn": "sdpa", "padded": False} if cfg.model.attn_implementation == "sdpa_causal" else {}
+    if fits(estimate_memory(cfg, **attn), budget_bytes):
+        return cfg, None
+    for micro in sorted((m for m in range(1, t.micro_batch_size) if eff % m == 0), reverse=True):
+        if fits(estimate_memory(cfg, micro=micro, accum=eff // micro, **attn), budget_bytes):
+            new = cfg.override({"train.micro_batch_size": micro, "train.accumulation_steps": eff // micro})
+            return new, (f"micro-batch {t.micro_batch_size} x {t.accumulation_steps} does not fit "
+                         f"{budget_bytes / GiB:.1f} GiB (estimate); running {micro} x {eff // micro}: the same "
+                         f"effective batch of {eff}")
+    return cfg, None

@@ -109,6 +109,21 @@ def _apply_budget(verbose: bool = True) -> None:
               f"outside the allocator, {budget['how']})")
 
 
+def _fit_to_card(cfg, mode: str, verbose: bool = True):
+    """Full mode on a GPU: the largest micro-batch the estimator fits on this card (or its LAB_GPU_MEMORY_GB
+    cap), accumulating to the same effective batch, said in one line. An explicit --set of the micro-batch wins."""
+    from . import device as dev
+
+    if mode != "full" or not dev.cuda_available() or "train.micro_batch_size" in cfg.origins:
+        return cfg
+    from .advise import default_budget_bytes, fit_micro_batch
+
+    fitted, line = fit_micro_batch(cfg, default_budget_bytes()[0])
+    if line and verbose:
+        print(line)
+    return fitted
+
+
 def cmd_run(args) -> int:
     from .distributed import is_main_process
     from .device import detect_mode
@@ -122,6 +137,7 @@ def cmd_run(args) -> int:
     _apply_budget(verbose=main_process)
     if main_process:
         print(f"mode: {mode} ({reason})")
+    cfg = _fit_to_card(cfg, mode, verbose=main_process)
     result = run(cfg, progress=not args.quiet)
     if not main_process:
         return 0 if result.ok else 1

@@ -19,7 +19,15 @@ import yaml
 MODEL_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "tiny")
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 PRETRAINED = ("auto", "true", "false")
-ATTENTION = ("sdpa", "eager")
+ATTENTION = ("sdpa", "eager", "sdpa_causal")
+# sdpa_causal: labutils' own attention function (labutils.models.CAUSAL_SDPA), registered through transformers'
+# AttentionInterface: scaled_dot_product_attention(q, k, v, is_causal=True) with no mask, eager or compiled, so
+# the flash kernel stays available under torch.compile. Exact for packed data, and for labutils' right-padded data
+# too (a causal query never sees the padding after it; padded positions carry no loss).
+ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
+# gelu_new: HF's tanh-GELU written as ~9 elementwise ops (GPT-2's checkpoint config); gelu_pytorch_tanh: the same
+# tanh formula as one fused kernel (torch.nn.functional.gelu(x, approximate="tanh")).
+PAD_VOCAB_TO = (64, 128)  # or null: the vocabulary rounded up to a multiple of this, padded logits masked
 MAX_POSITIONS = 1024  # GPT-2's learned position table
 MAX_SEED = 2**32 - 1  # numpy.random.seed's limit (torch accepts more)
 MAX_DATASET_TOKENS = 2**24  # num_samples x seq_length: the tokenised dataset is held in memory (3 int64 tensors)
@@ -62,6 +70,9 @@ class ModelConfig:
     pretrained: str = "auto"
     dropout: float | None = None
     attn_implementation: str = "sdpa"
+    # Defaults keep the labs' model exactly GPT-2 as published (and what lab 04 profiles): gelu_new, 50257 rows.
+    activation: str = "gelu_new"         # gelu_new | gelu_pytorch_tanh (same maths, one kernel)
+    pad_vocab_to: int | None = None      # null | 64 | 128: 50257 -> 50304 (64); padded logits are masked out
 
 
 @dataclass
@@ -234,6 +245,10 @@ def validate(cfg: Config) -> Config:
     choice("model.name", m.name, MODEL_NAMES)
     choice("model.pretrained", m.pretrained, PRETRAINED)
     choice("model.attn_implementation", m.attn_implementation, ATTENTION)
+    choice("model.activation", m.activation, ACTIVATIONS)
+    if m.pad_vocab_to is not None and m.pad_vocab_to not in PAD_VOCAB_TO:
+        raise ConfigError(s("model.pad_vocab_to"), "model.pad_vocab_to", m.pad_vocab_to,
+                          f"must be null or one of {', '.join(map(str, PAD_VOCAB_TO))}")
     if m.name == "tiny" and m.pretrained == "true":
         raise ConfigError(s("model.pretrained"), "model.pretrained", m.pretrained,
                           "the tiny model has no pretrained weights; use auto or false")

@@ -3,7 +3,9 @@
 * :func:`model_flops_per_token`: the model's FLOPs (PaLM's 6N + 12LTd), the numerator of MFU;
 * :func:`flops_per_token`: what the GPU really executes, with checkpointing's recompute and fused attention's
   score recompute (HFU); :func:`recomputed_flops_per_token` is the recompute alone;
-* :func:`attention_kernel`: which SDPA kernel a model's attention gets (flash, memory-efficient, math, ...);
+* :func:`attention_kernel`: which SDPA kernel a model's attention gets (flash, memory-efficient, math, ...), as
+  torch would choose it; :class:`AttentionProbe`: which one really ran (read from the profiler's aten ops, so
+  it is also right under torch.compile);
 * :func:`account_flops`: fills a finished run's achieved TFLOP/s, MFU and HFU (``lu.train`` calls it).
 
 All counts are checked against ``torch.utils.flop_counter.FlopCounterMode`` in tests/test_flops.py.
@@ -13,11 +15,11 @@ from __future__ import annotations
 import torch
 
 from . import device as dev
-from .models import PRESETS, vocab_size
+from .models import CAUSAL_SDPA, PRESETS, padded_vocab_size, vocab_size
 from .peaks import peak_tflops
 
 
-def model_flops_per_token(name: str, seq_length: int) -> float:
+def model_flops_per_token(name: str, seq_length: int, vocab: int | None = None) -> float:
     """Model FLOPs per token of one training step (forward + backward), no recompute: the numerator of MFU.
 
     PaLM's definition (Chowdhery et al. 2022, appendix B): 6N + 12 * L * T * d, where N counts the weights that
@@ -25,10 +27,11 @@ def model_flops_per_token(name: str, seq_length: int) -> float:
     token embedding) and 12 * L * T * d is the two attention matmuls (Q K^T and A V, full T x T as eager
     attention computes them), forward 4 * T * d per layer and token, backward twice that. Biases, LayerNorms,
     GELU, softmax and the position table are not matmuls and are left out, as torch's FLOP counter does.
+    ``vocab``: the LM head's rows (default: the real vocabulary; a padded one, e.g. 50304, is what the GPU runs).
     """
     n_layer, d, _ = PRESETS[name]
     blocks = n_layer * (12 * d * d + 2 * seq_length * d)  # one forward pass's multiply-adds per token
-    head = d * vocab_size(name)
+    head = d * (vocab or vocab_size(name))
     return 6 * (blocks + head)
 
 
@@ -49,22 +52,38 @@ def recomputed_flops_per_token(name: str, seq_length: int, every_n_layers: int =
     return checkpointed * (forward - skipped)
 
 
+def causal_score_fraction(seq_length: int) -> float:
+    """The share of the T x T attention scores a causal kernel has to compute: the T(T+1)/2 a query may see.
+    Flash / memory-efficient attention with ``is_causal=True`` skip the tiles above the diagonal, so they do
+    about half the work eager attention does (a little more: tiles on the diagonal are computed whole)."""
+    return (seq_length + 1) / (2 * seq_length)
+
+
 def flops_per_token(name: str, seq_length: int, recompute: bool = False, *, every_n_layers: int = 1,
-                    dropout: bool = True, fused_attention: bool = False) -> float:
+                    dropout: bool = True, fused_attention: bool = False, causal_skip: bool = False,
+                    vocab: int | None = None) -> float:
     """Executed training FLOPs per position (forward + backward + recompute): what the GPU really computes.
 
     ``recompute``: activation checkpointing on (every ``every_n_layers``-th block; see
     :func:`recomputed_flops_per_token` for the early stop and why ``dropout`` matters). ``fused_attention``:
     SDPA's fused kernels (flash / memory-efficient, CUDA) recompute the T x T scores in backward: one more
-    matmul, 2 * T * d per layer and token, as torch's FLOP counter also counts. Without recompute and with
-    eager attention this equals :func:`model_flops_per_token`.
+    matmul, 2 * T * d per layer and token, as torch's FLOP counter also counts. ``causal_skip``: the fused
+    kernel ran with ``is_causal=True`` and no mask, so every attention matmul (forward, backward, the recompute)
+    covers only :func:`causal_score_fraction` of the scores; this is the GPU's real work (HFU), which torch's
+    counter (it counts the full T x T) does not model. ``vocab``: the LM head's rows (padded or not). Without
+    recompute and with eager attention this equals :func:`model_flops_per_token`.
     """
     n_layer, d, _ = PRESETS[name]
-    flops = model_flops_per_token(name, seq_length)
+    flops = model_flops_per_token(name, seq_length, vocab)
+    attention = n_layer * 12 * seq_length * d  # the attention matmuls inside model_flops_per_token
     if fused_attention:
+        attention += n_layer * 2 * seq_length * d
         flops += n_layer * 2 * seq_length * d
     if recompute:
         flops += recomputed_flops_per_token(name, seq_length, every_n_layers, dropout)
+        attention += len(range(0, n_layer, every_n_layers)) * 4 * seq_length * d
+    if causal_skip:
+        flops -= attention * (1 - causal_score_fraction(seq_length))
     return flops
 
 
@@ -83,7 +102,10 @@ def attention_kernel(model, seq_length: int, padded: bool, precision: str = "fp3
     public ``torch.backends.cuda.can_use_*`` checks.
     """
     cfg = model.config
-    if getattr(cfg, "_attn_implementation", "sdpa") != "sdpa":
+    impl = getattr(cfg, "_attn_implementation", "sdpa")
+    if impl == CAUSAL_SDPA:
+        padded = False  # labutils' causal SDPA never passes a mask
+    elif impl != "sdpa":
         return f"{cfg._attn_implementation} (not SDPA)"
     device = torch.device(device)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
@@ -104,15 +126,67 @@ def attention_kernel(model, seq_length: int, padded: bool, precision: str = "fp3
 
 FUSED_KERNELS = ("flash", "memory-efficient", "cudnn")  # SDPA kernels that recompute the scores in backward
 
+# The aten op each SDPA kernel dispatches to, as the profiler names it (eager and compiled code call the same ops).
+# Each op's argument holding the mask (flash takes none): an input shape there means a mask was passed.
+_KERNEL_OPS = {"aten::_scaled_dot_product_flash_attention": ("flash", None),
+               "aten::_scaled_dot_product_flash_attention_for_cpu": ("flash (CPU kernel)", 5),
+               "aten::_scaled_dot_product_efficient_attention": ("memory-efficient", 3),
+               "aten::_scaled_dot_product_cudnn_attention": ("cudnn", 3),
+               "aten::_scaled_dot_product_attention_math": ("math", 3),
+               "aten::_scaled_dot_product_fused_attention_overrideable": ("overrideable", 3)}
+
+
+class AttentionProbe:
+    """Which SDPA kernel really ran inside the ``with`` block, read from ``torch.profiler``'s aten ops (CPU-side
+    events only: cheap, and the same op names whether the model is eager or compiled; compiled code calls the
+    kernels through the dispatcher). ``.kernel``: "flash", "memory-efficient", "cudnn", "math",
+    "flash (CPU kernel)"; "... (masked)" when that kernel got an attention mask; "eager (not SDPA)" when no SDPA
+    op ran; None before the block ends. Wrap one warm-up micro-batch (profiling costs time)."""
+
+    def __init__(self):
+        self.kernel, self.ops, self._prof = None, [], None
+
+    def __enter__(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._prof.__exit__(*exc)
+        if exc[0] is None:
+            self.ops = [(e.name, e.input_shapes) for e in self._prof.events() if e.name in _KERNEL_OPS]
+            self.kernel = kernel_from_ops(self.ops)
+        self._prof = None
+        return False
+
+
+def kernel_from_ops(ops) -> str:
+    """The kernel named by profiled SDPA ops [(aten op name, input shapes)]: see :class:`AttentionProbe`."""
+    if not ops:
+        return "eager (not SDPA)"
+    names = []
+    for name, shapes in ops:
+        kernel, mask_arg = _KERNEL_OPS[name]
+        masked = mask_arg is not None and len(shapes) > mask_arg and bool(shapes[mask_arg])
+        names.append(kernel + (" (masked)" if masked else ""))
+    return max(set(names), key=names.count)  # every layer runs the same kernel; the most common if not
+
 
 def account_flops(result, cfg, seq_length: int, device: torch.device, n_timed: int) -> None:
     """Achieved TFLOP/s, MFU and HFU of a finished run (a :class:`labutils.train.RunResult`, filled in place), over
     its last ``n_timed`` (timed) steps of ``cfg``'s model at ``seq_length``."""
     t, m = cfg.train, cfg.model
+    kernel = result.attention_kernel or "flash"
+    fused = device.type == "cuda" and m.attn_implementation in ("sdpa", CAUSAL_SDPA) and \
+        kernel.split()[0] in FUSED_KERNELS
+    # HFU: a fused kernel with is_causal=True and no mask skips the scores above the diagonal (flash never takes a
+    # mask; the others say "(masked)" when they got one, see AttentionProbe)
     executed = flops_per_token(m.name, seq_length, recompute=t.gradient_checkpointing,
                                every_n_layers=t.checkpoint_every_n_layers, dropout=m.dropout is None or m.dropout > 0,
-                               fused_attention=device.type == "cuda" and m.attn_implementation == "sdpa"
-                               and (result.attention_kernel or "flash").split()[0] in FUSED_KERNELS)
+                               fused_attention=fused, causal_skip=fused and "masked" not in kernel,
+                               vocab=padded_vocab_size(vocab_size(m.name), m.pad_vocab_to))
     targets = result.target_tokens[-n_timed:]
     seconds = sum(result.step_times[-n_timed:])
     result.model_flops_per_step = model_flops_per_token(m.name, seq_length) * sum(targets) / len(targets)

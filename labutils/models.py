@@ -188,18 +188,104 @@ def vocab_size(name: str) -> int:
     return TINY_VOCAB if name == "tiny" else VOCAB_SIZE
 
 
-def gpt2_config(name: str, dropout: float | None = None, attn_implementation: str = "sdpa"):
+def padded_vocab_size(vocab: int, multiple: int | None) -> int:
+    """``vocab`` rounded up to a multiple of ``multiple`` (None: unchanged). GPT-2: 50257 -> 50304 with 64."""
+    return vocab if not multiple else -(-vocab // multiple) * multiple
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Causal SDPA with no mask: flash attention that survives torch.compile
+# ---------------------------------------------------------------------------------------------------------------
+CAUSAL_SDPA = "sdpa_causal"  # the attn_implementation name (config key model.attn_implementation)
+
+
+def causal_sdpa_attention(module, query, key, value, attention_mask=None, dropout: float = 0.0,
+                          scaling: float | None = None, **kwargs):
+    """GPT-2's attention as ``scaled_dot_product_attention(q, k, v, is_causal=True)``, never with a mask.
+
+    transformers 5.x builds no mask for an attention function registered without a mask function
+    (``masking_utils._preprocess_mask_arguments``: "custom attention without equivalent mask creation"), so this
+    holds eager *and* under torch.compile, where transformers' own ``sdpa`` path cannot prove an all-ones mask
+    is all ones (a traced tensor) and passes SDPA a full 4-D mask, which rules out the CUDA flash kernel.
+    Exact for labutils' data: packed blocks have no padding, and padding is on the right, so a causal query
+    never sees it (padded positions carry label -100). A 4-D mask handed in explicitly is refused, not ignored.
+    """
+    if attention_mask is not None:
+        raise ValueError(f"attn_implementation={CAUSAL_SDPA!r} is causal attention without a mask, but got a "
+                         f"mask of shape {tuple(attention_mask.shape)}; use 'sdpa' for custom masks")
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling,
+                                                           is_causal=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_attention() -> None:
+    """Register :func:`causal_sdpa_attention` as ``attn_implementation="sdpa_causal"`` (idempotent). Only in
+    ``AttentionInterface``: a mask function registered under the same name would bring the 4-D mask back."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(CAUSAL_SDPA, causal_sdpa_attention)
+
+
+def gpt2_config(name: str, dropout: float | None = None, attn_implementation: str = "sdpa",
+                activation: str = "gelu_new"):
     from transformers import GPT2Config
 
+    if attn_implementation == CAUSAL_SDPA:
+        register_attention()
     n_layer, n_embd, n_head = PRESETS[name]
     vocab = vocab_size(name)
     kw = dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab, n_positions=N_POSITIONS,
-              bos_token_id=vocab - 1, eos_token_id=vocab - 1, use_cache=False)
+              bos_token_id=vocab - 1, eos_token_id=vocab - 1, use_cache=False, activation_function=activation)
     if dropout is not None:
         kw.update(resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
     cfg = GPT2Config(**kw)
     cfg._attn_implementation = attn_implementation
     return cfg
+
+
+def _mask_padded_logits(module, args, output):
+    """Forward hook of the LM head: the logits of padded vocabulary rows become the dtype's lowest value, so
+    they never win an argmax and add exactly 0 to the softmax's denominator (exp underflows to 0): the loss and
+    every gradient equal the unpadded model's. Writes only the few padded columns, in place."""
+    output[..., module.labutils_real_vocab:] = torch.finfo(output.dtype).min
+    return output
+
+
+def pad_vocabulary(model, multiple: int | None) -> int:
+    """Pad the (tied) token embedding / LM head to a multiple of ``multiple`` rows (tensor cores like a vocabulary
+    that is a multiple of 64; nanoGPT: 50257 -> 50304), after ``from_pretrained`` or construction alike.
+
+    The new rows start at zero and never matter: token ids stay below the real vocabulary, and a forward hook on
+    the LM head masks their logits (:func:`_mask_padded_logits`), so the loss is the unpadded model's. The RNG
+    state is left as it was (resizing draws nothing that later dropout or data order would see). Returns the new
+    vocabulary size; ``model.config.vocab_size`` is updated (the loss views logits with it)."""
+    real = model.get_input_embeddings().weight.shape[0]
+    new = padded_vocab_size(real, multiple)
+    if new == real:
+        return real
+    dev = model.get_input_embeddings().weight.device
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        model.resize_token_embeddings(new, mean_resizing=False)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[real:].zero_()
+    head = model.get_output_embeddings()
+    head.labutils_real_vocab = real
+    head.register_forward_hook(_mask_padded_logits)
+    return new
+
+
+def real_vocab_size(model) -> int:
+    """The vocabulary the tokenizer uses (the padded rows left out)."""
+    head = model.get_output_embeddings()
+    return getattr(head, "labutils_real_vocab", head.weight.shape[0])
+
+
+def compile_model(model, backend: str | None = None, **kwargs):
+    """``torch.compile`` in place (``nn.Module.compile``: same parameters and state_dict keys), returning the
+    model. With ``attn_implementation="sdpa_causal"`` the compiled graph calls SDPA with ``is_causal=True`` and
+    no mask (tests/test_fast_path.py reads it from the traced graph). ``backend`` defaults to inductor."""
+    model.compile(**({"backend": backend} if backend else {}), **kwargs)
+    return model
 
 
 @dataclass
@@ -215,10 +301,14 @@ def _from_cache_or_hub(cfg: ModelConfig, device: torch.device, local_only: bool)
     from transformers import GPT2LMHeadModel
 
     repo = TINY_CACHE_ID if cfg.name == "tiny" else HUB_IDS[cfg.name]
-    kw = dict(use_cache=False, attn_implementation=cfg.attn_implementation, local_files_only=local_only)
+    if cfg.attn_implementation == CAUSAL_SDPA:
+        register_attention()
+    kw = dict(use_cache=False, attn_implementation=cfg.attn_implementation, local_files_only=local_only,
+              activation_function=cfg.activation)
     if cfg.dropout is not None:
         kw.update(resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout)
     model = GPT2LMHeadModel.from_pretrained(repo, dtype=torch.float32, **kw).to(device)
+    pad_vocabulary(model, cfg.pad_vocab_to)  # after loading: the checkpoint's 50257 rows load as they are
     # from_pretrained returns the model in eval mode: dropout off, and transformers hands back a KV cache even
     # under checkpointing. Every lab trains it, so it leaves here in training mode, like a freshly built model.
     model.train()
@@ -278,7 +368,8 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int =
 
     torch.manual_seed(seed)
     with torch.device(device):
-        model = GPT2LMHeadModel(gpt2_config(cfg.name, cfg.dropout, cfg.attn_implementation))
+        model = GPT2LMHeadModel(gpt2_config(cfg.name, cfg.dropout, cfg.attn_implementation, cfg.activation))
+    pad_vocabulary(model, cfg.pad_vocab_to)  # after init: the unpadded model's weights, RNG state untouched
     model.loss_type = "ForCausalLM"
     if notice and verbose:
         print(notice)

@@ -30,7 +30,7 @@ from . import env as _env
 from .config import Config
 from .data import LMDataset, build_dataset
 from .memory import MemoryTracker, release, state_bytes
-from .flops import account_flops, attention_kernel
+from .flops import AttentionProbe, account_flops, attention_kernel
 from .models import count_parameters, enable_checkpointing, load_model
 
 AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -219,13 +219,15 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
         optimizer, scheduler = make_optimizer(model, cfg, device)
         autocast = autocast_for(t.precision, device)
         scaler = scaler_for(t.precision, device, **(scaler_kwargs or {}))
+        probe = AttentionProbe()
         bar = tqdm(range(t.steps), desc=desc or f"{cfg.model.name} {t.precision}", disable=not (progress and _env.progress_bars()), leave=False)
         for step in bar:
             start = time.perf_counter()
             window = next(windows)
             loss_sum = torch.zeros((), device=device)
-            for mb in window.micro_batches:
-                with autocast:
+            for i, mb in enumerate(window.micro_batches):
+                # step 0's first forward (a warm-up step) records the SDPA kernel that really ran (eager or compiled)
+                with autocast, (probe if step == 0 and i == 0 else contextlib.nullcontext()):
                     loss = model(**mb, num_items_in_batch=window.num_targets, use_cache=False).loss
                 (scaler.scale(loss) if scaler else loss).backward()
                 loss_sum += loss.detach()
@@ -250,6 +252,7 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
                 result.memory = state_bytes(model, optimizer)
             optimizer.zero_grad(set_to_none=True)
             value = loss_sum.item()  # also synchronises the device, so the step time is real
+            result.attention_kernel = probe.kernel or result.attention_kernel
             result.step_times.append(time.perf_counter() - start)
             if not math.isfinite(value) and not scaler:
                 raise NonFiniteLossError(

@@ -64,3 +64,33 @@ def test_early_stop_is_cheaper_than_one_extra_forward_without_dropout():
 def test_model_flops_are_executed_flops_without_recompute():
     assert model_flops_per_token("gpt2", 256) == flops_per_token("gpt2", 256)
     assert flops_per_token("gpt2", 256, fused_attention=True) > flops_per_token("gpt2", 256)
+
+
+def test_fast_config_flops_match_torch_counter():
+    """configs/fast_config.yaml's model (gelu_pytorch_tanh, 50304-row padded head, dropout 0), counted with eager
+    attention so torch's counter sees every matmul. Breaks if the padded head's rows were left out of the count."""
+    from transformers import GPT2LMHeadModel
+    from labutils.models import pad_vocabulary
+
+    cfg = lu.load_config("configs/fast_config.yaml", mode="full")
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(gpt2_config("gpt2", 0.0, attn_implementation="eager", activation=cfg.model.activation))
+    vocab = pad_vocabulary(model, cfg.model.pad_vocab_to)
+    model.loss_type = "ForCausalLM"
+    assert vocab == 50304
+    ids = torch.randint(0, 50257, (1, 32))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    counted = counter.get_total_flops() / 32
+    assert abs(flops_per_token("gpt2", 32, vocab=vocab) / counted - 1) < 0.001, counted
+
+
+def test_causal_kernels_count_the_scores_a_causal_mask_keeps():
+    """HFU of causal flash: the attention matmuls shrink to the share of T x T scores a causal mask keeps.
+    Oracle: torch's own tril count. Breaks if the discount touched the weight matmuls or missed the recompute."""
+    t, (n_layer, d, _) = 1024, lu.models.PRESETS["gpt2"]
+    kept = torch.ones(t, t).tril().sum().item() / t**2
+    full = flops_per_token("gpt2", t, fused_attention=True)
+    causal = flops_per_token("gpt2", t, fused_attention=True, causal_skip=True)
+    attention = n_layer * 14 * t * d  # forward 4Td + backward 8Td + the fused recompute 2Td per layer and token
+    assert causal == pytest.approx(full - attention * (1 - kept))
