@@ -159,6 +159,26 @@ def timed_ratio(times_a, times_b) -> dict:
     return {"ratio": ratio, "spread": spread, "timed_steps": min(len(a), len(b)), "median_a": ma, "median_b": mb}
 
 
+def timed_step_times(result) -> list[float]:
+    """The step times a :class:`labutils.train.RunResult` averages into ``step_time_seconds``: warm-up steps
+    (and, on CPU, the steps the memory tracker slowed down) left out, as :func:`labutils.train.train` does."""
+    times = list(result.step_times or [])
+    warm = (result.config or {}).get("train", {}).get("timing_warmup_steps", 0)
+    tracked = (result.memory or {}).get("tracked_steps")
+    first = warm if tracked in (None, len(times)) else max(warm, tracked)
+    return times[min(first, max(len(times) - 1, 0)):]
+
+
+def run_pair_evidence(base, other, names: tuple[str, str], *, hardware: str | None = None) -> tuple[float | None, Evidence]:
+    """``other``'s step time over ``base``'s (medians of their timed steps; an overhead is this minus 1, a
+    speed-up its inverse) and the Evidence of that timed comparison: pair, hardware (``hardware`` or the
+    runs' env), timed steps, noise (+- of the ratio)."""
+    t = timed_ratio(timed_step_times(base), timed_step_times(other))
+    hw = hardware or hardware_of(base.env)
+    return t["ratio"], Evidence(pair=names, hardware=hw, timed_steps=t["timed_steps"], spread=t["spread"],
+                                note="medians of the timed steps after warm-up")
+
+
 @dataclass(frozen=True)
 class Quantity:
     name: str                      # key of the value in ``values``
@@ -414,6 +434,9 @@ def hardware(env: dict | None) -> str:
     return env.get("gpu_name") or ("cpu" if env.get("device", "cpu") == "cpu" else str(env.get("device")))
 
 
+hardware_of = hardware
+
+
 def claim_entry(claim_id: str, values: dict | None, cond: dict, *, reason: str | None = None,
                 not_measured: str | None = None, prediction: dict | None = None, lab: str | None = None,
                 extra: dict | None = None, prediction_for: str | None = None, evidence=None) -> dict:
@@ -546,8 +569,12 @@ def table_rows(entries: list[dict]) -> list[dict]:
             p = {k: v for k, v in e["prediction"].items() if isinstance(v, dict)}
             measured = "prediction: " + ", ".join(f"{x['label']} {x['text']}" for x in p.values())
         compares = "; ".join(e.get("compares", {}).values()) or "-"
-        cond = ", ".join(str(c[k]) for k in ("model", "layers", "batch", "sequence", "precision", "hardware")
-                         if c.get(k))
+        layers = c.get("layers")
+        if isinstance(layers, dict):
+            layers = "; ".join(f"{n}: {v} layers" for n, v in layers.items())
+        cond = ", ".join(str(x) for x in (c.get("model"), layers, *(c.get(k) for k in ("batch", "sequence",
+                                                                                        "precision", "hardware")))
+                         if x)
         rows.append({"claim": e["id"], "design says": e["claim"], "verdict": e["verdict"], "measured": measured,
                      "compares": compares, "why": e["why"], "conditions": cond or "-", "lab": e.get("lab")})
     return rows
