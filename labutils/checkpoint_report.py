@@ -187,7 +187,8 @@ def spec_check(cfg, info: dict, *, off, on, saving, overhead, hw: str, flops_rat
 
 
 def spec_conclusions(cfg, info: dict, *, off, on, saving, overhead, state_bytes: int, flops_ratio: float,
-                     block_ratio: float, k_star: float, k_seg, sqrt_note: str, k_chain: int) -> list[str]:
+                     block_ratio: float, k_star: float, k_seg, sqrt_note: str, k_chain: int,
+                     chain_layers: int = 64) -> list[str]:
     """Why this run's memory, time and best segment length differ from the spec's: one paragraph each.
 
     ``state_bytes``: FP32 weights, gradients and AdamW state (16N); ``block_ratio``: a block's saved activations
@@ -214,13 +215,17 @@ def spec_conclusions(cfg, info: dict, *, off, on, saving, overhead, state_bytes:
                   "overhead stays below the FLOP overhead" if overhead < flops_ratio - 1 else
                   "small kernels, launch overhead and (on CPU) the Python work of the checkpoint machinery cost more "
                   "than their FLOPs")
-        out.append(f"- time: {overhead:+.0%} per step vs the spec's +25%; the FLOP counter says {flops_ratio - 1:+.0%} "
+        cpu = info["device"].type != "cuda"
+        out.append(f"- time: {overhead:+.0%} per step" + (" (CPU timing: says nothing about a GPU, so no verdict on it)"
+                                                          if cpu else "") +
+                   f" vs the spec's +25%; the FLOP counter says {flops_ratio - 1:+.0%} "
                    f"(one more forward of the blocks, bounded by +33%): {reason}.")
+    chain_verdict = cl.CLAIMS["C5"].quantities[0].judge(k_chain / math.sqrt(chain_layers))  # C5's own rule
     out.append(f"- O(sqrt L): per-block checkpointing keeps L block inputs plus one block (L*x + A). Chen's sqrt(L) "
                f"assumes equal-sized layers; a GPT-2 block holds {block_ratio:.0f} block-input-sized tensors, so the "
                f"best segment length is sqrt(L*x/A) = {k_star:.2f} blocks (measured k = {k_seg}): {sqrt_note}. "
-               f"Counted in equal-sized tensors, the sqrt rule holds (measured optimum {k_chain} on the 64-layer chain "
-               f"of section 3).")
+               f"Counted in equal-sized tensors, the sqrt rule {chain_verdict} (measured optimum {k_chain} on the "
+               f"{chain_layers}-layer chain of section 3, sqrt(L) = {math.sqrt(chain_layers):.0f}).")
     return out
 
 

@@ -221,3 +221,15 @@ def test_cpu_offload_is_never_ranked_on_a_cpu():
     assert [m.variant for m in cr.pareto_front([base, full, offl], "cpu")] == ["no checkpointing", "full"]
     assert all("offload" not in str(r["use"]) for r in cr.recommendation(cr.pareto_front([base, full, offl], "cpu"), base))
     assert offl in cr.pareto_front([base, full, offl], "cuda")
+
+
+def test_lab03_conclusions_phrase_the_chain_from_c5s_rule_and_flag_cpu_time():
+    """The section 7 text said 'the sqrt rule holds' whatever was measured, and compared CPU time with the spec
+    as if it meant something. Breaks if the chain sentence ignores the measured optimum or CPU time is unflagged."""
+    cfg = load_config("configs/lab03_checkpointing.yaml", mode="smoke")
+    off, on = _measured("no checkpointing", CPU_ENV, 1.0, 1000), _measured("checkpointing", CPU_ENV, 1.2, 700)
+    kw = dict(off=off, on=on, saving=0.3, overhead=0.2, state_bytes=200, flops_ratio=1.3, block_ratio=38,
+              k_star=0.2, k_seg=1, sqrt_note="-", chain_layers=64)
+    text = "\n".join(cr.spec_conclusions(cfg, _info(), k_chain=8, **kw))
+    assert "the sqrt rule holds (measured optimum 8" in text and "CPU timing: says nothing about a GPU" in text
+    assert "the sqrt rule does not hold (measured optimum 64" in "\n".join(cr.spec_conclusions(cfg, _info(), k_chain=64, **kw))
