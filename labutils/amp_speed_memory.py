@@ -9,7 +9,7 @@ The training step measured here is the notebook's own written-out ``amp_step``, 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -315,9 +315,19 @@ def plot_comparison(runs: dict, title: str):
 
 
 # --------------------------------------------------------------------------------------------- claims C1, C2
+def speed_evidence(base, r, names: tuple[str, str]) -> tuple[float | None, cl.Evidence]:
+    """The speed-up of run ``r`` over ``base`` (median step time over median step time) and its evidence: the
+    pair compared, the hardware, the timed steps behind each and the noise (from their inter-quartile ranges)."""
+    ratio, ev = cl.run_pair_evidence(base, r, names)
+    if ratio is None:
+        return None, ev
+    return 1 / ratio, replace(ev, spread=None if ev.spread is None else ev.spread / ratio ** 2)
+
+
 def readme_rows(runs: dict, expected: dict, baseline: str = "fp32") -> list[dict]:
-    """The course README's expected (peak GB, speed vs FP32) per precision next to the measured ratios, with the
-    verdict of the course's one rule (:mod:`labutils.claims`): C1 for memory, C2 for speed."""
+    """The course README's expected (peak GB, speed vs FP32) per precision next to the measured ratios, with what
+    the course's one rule (:mod:`labutils.claims`) makes of them at this one batch size: memory (C1) is "not
+    judged" here (C1 is judged over the batch sweep), speed (C2) only on a GPU with enough timed steps."""
     base = runs[baseline]
     claimed_base = expected[baseline][0]
     rows = []
@@ -325,14 +335,16 @@ def readme_rows(runs: dict, expected: dict, baseline: str = "fp32") -> list[dict
         r = runs[p]
         ok = r.ok and base.ok
         saving = 1 - r.peak_memory_bytes / base.peak_memory_bytes if ok else None
-        speedup = base.step_time_seconds / r.step_time_seconds if ok else None
+        speedup, ev = speed_evidence(base, r, (baseline, p)) if ok else (None, None)
         if not r.ok:
             verdict = f"not measured: {r.status} ({r.error})"
         elif p == baseline:
             verdict = "baseline"
-        else:  # the course's one sign-aware rule (labutils.claims): C1 for memory, C2 for speed
-            verdict = (f"memory: {cl.verdict('C1', {'memory_saving': saving})[0]}; "
-                       f"speed: {cl.verdict('C2', {'speedup': speedup})[0]}")
+        else:
+            hw = cl.hardware(base.env)
+            verdict = (f"memory: {cl.verdict('C1', {'memory_saving': saving}, cl.Evidence(sweep={0: saving}), hardware=hw)[0]} "
+                       f"(one batch size; C1 is judged over the sweep); "
+                       f"speed: {cl.verdict('C2', {'speedup': speedup}, ev)[0]}")
         rows.append({"precision": p, "README_peak_GB": gb,
                      "measured_peak_GB": r.peak_memory_bytes / 1e9 if r.ok else None,
                      "README_saving": 1 - gb / claimed_base, "measured_saving": saving,
@@ -342,27 +354,44 @@ def readme_rows(runs: dict, expected: dict, baseline: str = "fp32") -> list[dict
 
 def c1_c2_claims(runs: dict, cond: dict, *, amp: str, model_state: int | None = None,
                  fp16_matmul_x: float | None = None, sweep_rows=()) -> list[dict]:
-    """C1 (memory) and C2 (speed) as recorded claims: fp16 against fp32 at the config's batch, with the reason
-    from the memory breakdown (``model_state``: weights + gradients + AdamW bytes) and the matmul table
-    (``fp16_matmul_x``: the largest fp16 matmul's speed-up), and the batch sweep's savings by micro-batch."""
+    """C1 (memory) and C2 (speed) as recorded claims.
+
+    C1 is judged over the batch sweep (``sweep_rows``: ``amp`` against fp32 at each micro-batch; the value shown
+    is the median saving, every point is judged), with the reason from the memory breakdown (``model_state``:
+    weights + gradients + AdamW bytes). C2 is fp16 against fp32 at the config's batch: median step times over
+    the timed steps, judged only on a GPU with enough timed steps (CPU fp16 is an emulation: the CPU ratio is
+    shown, not judged), with the matmul table's fp16 speed-up (``fp16_matmul_x``) as the reason."""
     base, r16 = runs["fp32"], runs["fp16"]
+    hw = cl.hardware(base.env)
+    sweep_savings = {r["micro_batch"]: r["memory_saving"] for r in sweep_rows if r["memory_saving"] is not None}
+    if sweep_savings:
+        vals = sorted(sweep_savings.values())
+        median = vals[len(vals) // 2] if len(vals) % 2 else (vals[len(vals) // 2 - 1] + vals[len(vals) // 2]) / 2
+        mem_reason = (f"FP32 weights, gradients and AdamW state ({fmt_bytes(model_state)}) are "
+                      f"{model_state / base.peak_memory_bytes:.0%} of the FP32 peak at micro-batch "
+                      f"{base.config.get('train', {}).get('micro_batch_size')} and autocast does not shrink them"
+                      if model_state is not None and base.ok else None)
+        bs = sorted(sweep_savings)
+        c1 = cl.claim_entry("C1", {"memory_saving": median}, cond, reason=mem_reason,
+                            evidence=cl.Evidence(pair=(f"fp32 at micro-batch {bs}", f"{amp} at micro-batch {bs}"),
+                                                 sweep=sweep_savings, note="value shown: the median over the sweep"),
+                            extra={f"{amp}_saving_by_micro_batch": sweep_savings})
+    else:
+        c1 = cl.not_measured("C1", f"no micro-batch of the sweep ran in both fp32 and {amp}", cond)
     if not (r16.ok and base.ok):
         failed = r16 if not r16.ok else base
         why = f"the {'fp16' if failed is r16 else 'fp32'} run ended with status {failed.status} ({failed.error})"
-        return [cl.not_measured("C1", why, cond), cl.not_measured("C2", why, cond)]
-    s16 = 1 - r16.peak_memory_bytes / base.peak_memory_bytes
-    x16 = base.step_time_seconds / r16.step_time_seconds
-    mem_reason = (f"FP32 weights, gradients and AdamW state ({fmt_bytes(model_state)}) are "
-                  f"{model_state / base.peak_memory_bytes:.0%} of the FP32 peak and autocast does not shrink them"
-                  if model_state is not None else None)
-    speed_reason = (None if fp16_matmul_x is None else
+        return [c1, cl.not_measured("C2", why, cond)]
+    x16, ev = speed_evidence(base, r16, ("fp32", "fp16"))
+    judged_here = cl.judge("C2", {"speedup": x16}, ev)[0] in cl.JUDGED
+    speed_reason = (None if fp16_matmul_x is None or not judged_here else
                     f"this device's largest fp16 matmul runs at {fp16_matmul_x:.2f}x FP32"
                     + (" and the rest of the step speeds up less" if fp16_matmul_x > 1
                        else ": no fast half-precision path"))
-    sweep_savings = {r["micro_batch"]: r["memory_saving"] for r in sweep_rows if r["memory_saving"] is not None}
-    return [cl.claim_entry("C1", {"memory_saving": s16}, cond, reason=mem_reason,
-                           extra={f"{amp}_saving_by_micro_batch": sweep_savings}),
-            cl.claim_entry("C2", {"speedup": x16}, cond, reason=speed_reason)]
+    others = {p: speed_evidence(base, runs[p], ("fp32", p))[0] for p in ("tf32", "bf16") if p in runs and runs[p].ok}
+    c2 = cl.claim_entry("C2", {"speedup": x16}, cond, reason=speed_reason, evidence=ev,
+                        extra={f"speedup_on_{'cpu' if cl.on_cpu(hw) else 'gpu'}": {"fp16": x16, **others}})
+    return [c1, c2]
 
 
 __all__ = ["HALF_DTYPES", "PRECISION_DTYPES", "SavedTensorCensus", "saved_tensor_census", "dtype_report",

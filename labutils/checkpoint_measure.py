@@ -4,7 +4,7 @@ The variants themselves are in :mod:`labutils.checkpointing`; everything here ru
 training loop (:func:`labutils.train`), so memory and time are measured as in every other lab.
 
 Runs: ``measure(cfg, variants)`` (one model, one training run per variant, OOM -> a row, memory released),
-``largest_batch(cfg, variant)``, ``memory_budget(bytes)``, ``loaded(cfg)``, ``peak_during(fn)``; each run is a
+``largest_batch(cfg, variant)``, ``segment_peaks(cfg, ks, n_layer=)`` (C5 on a deep model), ``memory_budget(bytes)``, ``loaded(cfg)``, ``peak_during(fn)``; each run is a
 :class:`Measured` (``.row(baseline)`` is its table row).
 Checks of one forward + backward: ``step_grads`` / ``max_rel_diff``, ``step_flops``, ``forward_calls``;
 ``compare`` gathers one row per forward of the notebook's toy models; ``one_batch`` and ``captured_logs`` feed
@@ -206,6 +206,42 @@ def largest_batch(cfg: Config, variant: Variant, device: torch.device | str | No
             mid = (good + bad) // 2
             good, bad = (mid, bad) if fits(mid) else (good, mid)
     return good, [probes[b] for b in sorted(probes)]
+
+
+def segment_peaks(cfg: Config, ks, device: torch.device | str | None = None, *, n_layer: int,
+                  n_embd: int | None = None) -> dict[int, int]:
+    """Peak memory of one forward + backward of a GPT-2 like ``cfg``'s, but ``n_layer`` blocks deep (and
+    ``n_embd`` wide, default the config's), with segments of k blocks (:func:`labutils.checkpointing.segments`)
+    for each k in ``ks``: {k: peak bytes above the start}. For claim C5, which cannot fail on a shallow model:
+    smoke mode's ``tiny`` has 2 blocks, so its segment sweep is repeated on a deep, narrow model of the same
+    architecture (random weights, the config's dropout, one micro-batch of the config's data)."""
+    from transformers import GPT2LMHeadModel
+
+    from .checkpointing import segments
+    from .models import gpt2_config
+
+    device = torch.device(device or _env.default_device())
+    gcfg = gpt2_config(cfg.model.name, cfg.model.dropout, cfg.model.attn_implementation)
+    gcfg.n_layer = n_layer
+    if n_embd is not None:
+        gcfg.n_embd = n_embd
+    with loaded(cfg, device) as s:
+        batch = one_batch(s.dataset, cfg.train.micro_batch_size, cfg.train.seed, device)
+    _env.seed_everything(cfg.train.seed)
+    model = GPT2LMHeadModel(gcfg).to(device).train()
+    peaks = {}
+    try:
+        for k in ks:
+            undo = segments(k).apply(model)
+            try:
+                peaks[k] = peak_during(lambda: _forward_backward(model, batch), device)
+            finally:
+                undo()
+                model.zero_grad(set_to_none=True)
+    finally:
+        del model
+        release()
+    return peaks
 
 
 def peak_during(fn: Callable[[], object], device: torch.device | str | None = None) -> int:

@@ -80,7 +80,8 @@ def plot_every_k(ks: list[int], every: dict, segs: dict, pred_every: dict, pred_
         ax_t.plot(kk, [series[k].step_time for k in kk], mark + "-", label=label)
         oom = [k for k in ks if not series[k].ok]
         if oom:
-            ax_m.plot(oom, [budget / MiB] * len(oom), "x", color=line.get_color(), label=f"{label}: OOM")
+            ax_m.plot(oom, [budget / MiB] * len(oom), "x", color=line.get_color(),
+                      label=f"{label}: OOM (drawn at the budget, not a measured peak)")
     for ax, value in [(ax_m, base.peak / MiB if base.ok else None), (ax_t, base.step_time)]:
         if value is not None:
             ax.axhline(value, color="black", linestyle=":", label="no checkpointing")
@@ -99,10 +100,21 @@ def plot_every_k(ks: list[int], every: dict, segs: dict, pred_every: dict, pred_
 
 
 # ---------------------------------------------------------------------------- section 5: memory vs time
-def pareto_front(runs) -> list:
-    """The runs that ran and that no other run beats on both peak memory and step time, fastest first."""
+OFFLOAD_KINDS = ("offload", "checkpoint_offload")
+
+
+def does_nothing_here(m, device_type: str) -> bool:
+    """True for a variant that does nothing on this hardware: CPU offload on a CPU moves activations from host
+    memory to host memory. Such a run is shown, never ranked or recommended."""
+    return device_type != "cuda" and m.kind in OFFLOAD_KINDS
+
+
+def pareto_front(runs, device_type: str = "cuda") -> list:
+    """The runs that ran and that no other run beats on both peak memory and step time, fastest first; a
+    variant that does nothing on ``device_type`` (:func:`does_nothing_here`) is left out."""
     front, best = [], math.inf
-    for m in sorted((m for m in runs if m.ok), key=lambda m: (m.step_time, m.peak)):
+    for m in sorted((m for m in runs if m.ok and not does_nothing_here(m, device_type)),
+                    key=lambda m: (m.step_time, m.peak)):
         if m.peak < best:
             front.append(m)
             best = m.peak
@@ -175,7 +187,8 @@ def spec_check(cfg, info: dict, *, off, on, saving, overhead, hw: str, flops_rat
 
 
 def spec_conclusions(cfg, info: dict, *, off, on, saving, overhead, state_bytes: int, flops_ratio: float,
-                     block_ratio: float, k_star: float, k_seg, sqrt_note: str, k_chain: int) -> list[str]:
+                     block_ratio: float, k_star: float, k_seg, sqrt_note: str, k_chain: int,
+                     chain_layers: int = 64) -> list[str]:
     """Why this run's memory, time and best segment length differ from the spec's: one paragraph each.
 
     ``state_bytes``: FP32 weights, gradients and AdamW state (16N); ``block_ratio``: a block's saved activations
@@ -202,13 +215,17 @@ def spec_conclusions(cfg, info: dict, *, off, on, saving, overhead, state_bytes:
                   "overhead stays below the FLOP overhead" if overhead < flops_ratio - 1 else
                   "small kernels, launch overhead and (on CPU) the Python work of the checkpoint machinery cost more "
                   "than their FLOPs")
-        out.append(f"- time: {overhead:+.0%} per step vs the spec's +25%; the FLOP counter says {flops_ratio - 1:+.0%} "
+        cpu = info["device"].type != "cuda"
+        out.append(f"- time: {overhead:+.0%} per step" + (" (CPU timing: says nothing about a GPU, so no verdict on it)"
+                                                          if cpu else "") +
+                   f" vs the spec's +25%; the FLOP counter says {flops_ratio - 1:+.0%} "
                    f"(one more forward of the blocks, bounded by +33%): {reason}.")
+    chain_verdict = cl.CLAIMS["C5"].quantities[0].judge(k_chain / math.sqrt(chain_layers))  # C5's own rule
     out.append(f"- O(sqrt L): per-block checkpointing keeps L block inputs plus one block (L*x + A). Chen's sqrt(L) "
                f"assumes equal-sized layers; a GPT-2 block holds {block_ratio:.0f} block-input-sized tensors, so the "
                f"best segment length is sqrt(L*x/A) = {k_star:.2f} blocks (measured k = {k_seg}): {sqrt_note}. "
-               f"Counted in equal-sized tensors, the sqrt rule holds (measured optimum {k_chain} on the 64-layer chain "
-               f"of section 3).")
+               f"Counted in equal-sized tensors, the sqrt rule {chain_verdict} (measured optimum {k_chain} on the "
+               f"{chain_layers}-layer chain of section 3, sqrt(L) = {math.sqrt(chain_layers):.0f}).")
     return out
 
 
@@ -220,40 +237,81 @@ def _conditions(cfg, info: dict, batch: int, budget_text: str) -> dict:
 
 
 def claim_c4(cfg, info: dict, *, pair, b0: int, b1: int, budget: int, saving, overhead, state_bytes: int,
-             flops_ratio: float, hw: str) -> dict:
+             flops_ratio: float, hw: str, dropout: float | None = None) -> dict:
     """Claim C4 (checkpointing's memory saving and time overhead), judged by :mod:`labutils.claims`.
 
     Measured within the lab's budget at the largest micro-batch where the baseline fits (``b0``; ``b1`` with
-    checkpointing): ``pair`` is (no checkpointing, checkpointing) at ``b0``, or None if nothing fit. The config's
-    batch (``saving`` / ``overhead`` of section 2's switch) is kept as extra context."""
+    checkpointing): ``pair`` is (no checkpointing, checkpointing) at ``b0``, or None if nothing fit. The time
+    overhead is the ratio of the median timed step times, judged only on a GPU with enough timed steps (its
+    evidence: :func:`labutils.claims.run_pair_evidence`). ``flops_ratio``: full checkpointing's FLOPs over the
+    baseline's, counted on the model as measured (``dropout``: its dropout). The config's batch (``saving`` /
+    ``overhead`` of section 2's switch) is kept as extra context."""
     B = cfg.train.micro_batch_size
     spec_size = ({"micro_batch": B, "memory_saving": saving, "time_overhead": overhead,
                   "memory_cap": (fmt(info["gpu"]["budget_bytes"]) if info.get("gpu") else "cpu")}
                  if saving is not None else {"micro_batch": B, "status": "baseline or checkpointing did not fit"})
     if pair and all(m.ok for m in pair):
         o, n = pair
-        c4_time = n.step_time / o.step_time - 1
+        ratio, ev = cl.run_pair_evidence(o.result, n.result, (f"no checkpointing, micro-batch {b0}",
+                                                              f"checkpointing every block, micro-batch {b0}"),
+                                         hardware=cl.hardware({"gpu_name": info["gpu_name"],
+                                                               "device": info["device"].type}))
+        c4_time = ratio - 1
+        mem_ev = cl.Evidence(pair=ev.pair, hardware=ev.hardware)
+        time_judged = cl.judge_quantity(cl.CLAIMS["C4"].quantities[1], c4_time, ev)[0] in cl.JUDGED
+        drop = f" (dropout {dropout:g})" if dropout is not None else ""
         reason = (f"{fmt(state_bytes)} of FP32 weights, gradients and AdamW state ({state_bytes / o.peak:.0%} of the "
                   f"baseline peak) and the LM head are not checkpointed; the recompute costs {flops_ratio - 1:+.0%} "
-                  f"FLOPs, the step {c4_time:+.0%} time" + (" (timing noise exceeds the recompute)" if c4_time < 0 else "")
+                  f"FLOPs on the model measured{drop}"
+                  + (f", the step {c4_time:+.0%} time (median of {ev.timed_steps} timed steps)" if time_judged else "")
                   + f"; within {fmt(budget)} the largest micro-batch is {b0} without checkpointing and {b1} with it")
         return cl.claim_entry("C4", {"memory_saving": 1 - n.peak / o.peak, "time_overhead": c4_time},
                               _conditions(cfg, info, b0, fmt(budget)), reason=reason,
+                              evidence={"memory_saving": mem_ev, "time_overhead": ev},
                               extra={"largest_micro_batch_within_budget": {"no checkpointing": b0, "checkpointing": b1},
+                                     "recompute_flops_overhead": flops_ratio - 1,
                                      "at_config_batch": spec_size})
     return cl.not_measured("C4", f"the baseline did not fit {fmt(budget)} at micro-batch 1 on {hw}" if not b0 else
                            f"the runs at micro-batch {b0} failed: {[m.result.error for m in pair if not m.ok]}",
                            _conditions(cfg, info, b0 or 1, fmt(budget)))
 
 
-def claim_c5(cfg, info: dict, *, k_chain: int, chain_layers: int, k_seg, n_blocks: int, block_ratio: float,
-             k_star: float) -> dict:
-    """Claim C5 (the best segment length is about sqrt(L)): the chain of equal layers (section 3) and GPT-2's
-    measured best segment (section 4), each over sqrt of its depth."""
-    return cl.claim_entry("C5", {"chain_optimum_over_sqrt_L": k_chain / math.sqrt(chain_layers),
-                                 "gpt2_optimum_over_sqrt_L": k_seg / math.sqrt(n_blocks) if k_seg else None},
-                          _conditions(cfg, info, cfg.train.micro_batch_size, "-"),
-                          reason=(f"the {chain_layers}-layer chain of equal layers is best at k = {k_chain} (sqrt = "
-                                  f"{math.sqrt(chain_layers):.0f}); a GPT-2 block holds {block_ratio:.0f} "
-                                  f"block-input-sized tensors, so its best segment is sqrt(L*x/A) = {k_star:.2f} "
-                                  f"blocks (measured {k_seg}), not sqrt(L) = {math.sqrt(n_blocks):.1f}"))
+def claim_c5(cfg, info: dict, *, k_chain: int, chain_layers: int, k_seg, n_blocks: int, block_ratio: float | None = None,
+             gpt2_model: str | None = None) -> dict:
+    """Claim C5 (the best segment length is about sqrt(L)), each half judged only on a model of at least
+    :data:`labutils.claims.MIN_LAYERS` layers: the chain of equal layers (section 3, ``chain_layers`` deep, best
+    at ``k_chain``) and the GPT-2 segment sweep (``n_blocks`` deep, best at ``k_seg``; ``gpt2_model`` names it
+    when it is not the config's model, e.g. smoke mode's deep, narrow stand-in). ``block_ratio``: a block's
+    saved activations over its input, for the reason when the best segment is shorter than sqrt(L).
+
+    The layer count of each model is recorded in the conditions (``layers``); the reason is phrased from each
+    half's own verdict, so it cannot contradict it."""
+    values = {"chain_optimum_over_sqrt_L": k_chain / math.sqrt(chain_layers),
+              "gpt2_optimum_over_sqrt_L": k_seg / math.sqrt(n_blocks) if k_seg else None}
+    gname = gpt2_model or cfg.model.name
+    evidence = {"chain_optimum_over_sqrt_L": cl.Evidence(layers=chain_layers, pair=(
+                    f"{chain_layers}-layer chain, segments of k", "its best k against sqrt(L)")),
+                "gpt2_optimum_over_sqrt_L": cl.Evidence(layers=n_blocks, pair=(
+                    f"{gname} ({n_blocks} blocks), segments of k blocks", "its best k against sqrt(L)"))}
+    hw = cl.hardware({"gpu_name": info["gpu_name"], "device": info["device"].type})
+    parts = cl.judge("C5", values, evidence, hardware=hw)[2]
+
+    def said(name, k, L, what):
+        v = parts[name]["verdict"]
+        if v not in cl.JUDGED:
+            return None
+        root = math.sqrt(L)
+        where = {cl.HOLDS: "within 2x of", cl.PARTLY: "within 4x, not 2x, of", cl.DOES_NOT_HOLD: "more than 4x away from"}[v]
+        out = f"{what} is best at k = {k}, {where} sqrt(L) = {root:.1f}"
+        if v != cl.HOLDS and block_ratio and k < root and name.startswith("gpt2"):
+            out += (f": a GPT-2 block keeps ~{block_ratio:.0f} block-input-sized tensors, not one, so shorter "
+                    "segments win")
+        return out
+
+    clauses = [c for c in (said("chain_optimum_over_sqrt_L", k_chain, chain_layers,
+                                f"the {chain_layers}-layer chain of equal layers"),
+                           said("gpt2_optimum_over_sqrt_L", k_seg, n_blocks, f"{gname} ({n_blocks} blocks)") if k_seg
+                           else None) if c]
+    cond = _conditions(cfg, info, cfg.train.micro_batch_size, "-")
+    cond["layers"] = {"chain of equal layers": chain_layers, gname: n_blocks}
+    return cl.claim_entry("C5", values, cond, reason="; ".join(clauses) or None, evidence=evidence)

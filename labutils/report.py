@@ -130,13 +130,14 @@ def render_lab(data: dict, figure_prefix: str = "", *, readme: bool = False) -> 
 
 
 def render_claims(entries: list[dict], title: str = "Claims of the course design: verdicts from this run") -> list[str]:
-    """The claims table (C1-C7 verdicts, labs' ``claims`` entries) as Markdown lines; nothing when there are none."""
+    """The claims table (C1-C7 verdicts, labs' ``claims`` entries) as Markdown lines; nothing when there are none.
+    Each row shows the pair of runs it compares; a value that was not judged is labelled so in "measured"."""
     if not entries:
         return []
     from .claims import table_rows
 
-    return [f"*{title}*", "", format_table(table_rows(entries), ["claim", "verdict", "measured", "why", "conditions",
-                                                                  "lab"]), ""]
+    return [f"*{title}*", "", format_table(table_rows(entries), ["claim", "verdict", "measured", "compares", "why",
+                                                                  "conditions", "lab"]), ""]
 
 
 def render_results(results: dict[str, dict], figure_prefix: str = "") -> str:

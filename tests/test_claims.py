@@ -12,6 +12,9 @@ SMOKE = cl.conditions(model="tiny", batch="2 x 1", sequence=64, precision="fp16 
                       mode="smoke")
 FULL = cl.conditions(model="gpt2", batch="8 x 1", sequence=512, precision="fp16 vs fp32",
                      hardware="NVIDIA Fixture GPU", mode="full")
+# a batch sweep (C1 is judged over one) and a GPU comparison with enough timed steps and little noise
+SWEEP = cl.Evidence(sweep={1: 0.05, 2: 0.12}, pair=("fp32", "fp16"))
+GPU_TIMED = cl.Evidence(timed_steps=20, spread=0.01, pair=("fp32", "all three"))
 
 # (claim, values, expected verdict): each claim with numbers on both sides of its thresholds
 CASES = [
@@ -84,14 +87,15 @@ def test_nothing_measured_is_not_measured():
 
 
 def test_entry_fields_units_and_smoke_label():
-    e = cl.claim_entry("C1", {"memory_saving": 0.12}, SMOKE, reason="16 bytes per parameter of state stay")
+    e = cl.claim_entry("C1", {"memory_saving": 0.12}, SMOKE, reason="16 bytes per parameter of state stay",
+                       evidence=SWEEP)
     assert set(e) >= {"id", "claim", "expected", "measured", "verdict", "why", "conditions"}
     assert e["verdict"] in cl.VERDICTS
     assert e["measured"]["memory_saving"] == {"value": 0.12, "unit": "%", "text": "12 %", "label": "peak-memory saving"}
     assert e["conditions"]["hardware"] == "cpu" and e["conditions"]["model"] == "tiny"
     assert e["measurement"].startswith("smoke measurement")
     assert "smoke measurement" in e["why"] and "16 bytes per parameter" in e["why"]
-    full = cl.claim_entry("C1", {"memory_saving": 0.45}, FULL)
+    full = cl.claim_entry("C1", {"memory_saving": 0.45}, FULL, evidence=cl.Evidence(sweep={2: 0.41, 8: 0.47}))
     assert full["measurement"] == "measured on NVIDIA Fixture GPU" and "smoke" not in full["why"]
     json.dumps(e)  # recordable as is
 
@@ -110,9 +114,10 @@ def test_not_measured_says_why_and_labels_the_prediction():
 
 
 def test_collect_prefers_the_owning_lab_then_fallback():
-    lab01 = {"notebook": "01-Mixed_Precision", "claims": [cl.claim_entry("C1", {"memory_saving": 0.5}, FULL)]}
-    lab04_c1 = cl.claim_entry("C1", {"memory_saving": 0.1}, FULL, lab="04-Memory_Profiling")
-    lab04_c6 = cl.claim_entry("C6", {"memory_saving": 0.7, "slowdown": 0.1}, FULL)
+    lab01 = {"notebook": "01-Mixed_Precision",
+             "claims": [cl.claim_entry("C1", {"memory_saving": 0.5}, FULL, evidence=cl.Evidence(sweep={2: 0.45, 8: 0.5}))]}
+    lab04_c1 = cl.claim_entry("C1", {"memory_saving": 0.1}, FULL, lab="04-Memory_Profiling")  # one batch: not judged
+    lab04_c6 = cl.claim_entry("C6", {"memory_saving": 0.7, "slowdown": 0.1}, FULL, evidence=GPU_TIMED)
     table = cl.collect({"01": lab01}, fallback=[lab04_c1, lab04_c6])
     assert [e["id"] for e in table] == [f"C{i}" for i in range(1, 8)]
     by = {e["id"]: e for e in table}
@@ -130,7 +135,7 @@ def test_rendered_claims_tables(tmp_path, monkeypatch):
     from labutils import report as rp
     from labutils.results import read_results, record_results
 
-    c1 = cl.claim_entry("C1", {"memory_saving": 0.12}, SMOKE, reason="the FP32 model state stays")
+    c1 = cl.claim_entry("C1", {"memory_saving": 0.12}, SMOKE, reason="the FP32 model state stays", evidence=SWEEP)
     c7 = cl.not_measured("C7", "needs DeepSpeed on a CUDA GPU", SMOKE, prediction={"memory_saving": 0.41})
     monkeypatch.setenv("LAB_RESULTS_DIR", str(tmp_path / "staging"))
     monkeypatch.setenv("LAB_RESULTS_READ_DIR", str(tmp_path))
@@ -140,10 +145,10 @@ def test_rendered_claims_tables(tmp_path, monkeypatch):
     assert lab01["claims"][0]["verdict"] == "does not hold"
     assert read_results("01-Mixed_Precision", "full") is None  # a smoke file never stands in for a full run
     md = rp.render_lab(lab01)
-    assert "| claim | verdict | measured | why | conditions | lab |" in md
-    assert "| C1 | does not hold | peak-memory saving 12 % (smoke) |" in md
+    assert "| claim | verdict | measured | compares | why | conditions | lab |" in md
+    assert "| C1 | does not hold | peak-memory saving 12 % (smoke) | fp32 vs fp16 |" in md
     page = rp.render_results({"01": lab01, "04": {"notebook": "04-Memory_Profiling", "mode": "smoke",
                                                   "claims": [c7], "env": {}}})
     assert "## Claims C1-C7 across the labs" in page
-    assert "| C7 | not measured | prediction: peak-memory saving 41 % |" in page.replace("GPU peak", "peak")
-    assert "| C5 | not measured | - |" in page
+    assert "| C7 | not measured | prediction: peak-memory saving 41 % | - |" in page.replace("GPU peak", "peak")
+    assert "| C5 | not measured | - | - |" in page

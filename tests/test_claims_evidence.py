@@ -1,0 +1,235 @@
+"""A verdict is only as strong as its evidence (issue 24, item 1): speed is never judged from CPU timing or from a
+handful of timed steps, noise as large as the effect is "not decided", C1 is judged over a batch sweep, C5 only on
+models of >= 8 layers and it can fail, and lab 03 never ranks an option that does nothing on this hardware.
+
+The claim builders under test are the labs' real ones (labutils.amp_speed_memory, labutils.checkpoint_report);
+their inputs are RunResult / Measured records (plain data) or, for C5's physics, peak memory measured by torch's
+own storage counting (cm.peak_during) on chains built here."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import labutils.amp_speed_memory as am
+import labutils.checkpoint_measure as cm
+import labutils.checkpoint_report as cr
+from labutils import claims as cl
+from labutils.config import load_config
+from labutils.train import RunResult
+
+CPU_ENV = {"device": "cpu", "cpu": "test cpu"}
+GPU_ENV = {"device": "cuda", "gpu_name": "NVIDIA Fixture GPU"}
+SMOKE = cl.conditions(model="tiny", batch="4 x 1", sequence=64, precision="fp16 vs fp32", hardware="cpu",
+                      mode="smoke")
+FULL = cl.conditions(model="gpt2", batch="8 x 1", sequence=512, precision="fp16 vs fp32",
+                     hardware="NVIDIA Fixture GPU", mode="full")
+
+
+def _run(env, step_s, peak, *, steps=4, warmup=1, precision="fp32", micro_batch=4, jitter=0.0):
+    """A finished run's record: ``steps`` step times around ``step_s`` (alternating +-jitter), ``peak`` bytes."""
+    times = [step_s * 3] * warmup + [step_s * (1 + (jitter if i % 2 else -jitter)) for i in range(steps - warmup)]
+    return RunResult(config={"train": {"timing_warmup_steps": warmup, "precision": precision,
+                                       "micro_batch_size": micro_batch}},
+                     env=dict(env), step_times=times, peak_memory_bytes=peak,
+                     step_time_seconds=sum(times[warmup:]) / (steps - warmup))
+
+
+def _runs(env, *, steps=4, jitter=0.0, fp16_step=0.5):
+    return {"fp32": _run(env, 1.0, 1000, steps=steps, jitter=jitter),
+            "fp16": _run(env, fp16_step, 600, steps=steps, jitter=jitter, precision="fp16")}
+
+
+SWEEP_ROWS = [{"micro_batch": 1, "memory_saving": 0.45}, {"micro_batch": 4, "memory_saving": 0.5}]
+
+
+# ------------------------------------------------------------------------------------------------ speed claims
+@pytest.mark.parametrize("cid, q", sorted(cl.SPEED_QUANTITIES))
+def test_no_speed_quantity_is_judged_from_cpu_timing_however_many_steps(cid, q):
+    """Breaks if any claim's time part (C2, C3 time, C4 time, C6 slowdown) takes a verdict from CPU timing, even
+    with many quiet timed steps: CPU timing says nothing about GPU speed."""
+    claim = cl.CLAIMS[cid]
+    values = {x.name: (2.5 if x.unit == "x" else 0.01) for x in claim.quantities}
+    ev = cl.Evidence(timed_steps=100, spread=0.0, sweep={1: 0.6, 2: 0.6}, layers=64, micro_batches=(4, 4))
+    e = cl.claim_entry(cid, values, SMOKE, evidence=ev)
+    assert e["parts"][q]["verdict"] == cl.NOT_JUDGED, e["why"]
+    assert "timed on a CPU" in e["parts"][q]["why"]
+    row = cl.table_rows([e])[0]
+    assert "CPU timing, not judged" in row["measured"]
+    # the same numbers on a GPU with >= 10 quiet timed steps are judged: the check is on the evidence, not the number
+    gpu = cl.claim_entry(cid, values, FULL, evidence=ev)
+    assert gpu["parts"][q]["verdict"] in cl.JUDGED, gpu["why"]
+
+
+def test_lab01_c2_in_smoke_is_not_judged_and_shows_the_cpu_ratio():
+    """Lab 01's own builder on CPU runs: C2 'not judged', the measured CPU speed-up shown and labelled as CPU.
+    Breaks if C2 is judged from CPU fp16 (an emulation), as it was before issue 24."""
+    c1, c2 = am.c1_c2_claims(_runs(CPU_ENV, fp16_step=1.25), SMOKE, amp="fp16", sweep_rows=SWEEP_ROWS)
+    assert c2["verdict"] == cl.NOT_JUDGED
+    assert "0.80x on CPU" in c2["why"] and "timed on a CPU" in c2["why"]
+    assert c2["compares"] == {"speedup": "fp32 vs fp16"}
+    assert c2["measured"]["speedup"]["value"] == pytest.approx(0.8)
+    assert cl.table_rows([c2])[0]["measured"].startswith("speed-up 0.80x (CPU timing, not judged)")
+    assert c1["verdict"] == cl.HOLDS  # memory physics is the same on CPU: judged over the sweep
+
+
+def test_lab01_c2_on_a_gpu_needs_ten_timed_steps_and_a_quiet_timing():
+    """Breaks if a GPU speed-up is judged from 3 timed steps, or if noise larger than the effect still gives a
+    verdict ('not decided (noise +-x %)' instead)."""
+    few = am.c1_c2_claims(_runs(GPU_ENV, steps=4), FULL, amp="fp16", sweep_rows=SWEEP_ROWS)[1]
+    assert few["verdict"] == cl.NOT_JUDGED and "only 3 timed steps" in few["why"]
+    enough = am.c1_c2_claims(_runs(GPU_ENV, steps=14), FULL, amp="fp16", sweep_rows=SWEEP_ROWS)[1]
+    assert enough["verdict"] == cl.HOLDS and enough["evidence"]["speedup"]["timed_steps"] == 13
+    # 1.05x measured with +-30 % jitter on each run: the noise swamps a 5 % effect
+    noisy = am.c1_c2_claims(_runs(GPU_ENV, steps=14, jitter=0.3, fp16_step=1 / 1.05), FULL, amp="fp16",
+                            sweep_rows=SWEEP_ROWS)[1]
+    assert noisy["verdict"] == cl.NOT_DECIDED and "not decided (noise +-" in noisy["why"]
+
+
+def test_timed_ratio_reports_median_and_spread():
+    """Median, not mean: one slow outlier step must not move the ratio. Breaks if the mean is used."""
+    t = cl.timed_ratio([1.0] * 9 + [10.0], [2.0] * 10)
+    assert t["ratio"] == pytest.approx(2.0) and t["timed_steps"] == 10 and t["spread"] == pytest.approx(0.0)
+
+
+# ------------------------------------------------------------------------------------------------ C1 over a sweep
+def test_c1_is_judged_over_the_batch_sweep_not_one_batch():
+    """Breaks if C1 takes a verdict from one batch size, or if a sweep whose points disagree says 'holds'."""
+    one = cl.claim_entry("C1", {"memory_saving": 0.5}, SMOKE, evidence=cl.Evidence(sweep={4: 0.5}))
+    assert one["verdict"] == cl.NOT_JUDGED and "one batch size" in one["why"]
+    mixed = cl.claim_entry("C1", {"memory_saving": 0.3}, SMOKE, evidence=cl.Evidence(sweep={1: 0.05, 8: 0.45}))
+    assert mixed["verdict"] == cl.PARTLY and "5 % at 1" in mixed["why"] and "45 % at 8" in mixed["why"]
+    c1 = am.c1_c2_claims(_runs(CPU_ENV), SMOKE, amp="bf16",
+                         sweep_rows=[{"micro_batch": 1, "memory_saving": 0.1}, {"micro_batch": 8, "memory_saving": 0.15}])[0]
+    assert c1["verdict"] == cl.DOES_NOT_HOLD and c1["evidence"]["memory_saving"]["sweep"] == {"1": 0.1, "8": 0.15}
+
+
+# ------------------------------------------------------------------------------------------------ lab 03: C4
+def _measured(name, env, step_s, peak, steps=4):
+    return cm.Measured(name, "baseline" if name.startswith("no") else "every_n", None,
+                       _run(env, step_s, peak, steps=steps))
+
+
+def _info(device="cpu"):
+    return {"gpu_name": "NVIDIA Fixture GPU" if device == "cuda" else None, "device": torch.device(device),
+            "mode": "smoke" if device == "cpu" else "full", "gpu": None}
+
+
+def test_c4_time_is_not_judged_on_cpu_and_its_reason_cites_the_flops_of_the_model_measured():
+    """Breaks if C4's time overhead enters the verdict on CPU, or its reason cites a FLOP overhead other than
+    the one passed for the model as trained (with its dropout)."""
+    cfg = load_config("configs/lab03_checkpointing.yaml", mode="smoke")
+    pair = [_measured("no checkpointing", CPU_ENV, 1.0, 1000), _measured("checkpointing", CPU_ENV, 1.88, 600)]
+    e = cr.claim_c4(cfg, _info(), pair=pair, b0=4, b1=8, budget=900, saving=0.4, overhead=0.88, state_bytes=200,
+                    flops_ratio=1.309, hw="CPU", dropout=0.1)
+    assert e["parts"]["memory_saving"]["verdict"] == cl.HOLDS
+    assert e["parts"]["time_overhead"]["verdict"] == cl.NOT_JUDGED
+    assert e["verdict"] == cl.PARTLY  # memory judged, time not: a 'holds' is capped
+    assert "+31% FLOPs on the model measured (dropout 0.1)" in e["why"]
+    assert "+88 % on CPU (shown, not judged)" in e["why"] and "the step +88% time" not in e["why"]
+    assert set(e["compares"]) == {"memory_saving", "time_overhead"}
+
+
+# ------------------------------------------------------------------------------------------------ lab 03: C5
+def _chain_best_k(n_layers, widen, ks):
+    """Measured best segment length of a chain of ``n_layers`` layers, each of which saves a tensor ``widen``
+    times its input (widen=1: Chen's equal-sized layers). Peak memory by torch's storage counting (CPU)."""
+    def layer(x):
+        return torch.sin(x.repeat(1, widen)).view(x.shape[0], widen, x.shape[1]).sum(1)
+
+    def run(h, a, b):
+        for _ in range(a, b):
+            h = layer(h)
+        return h
+
+    def peak(k):
+        x = torch.randn(8, 64, requires_grad=True)
+
+        def step():
+            h = x
+            for s in range(0, n_layers, k):
+                h = checkpoint(run, h, s, min(s + k, n_layers), use_reentrant=False)
+            h.sum().backward()
+        return cm.peak_during(step, "cpu")
+
+    peaks = {k: peak(k) for k in ks}
+    return min(peaks, key=peaks.get)
+
+
+KS64 = [1, 2, 4, 8, 16, 32, 64]
+
+
+def _c5(k_chain, chain_layers, k_seg, n_blocks):
+    cfg = load_config("configs/lab03_checkpointing.yaml", mode="smoke")
+    return cr.claim_c5(cfg, _info(), k_chain=k_chain, chain_layers=chain_layers, k_seg=k_seg, n_blocks=n_blocks,
+                       gpt2_model="test model")
+
+
+def test_c5_holds_on_equal_layers_and_does_not_hold_on_a_chain_built_to_violate_it():
+    """The check can fail: a 64-layer chain whose layers each save 64x their input is best at k = 1 (1/8 of
+    sqrt L), so C5 does not hold; the same measurement on equal-sized layers finds k ~ sqrt L and holds. Breaks if
+    the C5 rule, its thresholds or claim_c5's arithmetic cannot tell the two apart."""
+    k_equal = _chain_best_k(64, 1, KS64)
+    k_wide = _chain_best_k(64, 64, KS64)
+    assert k_wide == 1 and 4 <= k_equal <= 16
+    good = _c5(k_equal, 64, k_equal, 64)
+    bad = _c5(k_wide, 64, k_wide, 64)
+    assert good["verdict"] == cl.HOLDS, good["why"]
+    assert bad["verdict"] == cl.DOES_NOT_HOLD, bad["why"]
+    assert "more than 4x away from sqrt(L)" in bad["why"] and "within 2x of" not in bad["why"]
+    # a wrong segment rule (no checkpointing: one segment of all L layers) does not hold either
+    assert _c5(64, 64, 64, 64)["verdict"] == cl.DOES_NOT_HOLD
+
+
+def test_c5_records_the_layers_of_every_model_and_does_not_judge_a_shallow_one():
+    """At L = 2 both possible segment lengths are within 0.5-2 sqrt(L): that half cannot fail and must not be
+    judged. Breaks if the 2-block GPT-2 half is judged, or a judged model's layer count is not recorded."""
+    e = _c5(8, 64, 1, 2)
+    assert e["parts"]["gpt2_optimum_over_sqrt_L"]["verdict"] == cl.NOT_JUDGED
+    assert "2 layers, too few" in e["why"]
+    assert e["conditions"]["layers"] == {"chain of equal layers": 64, "test model": 2}
+    judged = [n for n, p in e["parts"].items() if p["verdict"] in cl.JUDGED]
+    assert judged == ["chain_optimum_over_sqrt_L"]
+    assert all(e["evidence"][n]["layers"] >= cl.MIN_LAYERS for n in judged)
+    deep = _c5(8, 64, 1, 16)
+    assert all(p["verdict"] in cl.JUDGED for p in deep["parts"].values())
+    assert all(v >= cl.MIN_LAYERS for v in deep["conditions"]["layers"].values())
+    assert "16 layers" in cl.table_rows([deep])[0]["conditions"]
+
+
+def test_c5_why_never_contradicts_its_verdict():
+    """Before issue 24 the why said 'not sqrt(L)' while the verdict said 'holds'. Each half's clause now follows
+    that half's verdict. Breaks if a holding half is described as away from sqrt(L) or the other way round."""
+    for k, L in [(1, 16), (2, 16), (4, 16), (8, 16), (16, 16)]:
+        e = _c5(8, 64, k, L)
+        v = e["parts"]["gpt2_optimum_over_sqrt_L"]["verdict"]
+        phrase = {cl.HOLDS: "within 2x of", cl.PARTLY: "within 4x, not 2x, of",
+                  cl.DOES_NOT_HOLD: "more than 4x away from"}[v]
+        assert f"test model (16 blocks) is best at k = {k}, {phrase} sqrt(L)" in e["why"], (k, e["why"])
+
+
+# ------------------------------------------------------------------------------------------------ lab 03: Pareto
+def test_cpu_offload_is_never_ranked_on_a_cpu():
+    """CPU offload on a CPU moves host memory to host memory: shown, never ranked nor recommended. Breaks if the
+    Pareto front (and so the recommendation) includes it on a CPU; on a GPU it is a real option and is ranked."""
+    base = _measured("no checkpointing", CPU_ENV, 1.0, 1000)
+    full = cm.Measured("full", "every_n", 1, _run(CPU_ENV, 1.3, 600))
+    offl = cm.Measured("offload", "offload", None, _run(CPU_ENV, 0.9, 500))  # as if fastest and smallest
+    assert offl not in cr.pareto_front([base, full, offl], "cpu")
+    assert [m.variant for m in cr.pareto_front([base, full, offl], "cpu")] == ["no checkpointing", "full"]
+    assert all("offload" not in str(r["use"]) for r in cr.recommendation(cr.pareto_front([base, full, offl], "cpu"), base))
+    assert offl in cr.pareto_front([base, full, offl], "cuda")
+
+
+def test_lab03_conclusions_phrase_the_chain_from_c5s_rule_and_flag_cpu_time():
+    """The section 7 text said 'the sqrt rule holds' whatever was measured, and compared CPU time with the spec
+    as if it meant something. Breaks if the chain sentence ignores the measured optimum or CPU time is unflagged."""
+    cfg = load_config("configs/lab03_checkpointing.yaml", mode="smoke")
+    off, on = _measured("no checkpointing", CPU_ENV, 1.0, 1000), _measured("checkpointing", CPU_ENV, 1.2, 700)
+    kw = dict(off=off, on=on, saving=0.3, overhead=0.2, state_bytes=200, flops_ratio=1.3, block_ratio=38,
+              k_star=0.2, k_seg=1, sqrt_note="-", chain_layers=64)
+    text = "\n".join(cr.spec_conclusions(cfg, _info(), k_chain=8, **kw))
+    assert "the sqrt rule holds (measured optimum 8" in text and "CPU timing: says nothing about a GPU" in text
+    assert "the sqrt rule does not hold (measured optimum 64" in "\n".join(cr.spec_conclusions(cfg, _info(), k_chain=64, **kw))
