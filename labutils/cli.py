@@ -196,10 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write the full result record as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_run)
-    p = sub.add_parser("bench", help="labutils' loop against a bare 15-line loop: tokens/s of both and the ratio "
+    p = sub.add_parser("bench", help="labutils' loop against a bare loop with data already on the device: "
+                                     "positions/s of both (mean +- std, median over ABBA repeats) and the ratio "
                                      "(train.compile=true: eager and compiled, a ratio each)")
     _add_config_args(p)
-    p.add_argument("--repeats", type=positive_int, default=3, help="alternating repeats of each loop (default 3)")
+    p.add_argument("--repeats", type=positive_int, default=5,
+                   help="runs of each loop, in ABBA order (default 5; fewer gives a spread worth little)")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("estimate", help="predict memory (params, grads, optimizer, activations, peak) and advise")
     _add_config_args(p)
