@@ -76,9 +76,18 @@ def print_summary(result) -> None:
         ("status", result.status + (f": {result.error}" if result.error else "")),
     ]
     if result.ok:
+        rows.append(("loss", f"{d['losses'][0]:.4f} -> {d['final_loss']:.4f} (avg {d['avg_loss']:.4f}, "
+                             f"{len(d['losses'])} steps)"))
+        if result.compile_seconds is not None:
+            rows.append(("compile", f"{result.compile_seconds:.1f} s (the compiling steps' extra time; not in the "
+                                    "step time)"))
+    if result.ok and not result.timed_steps:
+        rows += [("step time", f"no timed steps: train.steps ({t['steps']}) <= train.timing_warmup_steps "
+                               f"({t['timing_warmup_steps']}), or the last step compiled; raise train.steps"),
+                 ("peak memory", fmt_bytes(result.peak_memory_bytes)), ("skipped steps", result.skipped_steps)]
+    elif result.ok:
         rows += [
-            ("loss", f"{d['losses'][0]:.4f} -> {d['final_loss']:.4f} (avg {d['avg_loss']:.4f}, {len(d['losses'])} steps)"),
-            ("step time", f"{result.step_time_seconds * 1000:.1f} ms"),
+            ("step time", f"{result.step_time_seconds * 1000:.1f} ms (mean of the last {result.timed_steps} steps)"),
             ("throughput", f"{result.target_tokens_per_second:,.0f} target tokens/s (tokens that count in the loss; "
                            f"{result.positions_per_second:,.0f} positions/s, {result.padding_fraction:.0%} padding), "
                            f"{result.achieved_tflops:.3f} TFLOP/s"),
@@ -86,7 +95,9 @@ def print_summary(result) -> None:
             ("MFU / HFU", f"{result.mfu:.1%} / {result.hfu:.1%} of {result.peak_tflops:g} TFLOP/s "
                           f"({t['precision']} peak)" if result.mfu is not None else
                           "- (" + peak_info(d["env"].get("gpu_name"), t["precision"])[1] + ")"),
-            ("peak memory", fmt_bytes(result.peak_memory_bytes)),
+            ("peak memory", fmt_bytes(result.peak_memory_bytes)
+                            + (f", {result.num_alloc_retries} allocator retries (frees and retries near the cap: "
+                               "they slow the step)" if result.num_alloc_retries else "")),
             ("skipped steps", result.skipped_steps),
         ]
     width = max(len(k) for k, _ in rows)
@@ -201,10 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write the full result record as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_run)
-    p = sub.add_parser("bench", help="labutils' loop against a bare 15-line loop: tokens/s of both and the ratio "
+    p = sub.add_parser("bench", help="labutils' loop against a bare loop with data already on the device: "
+                                     "positions/s of both (mean +- std, median over ABBA repeats) and the ratio "
                                      "(train.compile=true: eager and compiled, a ratio each)")
     _add_config_args(p)
-    p.add_argument("--repeats", type=positive_int, default=3, help="alternating repeats of each loop (default 3)")
+    p.add_argument("--repeats", type=positive_int, default=5,
+                   help="runs of each loop, in ABBA order (default 5; fewer gives a spread worth little)")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("estimate", help="predict memory (params, grads, optimizer, activations, peak) and advise")
     _add_config_args(p)

@@ -4,7 +4,8 @@
   so nothing is downloaded. A ``.txt`` path: documents separated by blank lines.
 - ``pack=False`` (the spec's way): one document per sample, truncated and right-padded; padding positions get
   label -100 and attention mask 0, so they never count in the loss. ``pack=True``: documents joined by EOS
-  and cut into full blocks (no padding at all: no attention mask reaches SDPA, so its flash kernel is eligible).
+  and cut into full blocks (no padding at all: batches carry no attention mask, so none reaches SDPA and its
+  flash kernel is eligible).
   Labs that measure speed or memory pack; lab 02 pads, because the padding pitfall is its lesson.
 - :meth:`LMDataset.windows` yields, for every optimizer step, the ``micro x accum`` samples of that step split
   into micro-batches. The samples of a step depend only on the seed and the effective batch size, not on how
@@ -90,9 +91,19 @@ class LMDataset:
                          self.targets, self.packed, self.real)
 
     def batch(self, indices) -> dict[str, torch.Tensor]:
-        idx = torch.as_tensor(indices, dtype=torch.long, device=self.input_ids.device)
-        return {"input_ids": self.input_ids[idx], "attention_mask": self.attention_mask[idx],
-                "labels": self.labels[idx]}
+        """The samples ``indices`` as model inputs. Packed data has no padding, so no ``attention_mask``: nothing
+        to gather, and nothing for the model to inspect. (transformers 5's stock SDPA path reads an all-ones mask
+        back to the host to decide to drop it, ``fast_all``; without a mask it reads the position ids back
+        instead, ``find_packed_sequence_indices``. Only an attention function registered without a mask function
+        skips both: that is the model's side.) On a GPU the indices travel from pinned memory without waiting
+        for the device (``torch.as_tensor(..., device="cuda")`` copies synchronously: a host sync per batch)."""
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        if self.input_ids.is_cuda:
+            idx = idx.pin_memory().to(self.input_ids.device, non_blocking=True)
+        out = {"input_ids": self.input_ids[idx], "labels": self.labels[idx]}
+        if not self.packed:
+            out["attention_mask"] = self.attention_mask[idx]
+        return out
 
     def step_indices(self, effective_batch: int, seed: int) -> Iterator[list[int]]:
         """Sample indices for each optimizer step: a fresh seeded permutation every epoch, consumed in order."""

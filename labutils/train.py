@@ -79,7 +79,11 @@ class RunResult:
     grad_norms: list = field(default_factory=list)    # global L2 norm of the (unscaled) gradients, pre-clip
     loss_scales: list = field(default_factory=list)   # fp16: GradScaler scale used at each step
     skipped: list = field(default_factory=list)       # fp16: steps skipped because gradients overflowed
-    step_times: list = field(default_factory=list)    # seconds, device synchronised
+    step_times: list = field(default_factory=list)    # seconds, device synchronised: each step's whole wall-clock
+    timed_steps: int = 0     # the speed numbers average the last this-many steps; 0: no step was timed (speeds None)
+    compile_seconds: float | None = None  # train.compile: extra time of the compiling steps over a timed step
+    untimed_seconds: float = 0.0  # between steps, left out of step_times: state_bytes, memory tracker, on_step
+    num_alloc_retries: int | None = None  # CUDA: allocator frees-and-retries during the run (near a memory cap)
     tokens_per_step: int = 0          # positions processed per optimizer step (padding included: it is computed)
     target_tokens: list = field(default_factory=list)  # positions that count in the loss, per step
     effective_batch_size: int = 0
@@ -220,9 +224,13 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
         autocast = autocast_for(t.precision, device)
         scaler = scaler_for(t.precision, device, **(scaler_kwargs or {}))
         probe = AttentionProbe()
+        one = torch.ones((), device=device) if scaler else None
         bar = tqdm(range(t.steps), desc=desc or f"{cfg.model.name} {t.precision}", disable=not (progress and _env.progress_bars()), leave=False)
+        graphs, compile_steps = compiled_graphs() if t.compile else 0, []
+        retries = dev.memory_stats(device).get("num_alloc_retries")
+        mark = time.perf_counter()  # each step's time runs from the previous step's end to its own end
         for step in bar:
-            start = time.perf_counter()
+            untimed = 0.0  # bookkeeping that is not training: measured and left out of this step's time
             window = next(windows)
             loss_sum = torch.zeros((), device=device)
             for i, mb in enumerate(window.micro_batches):
@@ -234,7 +242,7 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
             if step in inject_overflow_at:
                 params[0].grad.view(-1)[0] = float("inf")
             if scaler:
-                result.loss_scales.append(scaler.get_scale())
+                used = scaler.scale(one)  # the scale this step used, kept on the device (get_scale() would sync)
                 scaler.unscale_(optimizer)
             if t.max_grad_norm is not None:
                 norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
@@ -243,33 +251,52 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
             if scaler:
                 scaler.step(optimizer)
                 scaler.update()
-                if scaler.get_scale() < result.loss_scales[-1]:
-                    result.skipped.append(step)
             else:
                 optimizer.step()
             step_scheduler(scheduler)
             if step == t.steps - 1:  # model state as the run ends, gradients still allocated
+                u = time.perf_counter()
                 result.memory = state_bytes(model, optimizer)
+                untimed += time.perf_counter() - u
             optimizer.zero_grad(set_to_none=True)
-            value = loss_sum.item()  # also synchronises the device, so the step time is real
+            # The step's one host read: loss, grad norm and (fp16) the scale before and after update(), in one
+            # transfer. It waits for the device, so the step time is real.
+            read = [loss_sum, norm.float()] + ([used, scaler.scale(one)] if scaler else [])
+            value, grad_norm, *scales = torch.stack(read).tolist()
+            if scaler:
+                result.loss_scales.append(scales[0])
+                if scales[1] < scales[0]:  # update() lowers the scale exactly when step() skipped
+                    result.skipped.append(step)
             result.attention_kernel = probe.kernel or result.attention_kernel
-            result.step_times.append(time.perf_counter() - start)
             if not math.isfinite(value) and not scaler:
                 raise NonFiniteLossError(
                     f"step {step}: loss is {value} with precision {t.precision}. Lower train.lr, set "
                     f"train.max_grad_norm, or check the data; fp16 needs its GradScaler (this loop uses one).")
             result.losses.append(value)
-            result.grad_norms.append(float(norm))
+            result.grad_norms.append(grad_norm)
             result.target_tokens.append(window.num_targets)
             real_positions += window.num_real
             if progress:
                 bar.set_postfix(loss=f"{value:.3f}", refresh=False)
+            if t.compile and compiled_graphs() != graphs:  # torch.compile compiled during this step
+                graphs = compiled_graphs()
+                compile_steps.append(step)
             if on_step:
+                u = time.perf_counter()
                 on_step(step, result, model, optimizer, scaler)
+                untimed += time.perf_counter() - u
             if tracker and step + 1 == tracked_steps:
+                u = time.perf_counter()
                 stack.close()  # ends the tracker (and restores TF32 flags: re-entered below)
                 stack.enter_context(_env.matmul_precision(tf32=t.precision == "tf32"))
+                untimed += time.perf_counter() - u
+            now = time.perf_counter()
+            result.step_times.append(now - mark - untimed)
+            result.untimed_seconds += untimed
+            mark = now
         bar.close()
+        if retries is not None:
+            result.num_alloc_retries = dev.memory_stats(device).get("num_alloc_retries", retries) - retries
     except torch.OutOfMemoryError as exc:
         stack.close()  # ends the tracker: its peak is the memory reached when allocation failed
         if tracker:
@@ -286,13 +313,46 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
         result.memory.update(start_bytes=tracker.start_bytes, peak_bytes=tracker.peak_bytes,
                              end_bytes=tracker.end_bytes, reserved_bytes=tracker.reserved_bytes,
                              tracked_steps=tracked_steps)
-    first_timed = t.timing_warmup_steps if tracked_steps == t.steps else max(t.timing_warmup_steps, tracked_steps)
-    timed = result.step_times[min(first_timed, len(result.step_times) - 1):]
-    result.step_time_seconds = sum(timed) / len(timed)
-    result.tokens_per_second = result.tokens_per_step / result.step_time_seconds
-    _speeds(result, len(timed), real_positions)
-    account_flops(result, cfg, dataset.seq_length, device, len(timed))
+    # On the CPU the memory-tracked steps are slow (Python work per operator): left out when a step remains.
+    slow = tracked_steps if device.type != "cuda" and tracker is not None else 0
+    first = first_timed_step(t.steps, t.timing_warmup_steps, compile_steps, slow)
+    _finish_timing(result, cfg, dataset.seq_length, device, first, compile_steps, real_positions)
     return result
+
+
+def compiled_graphs() -> int:
+    """How many graphs torch.compile (dynamo) has compiled in this process so far: dynamo's own counter."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def first_timed_step(steps: int, warmup: int, compile_steps=(), slow_steps: int = 0) -> int:
+    """The first step whose time counts: after the ``warmup`` steps and after the last step that compiled (compiling
+    is never timed), and after the first ``slow_steps`` (CPU memory tracking) if that leaves a step to time.
+    ``steps`` (no step timed) when ``steps <= warmup`` or the last step compiled: never warm-up timed silently."""
+    first = max(warmup, max(compile_steps, default=-1) + 1)
+    return max(first, slow_steps) if max(first, slow_steps) < steps else first
+
+
+def _finish_timing(result: RunResult, cfg: Config, seq_length: int, device, first: int, compile_steps,
+                   real_positions: int) -> None:
+    """Step time and speeds over the timed steps ``first..`` (none: they stay None), compile seconds apart."""
+    timed = result.step_times[first:]
+    result.timed_steps = len(timed)
+    mean = sum(timed) / len(timed) if timed else None
+    if compile_steps:  # what the compiling steps took beyond a timed step (all of it when none was timed)
+        result.compile_seconds = max(0.0, sum(result.step_times[s] - (mean or 0.0) for s in compile_steps))
+    elif cfg.train.compile:
+        result.compile_seconds = 0.0
+    steps = len(result.target_tokens)
+    result.padding_fraction = 1.0 - real_positions / (result.tokens_per_step * steps) if steps else None
+    if not timed:
+        return
+    result.step_time_seconds = mean
+    result.tokens_per_second = result.tokens_per_step / mean
+    _speeds(result, len(timed), real_positions)
+    account_flops(result, cfg, seq_length, device, len(timed))
 
 
 def _speeds(result: RunResult, n_timed: int, real_positions: int) -> None:
@@ -424,10 +484,7 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
         result.peak_memory_bytes = int(acc.reduce(peak, reduction="max"))  # the busiest rank
     else:
         result.peak_memory_bytes = None
-    timed = result.step_times[min(t.timing_warmup_steps, len(result.step_times) - 1):]
-    result.step_time_seconds = sum(timed) / len(timed)
-    result.tokens_per_second = result.tokens_per_step / result.step_time_seconds
-    _speeds(result, len(timed), real_positions)
-    account_flops(result, cfg, dataset.seq_length, device, len(timed))
+    _finish_timing(result, cfg, dataset.seq_length, device, first_timed_step(t.steps, t.timing_warmup_steps), (),
+                   real_positions)
     acc.free_memory()
     return result

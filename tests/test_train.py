@@ -186,3 +186,64 @@ def test_progress_bars_follow_lab_progress(capsys, monkeypatch, setting, bar_sho
 def test_regenerate_kernels_run_without_progress_bars():
     from labutils import regenerate as rg
     assert rg.kernel_env("/tmp/r", smoke=True, gpu_memory_gb=None, base={"LAB_PROGRESS": "1"})["LAB_PROGRESS"] == "0"
+
+
+def test_step_times_tile_the_loop_wall_clock():
+    """Each step's time runs from the previous step's end to its own end: the loop's own post-step work (records,
+    progress bar, the CPU tracker's stop) lands in some step, and what is not training (``on_step``, state_bytes)
+    is measured and reported as ``untimed_seconds``. Oracle: the test's own clock between on_step calls.
+    Breaks if a step's timer starts late or stops early (the old loop left everything after ``.item()`` out) or if
+    the bookkeeping is silently dropped instead of accounted."""
+    import time
+
+    cfg = tiny_config(train__steps=4, train__timing_warmup_steps=1)
+    stamps, naps = [], []
+
+    def on_step(step, *_):
+        t0 = time.perf_counter()
+        time.sleep(0.05)  # caller work between steps: must not be in any step's time, and must be accounted
+        naps.append(time.perf_counter() - t0)
+        stamps.append(time.perf_counter())
+    res, _ = _train(cfg, on_step=on_step)
+    wall = stamps[-1] - stamps[0]  # from on_step(0)'s end to on_step(3)'s end: steps 1..3 and their bookkeeping
+    accounted = sum(res.step_times[1:]) + res.untimed_seconds - naps[0]
+    assert res.untimed_seconds >= sum(naps)
+    assert abs(accounted - wall) < 0.01, (accounted, wall)
+    for k in (1, 2, 3):  # and the naps are in none of the step times
+        assert res.step_times[k] < stamps[k] - stamps[k - 1] - 0.04
+
+
+def test_no_timed_steps_is_said_not_filled_with_warm_up(capsys, root, tmp_path, monkeypatch):
+    """steps <= timing_warmup_steps: every step is warm-up. Breaks if the speed numbers quietly come from warm-up
+    steps again (the old loop timed the last step whatever the warm-up)."""
+    import json
+
+    res, _ = _train(tiny_config(train__steps=2, train__timing_warmup_steps=2))
+    assert res.ok and len(res.losses) == 2 and res.timed_steps == 0
+    assert res.step_time_seconds is None and res.tokens_per_second is None and res.target_tokens_per_second is None
+    monkeypatch.setenv("LAB_SMOKE", "1")
+    out = tmp_path / "r.json"
+    assert main(["run", str(root / "configs/fp32_config.yaml"), "--set", "train.steps=1",
+                 "train.timing_warmup_steps=1", "--json", str(out), "--quiet"]) == 0
+    assert "no timed steps" in capsys.readouterr().out
+    d = json.loads(out.read_text())
+    assert d["timed_steps"] == 0 and d["step_time_seconds"] is None
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_compile_seconds_apart_from_step_times(ragged_corpus):
+    """With train.compile the compiling step is never timed; its extra time is ``compile_seconds`` (in --json).
+    Oracle for which step compiled: dynamo's own graph counter. Breaks if compilation lands in a timed step
+    (timing_warmup_steps is 0 here, so only the compile rule keeps step 0 out) or compile time goes unreported."""
+    # packed: every window has the same target count. (Padded windows differ, and dynamo recompiles the step
+    # whose int num_items_in_batch is new: that step is then left out too.)
+    cfg = tiny_config(ragged_corpus, data__pack=True, train__steps=3, train__compile=True,
+                      train__timing_warmup_steps=0)
+    res, _ = _train(cfg, track_memory=False)  # (on the CPU the memory-tracked steps are not timed either)
+    assert res.ok and res.timed_steps == 2  # step 0 compiled: left out although the warm-up is 0
+    mean = sum(res.step_times[1:]) / 2
+    assert res.step_time_seconds == pytest.approx(mean)
+    assert res.compile_seconds == pytest.approx(res.step_times[0] - mean) and res.compile_seconds > 0
+    assert res.to_dict()["compile_seconds"] == res.compile_seconds
+    eager, _ = _train(tiny_config(ragged_corpus, train__steps=3), track_memory=False)
+    assert eager.compile_seconds is None and eager.timed_steps == 3
