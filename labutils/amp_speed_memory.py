@@ -1,6 +1,8 @@
 """Lab 01 helpers, what mixed precision saves: where one training step's memory goes (what autograd saves under
 autocast, the dtypes of the training state), matmul throughput per dtype, the comparison table and figure of
 the four precisions, what the speed-ups say (Amdahl, MFU), and the README's expectations and claims C1/C2.
+One training step op by op (:func:`op_profile` on a ``torch.profiler`` profile): matmul-like ops against the
+memory-bound rest, and what that says (:func:`profile_readings`).
 
 The training step measured here is the notebook's own written-out ``amp_step``, passed in. The numerics
 (formats, underflow, overflow, loss scaling) are in :mod:`labutils.precision`.
@@ -241,6 +243,184 @@ def mfu_readings(points: list, amp: str, hardware: str, gpu_name: str | None) ->
     return lines
 
 
+# --------------------------------------------------------------------------------------------- one step, op by op
+# How the profile of a training step is grouped (op_group): matmul-like ops run on tensor cores in half precision;
+# every other ATen op that touches data is bound by memory traffic (elementwise, reductions, norms, softmax,
+# dropout, the optimizer's update), the casts and copies autocast adds among them; views, allocation and the
+# framework's own events (autograd nodes, optimizer ranges) move no data.
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::matmul", "aten::linear",
+              "aten::_scaled_mm", "aten::mv", "aten::addmv", "aten::dot"}
+MATMUL_PREFIXES = ("aten::_scaled_dot_product_", "aten::scaled_dot_product_attention", "aten::_flash_attention",
+                   "aten::_efficient_attention", "aten::_cudnn_attention")
+CAST_OPS = {"aten::_to_copy", "aten::copy_", "aten::to", "aten::clone", "aten::contiguous"}
+NO_DATA_OPS = {"aten::view", "aten::_unsafe_view", "aten::reshape", "aten::_reshape_alias", "aten::t", "aten::transpose",
+               "aten::permute", "aten::expand", "aten::expand_as", "aten::as_strided", "aten::slice", "aten::select",
+               "aten::unsqueeze", "aten::squeeze", "aten::split", "aten::split_with_sizes", "aten::chunk",
+               "aten::unbind", "aten::narrow", "aten::alias", "aten::detach", "aten::detach_", "aten::empty",
+               "aten::empty_strided", "aten::empty_like", "aten::resolve_conj", "aten::resolve_neg",
+               "aten::lift_fresh", "aten::view_as", "aten::flatten", "aten::unflatten", "aten::numpy_T",
+               "aten::item", "aten::_local_scalar_dense", "aten::is_nonzero", "aten::result_type"}
+MATMUL, ELEMENTWISE, CASTS, OTHER = ("matmul", "elementwise / reductions", "casts / copies",
+                                     "other (views, allocation, framework)")
+OP_GROUPS = (MATMUL, ELEMENTWISE, CASTS, OTHER)
+MEMORY_BOUND = (ELEMENTWISE, CASTS)
+_FLOAT_INPUTS = {"float": "fp32", "c10::Half": "fp16", "c10::BFloat16": "bf16"}
+
+
+def op_group(name: str) -> str:
+    """The group of a profiler event's name (see the comment above): one of :data:`OP_GROUPS`."""
+    if name in MATMUL_OPS or name.startswith(MATMUL_PREFIXES):
+        return MATMUL
+    if name in CAST_OPS:
+        return CASTS
+    if name in NO_DATA_OPS or not name.startswith("aten::"):
+        return OTHER
+    return ELEMENTWISE
+
+
+def _input_dtype(e) -> str | None:
+    """fp32 / fp16 / bf16: the dtype of an event's first floating-point tensor input (needs record_shapes=True)."""
+    for d in getattr(e, "input_dtypes", None) or []:
+        if d in _FLOAT_INPUTS:
+            return _FLOAT_INPUTS[d]
+    return None
+
+
+@dataclass
+class OpProfile:
+    """One profile of ``steps`` training steps, op by op. ``basis``: what the times are (GPU kernel time when the
+    profile has GPU activity, else CPU time); ``ops``: one row per operator name, times per step in ms."""
+    basis: str
+    on_gpu: bool
+    steps: int
+    ops: list
+
+    def group_ms(self, group: str) -> float:
+        return sum(r["ms"] for r in self.ops if r["group"] == group)
+
+    @property
+    def total_ms(self) -> float:
+        return sum(r["ms"] for r in self.ops)
+
+
+def op_profile(events, steps: int = 1) -> OpProfile:
+    """Per operator of a ``torch.profiler`` profile (``prof.events()``, recorded with ``record_shapes=True``): its
+    group, calls per step, self time per step (each op's own time without its children, so nothing counts twice:
+    on a GPU the self *device* time of the kernels it launched, on any thread, as
+    :func:`labutils.profiling.range_times` reads it; else self CPU time), and how much of that time had an FP32
+    first input outside the optimizer step (``fp32_input_ms``: what autocast left in FP32)."""
+    from torch.autograd import DeviceType
+
+    cpu_ops = [e for e in events if e.device_type == DeviceType.CPU]
+    on_gpu = any(e.device_type != DeviceType.CPU for e in events)
+    optim = [(e.time_range.start, e.time_range.end) for e in cpu_ops if e.name.startswith("Optimizer.step#")]
+    rows: dict[str, dict] = {}
+    for e in cpu_ops:
+        us = e.self_device_time_total if on_gpu else e.self_cpu_time_total
+        r = rows.setdefault(e.name, {"op": e.name, "group": op_group(e.name), "calls": 0, "ms": 0.0,
+                                     "fp32_input_ms": 0.0, "optimizer_ms": 0.0})
+        r["calls"] += 1
+        r["ms"] += us / 1e3
+        if any(a <= e.time_range.start and e.time_range.end <= b for a, b in optim):
+            r["optimizer_ms"] += us / 1e3
+        elif _input_dtype(e) == "fp32":
+            r["fp32_input_ms"] += us / 1e3
+    for r in rows.values():
+        r["calls"] /= steps
+        for k in ("ms", "fp32_input_ms", "optimizer_ms"):
+            r[k] /= steps
+    ops = sorted(rows.values(), key=lambda r: -r["ms"])
+    return OpProfile("GPU kernel time" if on_gpu else "CPU time", on_gpu, steps, ops)
+
+
+def op_group_rows(profiles: dict, baseline: str = "fp32") -> list[dict]:
+    """One row per op group (then memory-bound = elementwise + casts, then all ops): time per step in each
+    profile of ``profiles`` ``{precision: OpProfile}``, its share of that profile's total, and the speed-up of each
+    non-baseline precision (baseline time / its time)."""
+    base = profiles[baseline]
+    groups = [(g, (g,)) for g in OP_GROUPS] + [("memory-bound (elementwise + casts)", MEMORY_BOUND),
+                                               ("all ops", OP_GROUPS)]
+    rows = []
+    for label, members in groups:
+        row = {"group": label}
+        for p, prof in profiles.items():
+            ms = sum(prof.group_ms(g) for g in members)
+            row[f"{p}_ms"] = ms
+            row[f"{p}_share"] = ms / prof.total_ms if prof.total_ms else None
+        for p in profiles:
+            if p != baseline:
+                b, x = row[f"{baseline}_ms"], row[f"{p}_ms"]
+                row[f"speedup_{p}"] = b / x if b > 0 and x > 0 else None
+        row["calls"] = ", ".join(f"{p}: {sum(r['calls'] for r in prof.ops if r['group'] in members):.0f}"
+                                 for p, prof in profiles.items())
+        rows.append(row)
+    return rows
+
+
+def top_op_rows(profile: OpProfile, n: int = 5) -> list[dict]:
+    """The ``n`` operators with the most self time per step: group, calls, time, share of the step's op time,
+    and the time spent with FP32 inputs outside the optimizer step."""
+    return [{"rank": i, "op": r["op"], "group": r["group"], "calls": r["calls"], "ms": r["ms"],
+             "share": r["ms"] / profile.total_ms if profile.total_ms else None,
+             "fp32_input_ms": r["fp32_input_ms"]}
+            for i, r in enumerate(profile.ops[:n], start=1)]
+
+
+def profile_readings(profiles: dict, amp: str, activation: str, baseline: str = "fp32") -> list[str]:
+    """What the op-group profile of ``baseline`` and ``amp`` says, every number from the profiles: the matmul
+    group's speed-up next to the memory-bound ops', the casts autocast added, and the memory-bound work that still
+    ran with FP32 inputs under autocast. On a GPU it states the lesson the signs allow; from a CPU profile it says
+    what the CPU measured and draws no GPU conclusion (a CPU has no tensor cores)."""
+    b, a = profiles[baseline], profiles[amp]
+    mm_b, mm_a = b.group_ms(MATMUL), a.group_ms(MATMUL)
+    mem_b, mem_a = (sum(p.group_ms(g) for g in MEMORY_BOUND) for p in (b, a))
+    mm_x = mm_b / mm_a if mm_a > 0 else None
+    mem_x = mem_b / mem_a if mem_a > 0 else None
+    fmt_x = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
+    casts = {p: sum(r["calls"] for r in prof.ops if r["op"] == "aten::_to_copy") for p, prof in ((baseline, b), (amp, a))}
+    fp32_ops = sorted((r for r in a.ops if r["group"] in MEMORY_BOUND and r["fp32_input_ms"] > 0),
+                      key=lambda r: -r["fp32_input_ms"])
+    fp32_ms = sum(r["fp32_input_ms"] for r in fp32_ops)
+    by_name = {r["op"]: r for r in b.ops}
+    lines = [
+        f"{a.basis} per training step, {baseline} -> {amp}: matmul ops {mm_b:.2f} -> {mm_a:.2f} ms ({fmt_x(mm_x)}), "
+        f"memory-bound ops (elementwise, reductions, casts) {mem_b:.2f} -> {mem_a:.2f} ms ({fmt_x(mem_x)}); "
+        f"matmuls were {mm_b / b.total_ms:.0%} of the {baseline} op time and {mm_a / a.total_ms:.0%} of the "
+        f"{amp} op time.",
+        f"casts (aten::_to_copy) per step: {casts[baseline]:.0f} in {baseline}, {casts[amp]:.0f} under {amp} autocast "
+        f"({a.group_ms(CASTS):.2f} ms of casts and copies vs {b.group_ms(CASTS):.2f} ms).",
+        f"MLP activation of this run: model.config.activation_function = '{activation}'. Under {amp} autocast "
+        f"{fp32_ms:.2f} ms per step of memory-bound forward/backward work still read FP32 inputs"
+        + (": " + ", ".join(f"{r['op']} {r['fp32_input_ms']:.2f} ms"
+                            + (f" (op speed-up {by_name[r['op']]['ms'] / r['ms']:.2f}x)"
+                               if by_name.get(r["op"], {}).get("ms", 0) >= 0.01 else " (next to nothing in fp32)")
+                            for r in fp32_ops[:4]) if fp32_ops else "") + "."]
+    if not a.on_gpu:
+        lines.append(f"these are CPU times: on this CPU the matmuls ran at {fmt_x(mm_x)} and the memory-bound ops at "
+                     f"{fmt_x(mem_x)} their {baseline} speed. A CPU has no tensor cores and its own memory system, so "
+                     f"this profile says nothing about how the same step runs on a GPU: no GPU conclusion is drawn. "
+                     f"On a GPU this cell reads the tensor-core lesson from the GPU kernel times.")
+        return lines
+    if mm_x is None or mem_x is None:
+        lines.append("a group is empty in one of the profiles: no reading.")
+    elif mm_x > 1 and mm_x > mem_x:
+        lines.append(f"the matmuls sped up {mm_x:.2f}x, the memory-bound ops {mem_x:.2f}x: tensor cores make the "
+                     f"half-precision matmuls faster, while an elementwise op is bound by the bytes it moves, which "
+                     f"half precision at best halves (2x)" + (", and the ops that autocast kept in FP32 move as many "
+                     f"bytes as before plus the casts around them" if fp32_ms > 0 else "") + ".")
+        lines.append(f"so the memory-bound ops grow from {mem_b / b.total_ms:.0%} of the {baseline} step's GPU time "
+                     f"to {mem_a / a.total_ms:.0%} of the {amp} step's: after AMP they are what is left to speed up "
+                     f"(fused kernels, torch.compile), not the matmuls.")
+        if mem_x > 2.05:
+            lines.append(f"the memory-bound ops gained more than the 2x that halving their bytes allows "
+                         f"({mem_x:.2f}x): fewer or different kernels ran, or the profile is noisy.")
+    else:
+        lines.append(f"on this GPU the matmuls did not speed up more than the rest ({fmt_x(mm_x)} vs {fmt_x(mem_x)}): "
+                     f"no fast half-precision path, or matmuls this small leave the card idle (launch-bound); this run "
+                     f"does not show the tensor-core lesson.")
+    return lines
+
+
 # --------------------------------------------------------------------------------------------- the four runs
 def skipped_result(cfg, reason: str, device=None):
     """A RunResult row for an experiment this machine cannot run, with the reason."""
@@ -396,4 +576,5 @@ def c1_c2_claims(runs: dict, cond: dict, *, amp: str, model_state: int | None = 
 
 __all__ = ["HALF_DTYPES", "PRECISION_DTYPES", "SavedTensorCensus", "saved_tensor_census", "dtype_report",
            "measure_step_memory", "memory_breakdown_rows", "dtype_rows", "matmul_tflops", "speedup_readings",
-           "mfu_readings", "skipped_result", "comparison_rows", "plot_comparison", "readme_rows", "c1_c2_claims"]
+           "mfu_readings", "OP_GROUPS", "MEMORY_BOUND", "op_group", "OpProfile", "op_profile", "op_group_rows",
+           "top_op_rows", "profile_readings", "skipped_result", "comparison_rows", "plot_comparison", "readme_rows", "c1_c2_claims"]
