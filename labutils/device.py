@@ -395,18 +395,6 @@ def record_history(enabled: bool = True, max_entries: int = 100_000, stacks: str
     return True
 
 
-def memory_phase(label: str) -> bool:
-    """Tag the allocator's following allocations with ``label`` (the phase of a step: "forward", "backward",
-    "optimizer step"; "" clears it). The tag belongs to the device's allocator, not to a thread, so it also marks
-    what autograd's own thread allocates in backward, which has no Python frames; snapshots carry it as each trace
-    entry's ``user_metadata`` (``torch.cuda.memory._set_memory_metadata``, in recent torch only). False where it
-    cannot (CPU, older torch): :class:`labutils.profiling.PhaseMarks` then falls back on time markers."""
-    if not cuda_available() or not hasattr(torch._C, "_cuda_setMemoryMetadata"):
-        return False
-    torch.cuda.memory._set_memory_metadata(label)
-    return True
-
-
 def snapshot() -> dict | None:
     """The allocator's snapshot (segments and the recorded trace); None on CPU."""
     return torch.cuda.memory._snapshot() if cuda_available() else None

@@ -117,13 +117,14 @@ _INTERNAL = ("/torch/", "/site-packages/torch", "<frozen", "/tqdm/", "/contextli
 
 
 class PhaseMarks:
-    """``mark = PhaseMarks(); ...; mark("after forward"); ...; mark.close()``: the phase of a training step that
+    """``mark = PhaseMarks(); ...; mark("after forward"); ...``: the phase of a training step that
     each later allocation belongs to, for :func:`trace_summary`'s ``phases=mark.phases``. With
     ``stacks="python"`` (lab 04's snapshot) backward allocates on autograd's own thread, with no Python frames;
     the phase names those allocations (forward / backward / optimizer step) instead of one "(no stack)" row.
-    Each mark tags the allocator (:func:`labutils.device.memory_phase`, read back from the snapshot) where
-    torch can, and always records a time marker (``clock``: microseconds in the trace's clock, Unix time for a
-    CUDA snapshot) as the fallback. Stage names of :data:`CPU_TRACE_PHASES` become phase names."""
+    Each mark is a time marker in the trace's clock (``clock``, microseconds: a CUDA snapshot's ``time_us`` is
+    Unix time, converted from the allocator's TSC clock in c10/cuda/CUDACachingAllocator.cpp). Not the
+    allocator's ``_set_memory_metadata`` tag: torch documents it as thread-local, so autograd's thread never
+    carries it. Stage names of :data:`CPU_TRACE_PHASES` become phase names."""
 
     def __init__(self, clock=None):
         self.clock = clock or (lambda: time.time_ns() / 1e3)
@@ -132,10 +133,6 @@ class PhaseMarks:
     def __call__(self, stage: str) -> None:
         label = CPU_TRACE_PHASES.get(stage, stage)
         self.phases.append((self.clock(), label))
-        dev.memory_phase(label)
-
-    def close(self) -> None:
-        dev.memory_phase("")
 
 
 def _phase_at(phases, t) -> str | None:
@@ -179,8 +176,7 @@ def trace_summary(snapshot: dict, device: int = 0, start_bytes: int = 0, top: in
 
     ``start_bytes``: what was allocated when recording started (the trace only sees later events).
     ``phases``: :class:`PhaseMarks`' markers; an allocation without Python frames is attributed to the phase it
-    happened in: the entry's ``user_metadata`` (the allocator's tag, :func:`labutils.device.memory_phase`) when
-    the snapshot has one, else the last marker at or before its ``time_us``.
+    happened in, the last marker at or before its ``time_us``.
     Returns ``{"t": [...], "bytes": [...], "peak_bytes", "peak_index", "top_at_peak": [rows],
     "top_allocated": [rows], "events"}``."""
     traces = snapshot.get("device_traces") or [[]]
@@ -194,7 +190,7 @@ def trace_summary(snapshot: dict, device: int = 0, start_bytes: int = 0, top: in
     for i, e in enumerate(trace):
         action = e.get("action")
         if action == "alloc":
-            site = _site(e.get("frames"), e.get("user_metadata") or _phase_at(phases, e.get("time_us")))
+            site = _site(e.get("frames"), _phase_at(phases, e.get("time_us")))
             live[e["addr"]] = (e["size"], site)
             cur += e["size"]
             allocated_by_site[site][0] += e["size"]

@@ -206,16 +206,6 @@ def test_peak_reserved_is_the_allocators(monkeypatch):
     assert dev.peak_reserved() == 3 * MiB and dev.allocated() == 0
 
 
-def test_memory_phase_tags_the_allocator(monkeypatch):
-    """device.memory_phase goes through torch's own _set_memory_metadata to the allocator's entry point."""
-    fake_cuda.install(monkeypatch, "t4")
-    tags = []
-    monkeypatch.setattr(torch._C, "_cuda_setMemoryMetadata", tags.append, raising=False)
-    assert dev.memory_phase("backward") and tags == ["backward"]
-    monkeypatch.delattr(torch._C, "_cuda_setMemoryMetadata")
-    assert not dev.memory_phase("backward")  # an older torch: no tag, PhaseMarks' time markers remain
-
-
 def exercise_card_budget(monkeypatch) -> None:
     """The device module's card-budget lines, run by tests/test_device.py's in-process coverage check too."""
     with monkeypatch.context() as m:
@@ -234,8 +224,6 @@ def exercise_card_budget(monkeypatch) -> None:
         test_cap_follows_what_grows_outside_after_the_first_step(m)
     with monkeypatch.context() as m:
         test_peak_reserved_is_the_allocators(m)
-    with monkeypatch.context() as m:
-        test_memory_phase_tags_the_allocator(m)
     test_cpu_has_no_processes_budget_or_reserved()
 
 

@@ -3,12 +3,10 @@ attributed to the phase of the step they happened in, not lumped into one "(no s
 
 The traces come from the pretend GPU's allocator (tests/fake_cuda.py records alloc/free entries the way
 ``torch.cuda.memory._snapshot()`` lays them out: ``action``, ``addr``, ``size``, ``frames``, ``time_us``); the
-allocator's tag is read back as torch writes it, ``trace_entry["user_metadata"]`` (torch/csrc/cuda/
-memory_snapshot.cpp)."""
+markers use the snapshot's clock."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import fake_cuda
 from labutils import device as dev
@@ -46,7 +44,6 @@ def test_frameless_allocations_are_named_by_their_phase(gpu):
     assert dev.record_history(True, stacks="python")
     marks = PhaseMarks(clock=lambda: len(gpu.trace))   # the pretend allocator's clock: one tick per event
     one_step(gpu, marks)
-    marks.close()
     summary = trace_summary(dev.snapshot(), phases=marks.phases)
     allocated = {r["site"]: r["bytes"] for r in summary["top_allocated"]}
     assert allocated["backward (no Python frames)"] == 64 * MiB
@@ -59,21 +56,12 @@ def test_frameless_allocations_are_named_by_their_phase(gpu):
     assert plain == {"backward (autograd thread: no Python frames)", "lab/model.py:12 (forward)"}
 
 
-def test_the_allocators_tag_wins_over_time_markers(gpu, monkeypatch):
-    """Where torch tags allocations (``_set_memory_metadata``, per allocator: autograd's thread too), the tag
-    read back from the snapshot names the phase; PhaseMarks sets it through the device module."""
-    tags = []
-    monkeypatch.setattr(torch._C, "_cuda_setMemoryMetadata", tags.append, raising=False)  # the driver entry
-    marks = PhaseMarks(clock=lambda: 0.0)   # every time marker at 0: they alone would say "zero_grad"
-    one_step(gpu, marks)
-    marks.close()
-    assert tags == ["forward (outside modules)", "backward", "optimizer step", "zero_grad", ""]
-    snap = {"device_traces": [[
-        {"action": "alloc", "addr": 1, "size": 5, "frames": [], "time_us": 7, "user_metadata": "backward"},
-        {"action": "alloc", "addr": 2, "size": 3, "frames": [], "time_us": 9, "user_metadata": ""}]]}
-    sites = {r["site"]: r["bytes"] for r in trace_summary(snap, phases=marks.phases)["top_allocated"]}
-    assert sites == {"backward (no Python frames)": 5, "zero_grad (no Python frames)": 3}
+def test_markers_use_the_snapshots_clock():
+    """A CUDA snapshot's time_us is Unix time in microseconds (c10/cuda/CUDACachingAllocator.cpp converts the TSC
+    clock to "epoch time in microseconds"): the default marker clock must be that one."""
+    import time
 
-
-def test_no_phase_tag_on_the_cpu():
-    assert not dev.memory_phase("backward")
+    marks = PhaseMarks()
+    marks("after forward")
+    (when, label), = marks.phases
+    assert label == "backward" and abs(when - time.time() * 1e6) < 5e6
