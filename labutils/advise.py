@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from . import cards
 from . import device as dev
 from .distributed import zero_table
 from .estimate import CUDA_CONTEXT_BYTES, HEADROOM, GiB, Plan, estimate_memory, estimate_plan, fits, plan_from_config
@@ -125,14 +126,16 @@ def _gpu_name() -> str | None:
 
 
 def default_budget_bytes() -> tuple[int, str]:
-    """The card to fit on: this GPU's memory, or the card it was told to behave like (``LAB_GPU_MEMORY_GB``);
-    8 GiB without a GPU. ``fits`` then leaves room for the CUDA context itself."""
+    """The card to fit on: this GPU's memory, or the card it was told to behave like (``LAB_GPU_MEMORY_GB``:
+    what torch reports on such a card, :mod:`labutils.cards`); an 8 GB card without a GPU. ``fits`` then leaves
+    room for the CUDA context itself."""
     if dev.cuda_available():
         budget = dev.current_budget() or dev.card_budget(dev.budget_from_env())
         if budget:
-            return int(budget["card_gib"] * GiB), f"this GPU ({dev.name()}) behaving like a {budget['card_gib']:g} GiB card"
+            return budget["card_total_bytes"], f"this GPU ({dev.name()}) behaving like a {budget['card_gib']:g} GB card"
         return dev.total_memory(), f"this GPU ({dev.name()})"
-    return 8 * GiB, "no GPU here: an 8 GiB card"
+    total, rule = cards.card_total_bytes(8)
+    return total, f"no GPU here: an 8 GB card ({rule})"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -147,7 +150,8 @@ def cli_estimate(cfg, args) -> int:
     recommendation, and per GPU under data parallelism / ZeRO; ``args.json``: all of it as JSON too."""
     start = time.perf_counter()
     if args.gpu_memory_gb is not None:
-        budget, where = int(args.gpu_memory_gb * GiB), f"--gpu-memory-gb {args.gpu_memory_gb:g}"
+        budget, rule = cards.card_total_bytes(args.gpu_memory_gb)
+        where = f"--gpu-memory-gb {args.gpu_memory_gb:g}: {rule}"
     else:
         budget, where = default_budget_bytes()
     est = estimate_memory(cfg)

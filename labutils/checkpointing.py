@@ -217,8 +217,8 @@ class CountingSaveOnCPU(torch.autograd.graph.save_on_cpu):
             try:
                 device, packed = pack(t)
             except RuntimeError as exc:  # pinned host memory exhausted: torch raises a plain RuntimeError
-                if isinstance(exc, torch.OutOfMemoryError) or not self.pinned:
-                    raise
+                if isinstance(exc, torch.OutOfMemoryError) or not self.pinned or not dev.is_oom(exc):
+                    raise  # any other error (a bad tensor, a driver fault) is what it is, not an OOM
                 raise torch.OutOfMemoryError(f"CPU offload: could not allocate {t.numel() * t.element_size()} "
                                              f"bytes of pinned host memory ({first_line(exc)})") from exc
             # Already on the CPU, .cpu() returns the tensor itself; a saved *output* held that way would form a

@@ -115,9 +115,8 @@ def _apply_budget(verbose: bool = True) -> None:
         raise ConfigError("environment", "LAB_GPU_MEMORY_GB", os.environ.get("LAB_GPU_MEMORY_GB", "")[:40],
                           "must be a number of GiB >= 0 (the card to behave like; 0 or unset = no cap)") from exc
     if budget and verbose:
-        print(f"memory budget: like a {budget['card_gib']:g} GiB card (allocator cap "
-              f"{budget['allocator_cap_bytes'] / 2**30:.2f} GiB; {budget['outside_allocator_bytes'] / 2**30:.2f} GiB "
-              f"outside the allocator, {budget['how']})")
+        from .device import budget_line
+        print(budget_line(budget))
 
 
 def _fit_to_card(cfg, mode: str, verbose: bool = True):

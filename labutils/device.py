@@ -6,10 +6,16 @@ is also one of ``python -m labutils doctor``'s checks). Each function takes a de
 counterpart. CUDA functions always get an explicit device *index*: ``torch.device("cuda")`` has none, and
 several ``torch.cuda`` functions refuse it.
 
-Memory budget ("behave like a G-GiB card"): a GPU's memory holds the CUDA context and library workspaces
-outside PyTorch's caching allocator, so capping the allocator at G GiB would model a bigger card than a
-student's G GB one. :func:`card_budget` caps the allocator at G GiB minus what lives outside it on this GPU,
-measured with ``cudaMemGetInfo`` (:func:`outside_allocator_bytes`).
+Memory budget ("behave like a G-GB card"): a student's G GB card gives torch less than G GiB (an "8 GB"
+GeForce reports 7.78 GiB: :mod:`labutils.cards`, from real out-of-memory messages), and of that the CUDA
+context, cuBLAS workspaces (one per thread: the autograd thread gets its own) and lazily loaded kernels live
+outside PyTorch's caching allocator. :func:`card_budget` caps the allocator at the card table's total minus what
+lives outside it on this GPU, measured with ``cudaMemGetInfo`` (:func:`outside_allocator_bytes`);
+:func:`follow_outside` measures again after the first training step (the kernels and the backward thread's
+workspace arrive then) and lowers the cap by what was added (never raises it). Memory that other processes hold
+on the GPU (a second notebook kernel left open) is not part of the student's card: it is named
+(:func:`other_processes`, NVML through ``torch.cuda.list_gpu_processes``, which WSL and some containers refuse)
+and reported in the budget's notice rather than silently shrinking the cap.
 
 API versions (the floor in pyproject.toml is torch 2.6): ``torch.OutOfMemoryError`` (2.5),
 ``torch.cuda.get_per_process_memory_fraction`` (2.8; older torch: we remember what we set),
@@ -21,14 +27,20 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 
 import torch
+
+from . import cards
 
 GiB = 2**30
 # Memory outside the caching allocator (CUDA context, cuBLAS/cuDNN handles and kernels) when it cannot be
 # measured: within the 0.3-0.8 GiB range seen on consumer and datacentre cards with recent drivers.
 DEFAULT_OUTSIDE_ALLOCATOR_BYTES = GiB // 2
+# One process's share outside the allocator stays well under this (context + cuBLAS workspaces + kernels, about
+# 0.3-1 GiB): more, measured with cudaMemGetInfo, means other processes hold memory on the GPU.
+ONE_PROCESS_OUTSIDE_MAX_BYTES = int(1.5 * GiB)
 _state: dict = {}  # outside-allocator measurement, cap we set (torch < 2.8 cannot read it back)
 
 
@@ -91,6 +103,11 @@ def allocated(device=None) -> int | None:
 def peak_allocated(device=None) -> int | None:
     """Peak of :func:`allocated` since the last :func:`reset_peak` (None on CPU)."""
     return torch.cuda.max_memory_allocated(_index(device)) if is_cuda(device) else None
+
+
+def peak_reserved(device=None) -> int | None:
+    """Peak of :func:`reserved` since the last :func:`reset_peak`: what the cap limits (None on CPU)."""
+    return torch.cuda.max_memory_reserved(_index(device)) if is_cuda(device) else None
 
 
 def reset_peak(device=None) -> None:
@@ -165,12 +182,40 @@ def cap_bytes(device=None) -> int | None:
     return int(get_cap_fraction(device) * total_memory(device))
 
 
+def gpu_processes(device=None) -> tuple[list[tuple[int, int]] | None, str]:
+    """([(pid, bytes)], how) of the processes using this GPU, as NVML lists them (``torch.cuda.list_gpu_processes``);
+    (None, why) when it cannot tell: nvidia-ml-py missing, or NVML refusing (WSL, some containers: they raise,
+    or report no memory per process). ([], ...) on the CPU."""
+    if not is_cuda(device):
+        return [], "no GPU"
+    try:
+        text = torch.cuda.list_gpu_processes(_index(device))
+    except Exception as exc:  # NVMLError_NotSupported / NoPermission, or a None memory that the printout divides
+        return None, f"NVML cannot list processes ({type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''})"
+    procs = [(int(m[1]), int(float(m[2]) * 2**20))
+             for m in re.finditer(r"process\s+(\d+) uses\s+([0-9.]+) MB GPU memory", text)]
+    if not procs and "no processes are running" not in text:
+        return None, (text.strip().splitlines() or ["NVML gave no answer"])[-1][:100]
+    return procs, "NVML (torch.cuda.list_gpu_processes)"
+
+
+def other_processes(device=None) -> dict:
+    """Memory that *other* processes hold on this GPU: ``{"bytes", "processes": [(pid, bytes)], "how"}``;
+    ``bytes`` None when NVML cannot list processes (see :func:`gpu_processes`)."""
+    procs, how = gpu_processes(device)
+    if procs is None:
+        return {"bytes": None, "processes": [], "how": how}
+    others = [(pid, n) for pid, n in procs if pid != os.getpid()]
+    return {"bytes": sum(n for _, n in others), "processes": others, "how": how}
+
+
 def outside_allocator_bytes(device=None, refresh: bool = False) -> tuple[int, str]:
     """Bytes of GPU memory this process uses outside the caching allocator (CUDA context, library handles and
     kernels), and how that number was obtained. Measured once per process, after the context exists and
-    cuBLAS has run: (total - free) - reserved. On a GPU that other processes also use, their memory counts too
-    (so the budget errs on the small side). Kernels that load later (CUDA's lazy module loading: attention,
-    fused optimizers) add a little more; ``refresh=True`` measures again (``doctor`` does, after training)."""
+    cuBLAS has run: (total - free) - reserved - what other processes hold (when NVML can list them; when it
+    cannot, their memory counts too and the budget's notice says so). Kernels that load later (CUDA's lazy
+    module loading: attention, fused optimizers) and the autograd thread's cuBLAS workspace add more during the
+    first training step: ``refresh=True`` measures again (:func:`follow_outside` does, after that step)."""
     if not is_cuda(device):
         return 0, "no CUDA context on the CPU"
     i = _index(device)
@@ -183,9 +228,14 @@ def outside_allocator_bytes(device=None, refresh: bool = False) -> tuple[int, st
             del a  # pragma: no cover
         except RuntimeError:  # measure all the same, without the libraries' share
             how = "measured with cudaMemGetInfo after CUDA init (cuBLAS not loaded)"
+        others = other_processes(device)
+        _state[("others", i)] = others
         try:
             free, total = torch.cuda.mem_get_info(i)
-            _state[("outside", i)] = (max(0, int(total - free - torch.cuda.memory_reserved(i))), how)
+            used = int(total - free - torch.cuda.memory_reserved(i))
+            if others["bytes"]:
+                how += f"; {others['bytes'] / GiB:.2f} GiB of other processes left out"
+            _state[("outside", i)] = (max(0, used - (others["bytes"] or 0)), how)
         except RuntimeError as exc:  # a driver that cannot answer: the documented default
             _state[("outside", i)] = (DEFAULT_OUTSIDE_ALLOCATOR_BYTES,
                                       f"default {DEFAULT_OUTSIDE_ALLOCATOR_BYTES / GiB:.1f} GiB "
@@ -193,30 +243,84 @@ def outside_allocator_bytes(device=None, refresh: bool = False) -> tuple[int, st
     return _state[("outside", i)]
 
 
+def other_processes_notice(device=None) -> str | None:
+    """One line naming memory that other processes hold on this GPU (None when there is none to name): it is not
+    part of the student's card, and it can make the budget unreachable here."""
+    if not is_cuda(device):
+        return None
+    i = _index(device)
+    outside, how = outside_allocator_bytes(device)
+    others = _state.get(("others", i)) or other_processes(device)
+    if others["bytes"]:
+        names = ", ".join(f"pid {pid}: {n / GiB:.2f} GiB" for pid, n in others["processes"])
+        return (f"NOTICE: other processes hold {others['bytes'] / GiB:.2f} GiB on this GPU ({names}), e.g. a second "
+                f"notebook kernel left open: the budget leaves them out, but this GPU may run out before the cap; "
+                f"close them (nvidia-smi lists them)")
+    if others["bytes"] is None and outside > ONE_PROCESS_OUTSIDE_MAX_BYTES and "default" not in how:
+        return (f"NOTICE: {outside / GiB:.2f} GiB on this GPU is outside this process's allocator, more than one "
+                f"process's CUDA context (< {ONE_PROCESS_OUTSIDE_MAX_BYTES / GiB:.1f} GiB): another process (a second "
+                f"notebook kernel?) probably holds memory, and it shrinks this budget; {others['how']}; "
+                f"nvidia-smi lists them")
+    return None
+
+
 def card_allocator_bytes(gb: float, device=None) -> int:
-    """What PyTorch's allocator can hold on a ``gb``-GiB card like this one: ``gb`` GiB minus the memory that
-    lives outside the allocator here (on the CPU, all of it)."""
-    return max(0, int(gb * GiB) - outside_allocator_bytes(device)[0])
+    """What PyTorch's allocator can hold on a card sold as ``gb`` GB: the total torch reports on such a card
+    (:func:`labutils.cards.card_total_bytes`) minus the memory that lives outside the allocator here (on the
+    CPU, nothing)."""
+    return max(0, cards.card_total_bytes(gb)[0] - outside_allocator_bytes(device)[0])
 
 
 def card_budget(gb: float | None, device=None) -> dict | None:
-    """Make this GPU behave like a ``gb``-GiB card: cap the allocator at ``gb`` GiB minus the memory that lives
-    outside it here. Never raises a lower cap already set. Returns what was done (recorded with results):
-    ``{"card_gib", "outside_allocator_bytes", "how", "allocator_cap_bytes", "fraction"}``; None on CPU or when
-    ``gb`` is None (no cap). ``gb`` must be > 0 (the CLI and ``setup`` check this first)."""
+    """Make this GPU behave like a card sold as ``gb`` GB: cap the allocator at the total torch reports on such a
+    card (:mod:`labutils.cards`) minus the memory that lives outside the allocator here. Never raises a lower cap
+    already set. Returns what was done (recorded with results): ``{"card_gib", "card_total_bytes", "rule",
+    "outside_allocator_bytes", "how", "allocator_cap_bytes", "fraction", "other_processes_bytes", "notice"}``;
+    None on CPU or when ``gb`` is None (no cap). ``gb`` must be > 0 (the CLI and ``setup`` check this first)."""
     if gb is None or not is_cuda(device):
         return None
     if not gb > 0:
         raise ValueError(f"a card budget must be > 0 GiB, got {gb!r}")
+    card_total, rule = cards.card_total_bytes(gb)
     outside, how = outside_allocator_bytes(device)
     total = total_memory(device)
-    allocator = card_allocator_bytes(gb, device)
-    fraction = min(get_cap_fraction(device), allocator / total)
+    fraction = min(get_cap_fraction(device), max(0, card_total - outside) / total)
     set_cap_fraction(fraction, device)
-    info = {"card_gib": float(gb), "outside_allocator_bytes": outside, "how": how,
-            "allocator_cap_bytes": int(fraction * total), "fraction": fraction}
+    others = _state.get(("others", _index(device)), {})
+    info = {"card_gib": float(gb), "card_total_bytes": card_total, "rule": rule,
+            "outside_allocator_bytes": outside, "how": how,
+            "allocator_cap_bytes": int(fraction * total), "fraction": fraction,
+            "other_processes_bytes": others.get("bytes"), "notice": other_processes_notice(device)}
     _state["budget"] = info
     return info
+
+
+def follow_outside(device=None) -> dict | None:
+    """After the first training step: measure what lives outside the allocator again and, if it grew (lazily
+    loaded kernels, the autograd thread's cuBLAS workspace), lower the budget's cap by as much. Never raises the
+    cap. Returns the budget (None without one, or on CPU)."""
+    budget = _state.get("budget")
+    if budget is None or not is_cuda(device):
+        return None
+    outside, how = outside_allocator_bytes(device, refresh=True)
+    budget["outside_after_first_step_bytes"] = outside
+    if outside > budget["outside_allocator_bytes"]:
+        total = total_memory(device)
+        fraction = min(budget["fraction"], max(0, budget["card_total_bytes"] - outside) / total)
+        set_cap_fraction(min(get_cap_fraction(device), fraction), device)
+        budget.update(outside_allocator_bytes=outside, how=f"{how}, again after the first training step",
+                      allocator_cap_bytes=int(fraction * total), fraction=fraction)
+    return budget
+
+
+def budget_line(info: dict) -> str:
+    """The budget in one line for a student (setup, CLI, doctor), with the notice about other processes."""
+    line = (f"memory budget: behaving like a {info['card_gib']:g} GB card, which gives torch "
+            f"{info['card_total_bytes'] / GiB:.2f} GiB ({info['rule']}); allocator capped at "
+            f"{info['allocator_cap_bytes'] / GiB:.2f} GiB, because {info['outside_allocator_bytes'] / GiB:.2f} GiB "
+            f"live outside it (CUDA context, libraries; {info['how']}); measured again after the first training "
+            f"step")
+    return line + ("\n" + info["notice"] if info.get("notice") else "")
 
 
 def current_budget() -> dict | None:
@@ -257,17 +361,23 @@ def memory_cap(budget_bytes: int | None, device=None):
         yield None
     finally:
         empty_caches(device)
-        set_cap_fraction(previous, device)
+        budget = current_budget()  # follow_outside may have lowered the budget inside the block
+        set_cap_fraction(min(previous, budget["fraction"]) if budget else previous, device)
+
+
+# What a real card raises as a plain RuntimeError when memory runs out outside the caching allocator: a CUDA call
+# failing with cudaErrorMemoryAllocation ("CUDA error: out of memory": context creation, a lazily loaded kernel
+# module, cudaHostAlloc for pinned memory), cuBLAS / cuDNN handle or workspace creation.
+OOM_MESSAGES = ("out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed", "cudahostalloc")
 
 
 def is_oom(exc: BaseException) -> bool:
-    """An out-of-memory error of the device allocator, or a failed pinned host allocation (which torch raises as
-    a plain RuntimeError)."""
+    """An out-of-memory error: the device allocator's (``torch.OutOfMemoryError``), or one raised outside it as a
+    plain RuntimeError (:data:`OOM_MESSAGES`). Any other error is not (callers re-raise it)."""
     if isinstance(exc, torch.OutOfMemoryError):
         return True
     text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and ("out of memory" in text or "cudahostalloc" in text
-                                              or "pinned memory" in text)
+    return isinstance(exc, RuntimeError) and any(m in text for m in OOM_MESSAGES)
 
 
 # ------------------------------------------------------------------------------------------- allocator snapshots

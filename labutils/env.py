@@ -162,10 +162,7 @@ def setup(seed: int = 42, verbose: bool = True) -> dict:
             print(f"device: cuda, {g['name']} ({g['total_memory_bytes'] / 2**30:.1f} GiB), "
                   f"compute capability {g['compute_capability']}, CUDA {g['cuda']}")
             if budget:
-                print(f"memory budget: behaving like a {budget['card_gib']:g} GiB card: allocator capped at "
-                      f"{budget['allocator_cap_bytes'] / 2**30:.2f} GiB, because "
-                      f"{budget['outside_allocator_bytes'] / 2**30:.2f} GiB live outside it "
-                      f"(CUDA context, libraries; {budget['how']})")
+                print(device.budget_line(budget))
         else:
             print("device: cpu (no CUDA GPU): numbers below are smoke-test numbers, not GPU results")
         print(f"torch {info['torch']}, transformers {info['transformers']}, python {info['python']}, seed {seed}")

@@ -1,7 +1,8 @@
 """Memory measurement for a region of code: the same meaning on CUDA and on CPU.
 
-On CUDA the caching allocator is asked (allocated, reserved, peak; the peak counter is reset when the region
-starts). On CPU there is no allocator to ask, and process RSS counts the Python heap and freed-but-cached
+On CUDA the caching allocator is asked (allocated, reserved, and the peaks of both; the peak counters are reset
+when the region starts). A memory cap (``set_per_process_memory_fraction``) limits *reserved*, which also holds
+cached free blocks: a run fails when reserved would pass the cap, even with peak allocated below it. On CPU there is no allocator to ask, and process RSS counts the Python heap and freed-but-cached
 pages, so the tracker counts the bytes of live tensor storages itself: storages alive when the region starts
 (found through the garbage collector) plus every storage an operator creates inside it (seen through a
 ``TorchDispatchMode``, like ``torch.distributed._tools.mem_tracker``), minus those freed. Same meaning as
@@ -101,6 +102,7 @@ class MemoryTracker:
     end_bytes: int = 0
     peak_bytes: int = 0
     reserved_bytes: int | None = None
+    peak_reserved_bytes: int | None = None   # CUDA: the allocator's peak reserved (what a memory cap limits)
     cpu_budget_bytes: int | None = None
     timeline: list[tuple[str, int, int]] = field(default_factory=list)
 
@@ -148,6 +150,7 @@ class MemoryTracker:
         if self.is_cuda:
             dev.synchronize(self.device)
             self.reserved_bytes = dev.reserved(self.device)
+            self.peak_reserved_bytes = dev.peak_reserved(self.device)
         else:
             self._cpu.__exit__(*exc)
         self.end_bytes = self.current_bytes()
@@ -159,7 +162,8 @@ class MemoryTracker:
         return self.peak_bytes - self.start_bytes
 
     def summary(self) -> str:
-        extra = f", reserved {fmt_bytes(self.reserved_bytes)}" if self.reserved_bytes is not None else ""
+        extra = (f", reserved {fmt_bytes(self.reserved_bytes)} (peak {fmt_bytes(self.peak_reserved_bytes)})"
+                 if self.reserved_bytes is not None else "")
         return (f"[{self.device.type}] start {fmt_bytes(self.start_bytes)}, peak {fmt_bytes(self.peak_bytes)}, "
                 f"end {fmt_bytes(self.end_bytes)}{extra}")
 

@@ -116,7 +116,36 @@ _BACKWARD_NODE = re.compile(r"(?:generated::|autograd::)(\w*Backward\w*)")
 _INTERNAL = ("/torch/", "/site-packages/torch", "<frozen", "/tqdm/", "/contextlib.py", "/threading.py")
 
 
-def _site(frames: list[dict]) -> str:
+class PhaseMarks:
+    """``mark = PhaseMarks(); ...; mark("after forward"); ...``: the phase of a training step that
+    each later allocation belongs to, for :func:`trace_summary`'s ``phases=mark.phases``. With
+    ``stacks="python"`` (lab 04's snapshot) backward allocates on autograd's own thread, with no Python frames;
+    the phase names those allocations (forward / backward / optimizer step) instead of one "(no stack)" row.
+    Each mark is a time marker in the trace's clock (``clock``, microseconds: a CUDA snapshot's ``time_us`` is
+    Unix time, converted from the allocator's TSC clock in c10/cuda/CUDACachingAllocator.cpp). Not the
+    allocator's ``_set_memory_metadata`` tag: torch documents it as thread-local, so autograd's thread never
+    carries it. Stage names of :data:`CPU_TRACE_PHASES` become phase names."""
+
+    def __init__(self, clock=None):
+        self.clock = clock or (lambda: time.time_ns() / 1e3)
+        self.phases: list[tuple[float, str]] = []
+
+    def __call__(self, stage: str) -> None:
+        label = CPU_TRACE_PHASES.get(stage, stage)
+        self.phases.append((self.clock(), label))
+
+
+def _phase_at(phases, t) -> str | None:
+    """The label of the last phase marker at or before ``t`` (None before the first, or without markers)."""
+    label = None
+    for when, name in phases or ():
+        if t is None or when > t:
+            break
+        label = name
+    return label
+
+
+def _site(frames: list[dict], phase: str | None = None) -> str:
     """Where an allocation came from: the innermost frame outside torch internals (model or lab code)."""
     def fmt(f, parts):
         where = "/".join(f.get("filename", "?").rsplit("/", parts)[-parts:])
@@ -136,14 +165,18 @@ def _site(frames: list[dict]) -> str:
     if any("autograd" in f.get("name", "") for f in frames or []):
         return "backward (autograd engine)"
     # No frame at all, with stacks="python": on CUDA the autograd engine runs backward on its own thread,
-    # which has no Python frames; in a training step that is where such allocations come from.
-    return fmt(frames[0], 1) if frames else "backward (autograd thread: no Python frames)"
+    # which has no Python frames; the phase marker says which part of the step it was (PhaseMarks).
+    if frames:
+        return fmt(frames[0], 1)
+    return f"{phase} (no Python frames)" if phase else "backward (autograd thread: no Python frames)"
 
 
-def trace_summary(snapshot: dict, device: int = 0, start_bytes: int = 0, top: int = 10) -> dict:
+def trace_summary(snapshot: dict, device: int = 0, start_bytes: int = 0, top: int = 10, phases=None) -> dict:
     """Allocated bytes over time and the largest holders at the peak, from a snapshot's trace.
 
     ``start_bytes``: what was allocated when recording started (the trace only sees later events).
+    ``phases``: :class:`PhaseMarks`' markers; an allocation without Python frames is attributed to the phase it
+    happened in, the last marker at or before its ``time_us``.
     Returns ``{"t": [...], "bytes": [...], "peak_bytes", "peak_index", "top_at_peak": [rows],
     "top_allocated": [rows], "events"}``."""
     traces = snapshot.get("device_traces") or [[]]
@@ -157,7 +190,7 @@ def trace_summary(snapshot: dict, device: int = 0, start_bytes: int = 0, top: in
     for i, e in enumerate(trace):
         action = e.get("action")
         if action == "alloc":
-            site = _site(e.get("frames"))
+            site = _site(e.get("frames"), _phase_at(phases, e.get("time_us")))
             live[e["addr"]] = (e["size"], site)
             cur += e["size"]
             allocated_by_site[site][0] += e["size"]

@@ -10,6 +10,7 @@ are in :mod:`labutils.claims`; this module runs what they need and builds their 
 """
 from __future__ import annotations
 
+from . import cards
 from . import claims as cl
 from . import estimate as est
 from .config import load_config
@@ -27,7 +28,7 @@ def _hardware(info: dict) -> str:
 
 
 def _c6_runs(tech_cfg, e: int, run_kw: dict) -> dict:
-    """The FP32 baseline and "all together" at effective batch ``e``, under the 8 GiB cap."""
+    """The FP32 baseline and "all together" at effective batch ``e``, under the 8 GB card's cap."""
     m = max(1, e // 4)                                   # all together: micro-batch e/4 x accumulation 4 (or less)
     plan = {"baseline (fp32)": {"train.micro_batch_size": e, "train.accumulation_steps": 1},
             "all together": {"train.precision": "fp16", "train.gradient_checkpointing": True,
@@ -40,7 +41,7 @@ def _c6_runs(tech_cfg, e: int, run_kw: dict) -> dict:
 def c6_claim(tech_cfg, by: dict, config_path: str, budget: int, info: dict, **run_kw) -> tuple[dict, dict, dict]:
     """C6 from the technique table (``by``: its rows by technique), running the pair again at smaller effective
     batches when the baseline did not fit. ``info``: ``lu.setup()``'s dict; ``run_kw``: ``lu.run``'s budget
-    arguments. Returns ``(entry, conditions, predicted largest micro-batch on 8 GiB per setting)``."""
+    arguments. Returns ``(entry, conditions, predicted largest micro-batch on an 8 GB card (7.78 GiB to torch) per setting)``."""
     device = info["device"]
     E = tech_cfg.effective_batch_size
     c6_batch, c6 = E, None
@@ -65,7 +66,7 @@ def c6_claim(tech_cfg, by: dict, config_path: str, budget: int, info: dict, **ru
                 a_run.target_tokens_per_second) \
             if a_run.ok else None
     state_bytes = 16 * est.parameter_count(tech_cfg.model.name)
-    fits_pred = {name: est.largest_batch(plan_over, 8 * GiB, limit=64, **over) for name, plan_over, over in
+    fits_pred = {name: est.largest_batch(plan_over, cards.card_total_bytes(8)[0], limit=64, **over) for name, plan_over, over in
                  (("fp32 baseline", load_config(config_path, mode="full"), {}),
                   ("fp16 + checkpointing", load_config(config_path, mode="full"),
                    {"precision": "fp16", "checkpointing": True}))}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from . import cards
 from . import device as dev
 from . import estimate as est
 from .config import load_config
@@ -30,11 +31,12 @@ GiB, MiB = 2**30, 2**20
 # Budgets and the record of every run
 # ----------------------------------------------------------------------------------------------------------
 def budget_like(gb: float, config_path: str, device: torch.device) -> int:
-    """The budget of a ``gb``-GiB card in bytes. CUDA: ``gb`` GiB. CPU: a simulated card that gives the smoke
-    model as many bytes per parameter as ``gb`` GiB give the full-size model of the config (the CPU tracker
-    raises OutOfMemoryError past it)."""
+    """The budget of a card sold as ``gb`` GB, in bytes. CUDA: what torch reports on such a card
+    (:func:`labutils.cards.card_total_bytes`: 7.78 GiB for 8). CPU: a simulated card that gives the smoke model
+    as many bytes per parameter as ``gb`` GiB give the full-size model of the config (the CPU tracker raises
+    OutOfMemoryError past it)."""
     if device.type == "cuda":
-        return int(gb * GiB)
+        return cards.card_total_bytes(gb)[0]
     full = load_config(config_path, mode="full").model.name
     small = load_config(config_path).model.name
     return int(gb * GiB * est.parameter_count(small) / est.parameter_count(full))

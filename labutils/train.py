@@ -103,6 +103,7 @@ class RunResult:
     mfu: float | None = None
     hfu: float | None = None
     peak_memory_bytes: int | None = None
+    peak_reserved_bytes: int | None = None   # CUDA: the allocator's peak reserved, what a memory cap limits
     memory: dict = field(default_factory=dict)
 
     @property
@@ -131,6 +132,7 @@ class RunResult:
                 "step_time_s": self.step_time_seconds, "tokens_per_s": self.tokens_per_second,
                 "target_tokens_per_s": self.target_tokens_per_second, "padding_fraction": self.padding_fraction,
                 "tflops": self.achieved_tflops, "peak_memory_bytes": self.peak_memory_bytes,
+                "peak_reserved_bytes": self.peak_reserved_bytes,
                 "mfu": self.mfu,
                 "skipped_steps": self.skipped_steps, "error": self.error}
 
@@ -281,6 +283,10 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
             if t.compile and compiled_graphs() != graphs:  # torch.compile compiled during this step
                 graphs = compiled_graphs()
                 compile_steps.append(step)
+            if step == 0:  # lazily loaded kernels and backward's cuBLAS workspace now exist: the cap follows
+                u = time.perf_counter()
+                dev.follow_outside(device)
+                untimed += time.perf_counter() - u
             if on_step:
                 u = time.perf_counter()
                 on_step(step, result, model, optimizer, scaler)
@@ -310,8 +316,10 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
         result.status, result.error = "diverged", why
     if tracker:
         result.peak_memory_bytes = tracker.peak_bytes
+        result.peak_reserved_bytes = tracker.peak_reserved_bytes
         result.memory.update(start_bytes=tracker.start_bytes, peak_bytes=tracker.peak_bytes,
                              end_bytes=tracker.end_bytes, reserved_bytes=tracker.reserved_bytes,
+                             peak_reserved_bytes=tracker.peak_reserved_bytes,
                              tracked_steps=tracked_steps)
     # On the CPU the memory-tracked steps are slow (Python work per operator): left out when a step remains.
     slow = tracked_steps if device.type != "cuda" and tracker is not None else 0
@@ -397,7 +405,9 @@ def run(cfg: Config, device: torch.device | str | None = None, *, progress: bool
         loaded, dataset = prepare(cfg, device, verbose=verbose)
         env["weights"], env["tokenizer"] = loaded.weights, loaded.tokenizer.name
         result = train(cfg, loaded.model, dataset, device, env=env, progress=progress, desc=desc, **train_kw)
-    except torch.OutOfMemoryError as exc:
+    except RuntimeError as exc:  # torch.OutOfMemoryError, or an OOM outside the allocator (cuBLAS, kernel load)
+        if not dev.is_oom(exc):
+            raise
         oom = str(exc).strip().splitlines()[0][:300]
         oom_peak = getattr(exc, "peak_memory_bytes", None)  # CPU: the tracker's peak when the budget was hit
     except NonFiniteLossError as exc:
@@ -414,7 +424,8 @@ def run(cfg: Config, device: torch.device | str | None = None, *, progress: bool
         env.setdefault("weights", None)
         peak = dev.peak_allocated(device) if device.type == "cuda" else oom_peak
         result = RunResult(config=cfg.to_dict(), env=env, status="oom", error=oom,
-                           effective_batch_size=cfg.effective_batch_size, peak_memory_bytes=peak)
+                           effective_batch_size=cfg.effective_batch_size, peak_memory_bytes=peak,
+                           peak_reserved_bytes=dev.peak_reserved(device) if device.type == "cuda" else None)
     return result
 
 

@@ -52,7 +52,8 @@ def test_lab04_rows_on_a_pretend_gpu(monkeypatch):
     monkeypatch.setattr(dev, "_state", {})
     gpu = fake_cuda.install(monkeypatch, "rtx3070-8gb")
     cuda = torch.device("cuda", 0)
-    assert budget_like(8, TECHNIQUES, cuda) == 8 * GiB and cpu_budget_kwargs(8 * GiB, cuda) == {}
+    # an 8 GB card as torch reports it (7.78 GiB: akshitac8/OW-DETR#46), not 8 GiB
+    assert budget_like(8, TECHNIQUES, cuda) == int(round(7.78 * GiB)) and cpu_budget_kwargs(8 * GiB, cuda) == {}
     assert context_bytes(cuda) == est.CUDA_CONTEXT_BYTES > 0
     e = {"peak_bytes": 5 * GiB, "resident_bytes": GiB}
     assert MeasuredRuns(cuda).estimate_for(SimpleNamespace(ok=True, memory={"start_bytes": 123}), e) == 5 * GiB

@@ -1,0 +1,290 @@
+"""``--gpu-memory-gb G`` models a real G GB card, checked against facts from outside the code.
+
+Oracles: the totals torch printed on real cards in public out-of-memory messages (written out here and in
+tests/fake_cuda.py's profiles, each with its issue), torch's own fraction-to-bytes rule (c10/cuda/
+CUDACachingAllocator.cpp, ``allowed_memory_maximum = static_cast<size_t>(fraction * device_total)``: the
+pretend GPU enforces ``int(fraction * total)``), and the pretend GPU's own ground truth (``profile.outside``: what
+its driver reports as used outside the allocator, which the implementation has to measure through
+``cudaMemGetInfo``).
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import fake_cuda
+from labutils import cards
+from labutils import device as dev
+
+GiB, MiB = 2**30, 2**20
+# "X GiB total capacity" as torch printed it on real cards (the issues are cited in labutils/cards.py)
+PUBLISHED = {"RTX 3070 (8 GB)": 7.78, "Colab T4 (16 GB)": 14.56, "H100 80GB HBM3": 79.11, "A100 80GB": 79.25}
+EIGHT_GB_CARD = int(round(7.78 * GiB))  # akshitac8/OW-DETR#46, meta-llama/codellama#82 (RTX 3070, Linux)
+
+
+def torch_limit(gpu) -> int:
+    """What the caching allocator may hold under the fraction torch was given (torch's rule, see above)."""
+    return int(gpu.fraction * gpu.profile.total)
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    monkeypatch.setattr(dev, "_state", {})
+    monkeypatch.delitem(sys.modules, "pynvml", raising=False)
+    return monkeypatch
+
+
+def fake_nvml(procs=None, refuses: bool = False):
+    """A stand-in for nvidia-ml-py (the NVML driver library that ``torch.cuda.list_gpu_processes`` imports):
+    ``procs`` = [(pid, bytes)]; ``refuses`` = NVML in WSL / some containers (not supported)."""
+    class NVMLError(Exception):
+        pass
+
+    def running(handle):
+        if refuses:
+            raise NVMLError("Not Supported")
+        return [SimpleNamespace(pid=pid, usedGpuMemory=n) for pid, n in procs or []]
+    return SimpleNamespace(NVMLError_DriverNotLoaded=NVMLError, nvmlInit=lambda: None,
+                           nvmlDeviceGetHandleByIndex=lambda i: i, nvmlDeviceGetComputeRunningProcesses=running)
+
+
+# --------------------------------------------------------------------------------------------- the card table
+def test_card_table_holds_the_published_totals():
+    """Breaks if a total in the table is mistyped (it must appear, as torch printed it, in a cited issue), is
+    not a real card's (at or above the size sold, in GiB), or disagrees with the figures above."""
+    for c in cards.CARDS:
+        assert c.sources and all(re.match(r"[\w.-]+/[\w.-]+#\d+: ", s) for s in c.sources), c.key
+        if c.torch_total_gib is not None:
+            assert any(f"{c.torch_total_gib:.2f} GiB" in s for s in c.sources), c.key
+            assert c.total_bytes < c.sold_as_gb * GiB
+    assert cards.card("geforce-8gb").torch_total_gib == PUBLISHED["RTX 3070 (8 GB)"]
+    assert cards.card("t4").torch_total_gib == PUBLISHED["Colab T4 (16 GB)"]
+    assert cards.card("h100-80gb").torch_total_gib == PUBLISHED["H100 80GB HBM3"]
+    assert cards.card("a100-80gb").torch_total_gib == PUBLISHED["A100 80GB"]
+    # the pretend GPU's profiles were transcribed from the same issues, separately
+    for key, prof in (("geforce-8gb", "rtx3070-8gb"), ("t4", "t4"), ("h100-80gb", "h100")):
+        assert abs(cards.card(key).total_bytes - fake_cuda.PROFILES[prof].total) < 6 * MiB
+
+
+def test_a_g_gb_card_is_what_users_have():
+    """Breaks if 8 became 8 GiB again, if an 80 GB card were the larger A100 figure (a row fitting there would
+    not fit on an H100), or if a size outside the table were silently taken as G GiB."""
+    assert cards.card_total_bytes(8)[0] == EIGHT_GB_CARD < 8 * GiB
+    total, rule = cards.card_total_bytes(80)
+    assert total == int(round(79.11 * GiB)) and "h100-80gb" in rule
+    total, rule = cards.card_total_bytes(6)  # nearest card (8 GB) scaled: the README states this rule
+    assert total == int(7.78 * GiB * 6 / 8) and "scaled" in rule and "no 6 GB card" in rule
+    total, rule = cards.card_total_bytes(24)  # the L4 has no torch figure: nearest with one is the 16 GB T4
+    assert total == pytest.approx(14.56 * GiB * 24 / 16, abs=2) and "t4" in rule
+    with pytest.raises(ValueError, match="> 0"):
+        cards.card_total_bytes(0)
+
+
+# ------------------------------------------------------------------------------------------------ the budget
+@pytest.mark.parametrize("profile", list(fake_cuda.PROFILES))
+def test_budget_8_follows_the_card_table_on_every_card(fresh, profile, capsys):
+    """Under --gpu-memory-gb 8, whatever the card: the allocator limit torch enforces plus what lives outside the
+    allocator (the pretend driver's truth) is what a real 8 GB card gives torch. Breaks if the budget is 8 GiB,
+    if the outside memory is not measured (or counted twice), or if the fraction is rounded the wrong way."""
+    gpu = fake_cuda.install(fresh, profile)
+    info = dev.card_budget(8)
+    assert torch_limit(gpu) + gpu.profile.outside == pytest.approx(EIGHT_GB_CARD, abs=2)
+    assert info["allocator_cap_bytes"] == torch_limit(gpu)
+    print(f"{profile}: total {gpu.profile.total / GiB:.2f} GiB, fraction {gpu.fraction:.6f}, allocator limit "
+          f"{torch_limit(gpu) / GiB:.3f} GiB, outside {gpu.profile.outside / GiB:.3f} GiB")
+    assert "7.78 GiB" in dev.budget_line(info) and "NOTICE" not in dev.budget_line(info)
+
+
+def test_budget_of_the_card_itself_on_a_t4(fresh):
+    """--gpu-memory-gb 16 on Colab's T4 is that T4: the limit is its own total minus what lives outside."""
+    gpu = fake_cuda.install(fresh, "t4")
+    dev.card_budget(16)
+    assert torch_limit(gpu) + gpu.profile.outside == pytest.approx(int(round(14.56 * GiB)), abs=2)
+
+
+def test_cap_follows_what_grows_outside_after_the_first_step(fresh):
+    """After the first step, lazily loaded kernels and the backward thread's cuBLAS workspace (32 MiB on Hopper)
+    live outside the allocator too: the cap must shrink by as much, and never grow back. Breaks if the budget
+    keeps its first measurement, or if a later, smaller reading (or a user's lower cap) were raised."""
+    gpu = fake_cuda.install(fresh, "h100")
+    dev.card_budget(8)
+    before = torch_limit(gpu)
+    gpu.profile.outside += 32 * MiB + 40 * MiB  # the driver now reports this much more in use
+    info = dev.follow_outside()
+    assert torch_limit(gpu) + gpu.profile.outside == pytest.approx(EIGHT_GB_CARD, abs=2)
+    assert before - torch_limit(gpu) == pytest.approx(72 * MiB, abs=2)
+    assert info["outside_after_first_step_bytes"] == gpu.profile.outside
+    lowered = gpu.fraction
+    gpu.profile.outside -= 100 * MiB
+    dev.follow_outside()
+    assert gpu.fraction == lowered  # never raised
+    torch.cuda.set_per_process_memory_fraction(0.01, 0)  # the user's own lower cap
+    gpu.profile.outside += 200 * MiB
+    dev.follow_outside()
+    assert gpu.fraction == 0.01
+    with dev.memory_cap(GiB):  # a lab's block restores the budget's (lowered) cap at most, not its old one
+        pass
+    assert gpu.fraction <= lowered
+
+
+def test_memory_cap_restores_the_lowered_budget(fresh):
+    gpu = fake_cuda.install(fresh, "h100")
+    dev.card_budget(8)
+    with dev.memory_cap(4 * GiB):
+        gpu.profile.outside += 64 * MiB
+        dev.follow_outside()
+    assert torch_limit(gpu) + gpu.profile.outside == pytest.approx(EIGHT_GB_CARD, abs=2)
+
+
+def test_train_re_measures_after_the_first_step(monkeypatch):
+    """The training loop asks for the new measurement once, after step 0 (before it, the kernels are not
+    loaded; later steps add nothing new)."""
+    import labutils as lu
+    from conftest import tiny_config
+
+    calls = []
+    monkeypatch.setattr(dev, "follow_outside", lambda device=None: calls.append(device))
+    cfg = tiny_config(train__steps=2)
+    loaded, ds = lu.prepare(cfg, "cpu", verbose=False)
+    seen = []
+    res = lu.train(cfg, loaded.model, ds, "cpu", progress=False, on_step=lambda s, *a: seen.append((s, len(calls))))
+    assert seen == [(0, 1), (1, 1)] and res.ok
+    assert "peak_reserved_bytes" in res.to_dict() and res.row()["peak_reserved_bytes"] is None  # CPU: none
+
+
+# ------------------------------------------------------------------------------------- other processes
+def test_other_processes_are_named_not_charged_to_the_budget(fresh):
+    """A second notebook kernel holding 1.2 GiB: NVML lists it; the budget leaves it out (it is not part of a
+    student's card) and the printed line names it. Breaks if its memory silently shrinks the cap or goes
+    unmentioned."""
+    gpu = fake_cuda.install(fresh, "rtx3070-8gb")
+    own = gpu.profile.outside
+    gpu.profile.outside = own + int(1.2 * GiB)  # the driver's "used" now holds the other kernel too
+    fresh.setitem(sys.modules, "pynvml", fake_nvml([(os.getpid(), own), (4242, int(1.2 * GiB))]))
+    info = dev.card_budget(8)
+    assert info["outside_allocator_bytes"] == pytest.approx(own, abs=MiB)
+    assert torch_limit(gpu) + own == pytest.approx(EIGHT_GB_CARD, abs=MiB)
+    line = dev.budget_line(info)
+    assert "NOTICE" in line and "pid 4242: 1.20 GiB" in line and info["other_processes_bytes"] > GiB
+
+
+def test_other_processes_are_suspected_where_nvml_refuses(fresh):
+    """WSL / containers: NVML refuses to list processes. 2 GiB outside one process's allocator is more than a
+    CUDA context: the notice says another process probably holds memory."""
+    gpu = fake_cuda.install(fresh, "rtx3070-8gb")
+    gpu.profile.outside = 2 * GiB
+    fresh.setitem(sys.modules, "pynvml", fake_nvml(refuses=True))
+    info = dev.card_budget(8)
+    assert dev.gpu_processes()[0] is None and "NVML cannot list" in dev.gpu_processes()[1]
+    assert info["notice"] and "probably holds memory" in info["notice"] and "NVML cannot list" in info["notice"]
+
+
+def test_no_notice_when_alone_or_unknown(fresh):
+    fake_cuda.install(fresh, "t4")
+    assert dev.gpu_processes()[0] is None  # nvidia-ml-py not installed here
+    assert dev.card_budget(8)["notice"] is None
+    fresh.setitem(sys.modules, "pynvml", fake_nvml([]))
+    assert dev.gpu_processes()[0] == [] and dev.other_processes()["bytes"] == 0
+    assert dev.other_processes_notice() is None
+
+
+def test_cpu_has_no_processes_budget_or_reserved():
+    assert dev.gpu_processes("cpu") == ([], "no GPU") and dev.other_processes_notice("cpu") is None
+    assert dev.follow_outside("cpu") is None and dev.peak_reserved("cpu") is None
+
+
+def test_peak_reserved_is_the_allocators(monkeypatch):
+    """Peak reserved comes from torch's counter (``reserved_bytes.all.peak``), not peak allocated."""
+    gpu = fake_cuda.install(monkeypatch, "t4")
+    addr = gpu.alloc(3 * MiB)
+    gpu.free(addr)
+    assert dev.peak_reserved() == 3 * MiB and dev.allocated() == 0
+
+
+def exercise_card_budget(monkeypatch) -> None:
+    """The device module's card-budget lines, run by tests/test_device.py's in-process coverage check too."""
+    with monkeypatch.context() as m:
+        m.setattr(dev, "_state", {})
+        m.delitem(sys.modules, "pynvml", raising=False)
+        test_other_processes_are_named_not_charged_to_the_budget(m)
+    with monkeypatch.context() as m:
+        m.setattr(dev, "_state", {})
+        test_other_processes_are_suspected_where_nvml_refuses(m)
+    with monkeypatch.context() as m:
+        m.setattr(dev, "_state", {})
+        m.delitem(sys.modules, "pynvml", raising=False)
+        test_no_notice_when_alone_or_unknown(m)
+    with monkeypatch.context() as m:
+        m.setattr(dev, "_state", {})
+        test_cap_follows_what_grows_outside_after_the_first_step(m)
+    with monkeypatch.context() as m:
+        test_peak_reserved_is_the_allocators(m)
+    test_cpu_has_no_processes_budget_or_reserved()
+
+
+# ------------------------------------------------------------------------------ failures a real card produces
+@pytest.mark.parametrize("message", [
+    "CUDA error: out of memory",                                                     # a lazily loaded kernel module
+    "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",    # cuBLAS handle creation
+    "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
+])
+def test_ooms_raised_outside_the_allocator_are_ooms(message):
+    """The messages torch raises (as plain RuntimeError) when memory runs out outside the caching allocator."""
+    assert dev.is_oom(RuntimeError(message))
+
+
+@pytest.mark.parametrize("message", [
+    "CUDA error: an illegal memory access was encountered",
+    "pin_memory=True requires a CUDA or other accelerator backend; no pinned memory allocator is available",
+    "CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm`",
+])
+def test_other_runtime_errors_are_not_ooms(message):
+    assert not dev.is_oom(RuntimeError(message)) and not dev.is_oom(ValueError("out of memory"))
+
+
+def test_offload_relabels_only_an_out_of_memory_pinned_allocation(monkeypatch):
+    """checkpointing.CountingSaveOnCPU relabelled *every* RuntimeError of a pinned pack as OutOfMemoryError
+    (test_device.py shows the other half: an error that is not OOM is raised). Here cudaHostAlloc fails for
+    want of memory (torch.empty is the pinned allocation's entry point): that one is an OOM row."""
+    import labutils.checkpointing as ck
+
+    fake_cuda.install(monkeypatch, "t4")
+    real_empty = torch.empty
+
+    def empty(*a, pin_memory=False, **k):
+        if pin_memory:
+            raise RuntimeError("CUDA error: out of memory")  # what C10_CUDA_CHECK(cudaHostAlloc(...)) raises
+        return real_empty(*a, **k)
+    monkeypatch.setattr(torch, "empty", empty)
+    x = torch.randn(4, 4, requires_grad=True)
+    with pytest.raises(torch.OutOfMemoryError, match="pinned host memory"):
+        with ck.CountingSaveOnCPU("cuda"):
+            (x * x).sum()
+
+
+def test_run_records_an_oom_outside_the_allocator_as_an_oom_row(monkeypatch):
+    """lu.run: cuBLAS failing to allocate its handle is an "oom" row like torch.OutOfMemoryError; any other
+    RuntimeError still propagates (a bug must not hide as an OOM). Breaks if run() catches only
+    torch.OutOfMemoryError (the cuBLAS case crashed the sweep) or catches every RuntimeError."""
+    import labutils as lu
+    from conftest import tiny_config
+
+    train_module = sys.modules["labutils.train"]
+    cfg = tiny_config(train__steps=1)
+
+    def failing(message):
+        def train(*a, **k):
+            raise RuntimeError(message)
+        return train
+    monkeypatch.setattr(train_module, "train", failing("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling "
+                                                       "`cublasCreate(handle)`"))
+    res = lu.run(cfg, "cpu", progress=False, verbose=False)
+    assert res.status == "oom" and "CUBLAS_STATUS_ALLOC_FAILED" in res.error
+    monkeypatch.setattr(train_module, "train", failing("mat1 and mat2 shapes cannot be multiplied"))
+    with pytest.raises(RuntimeError, match="shapes"):
+        lu.run(cfg, "cpu", progress=False, verbose=False)
