@@ -1,3 +1,16 @@
+"""Shared fixtures, and the whole-session pretend GPU.
+
+``LAB_PRETEND_GPU=<profile>`` (a key of tests/fake_cuda.py's PROFILES: rtx3070-8gb, t4, h100) installs the pretend
+GPU for the whole test session, before collection, so every test (not only the device tests) runs where
+``torch.cuda.is_available()`` is True: the closest stand-in for the GPU workflow on a machine without one. It is
+in-process only: subprocesses the tests start (``python -m labutils ...``, notebook kernels) see the real machine.
+Refused on a machine with a real GPU. How it was run (CPU build, from the repo root):
+
+    LAB_PRETEND_GPU=rtx3070-8gb LAB_SMOKE=1 python -m pytest -x -q -p no:cacheprovider tests
+
+Tests that need real CUDA kernels (training, a real CUDA tensor) skip under it with a reason; none may fail for
+assuming there is no GPU: expectations about the hardware come from ``torch.cuda.is_available()``.
+"""
 import os
 import random
 import sys
@@ -10,6 +23,39 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # unit tests never wait on the network (test_offline unsets it)
 
 import labutils as lu  # noqa: E402
+
+
+_SESSION_GPU: dict = {}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "real_kernels: computes on the default device; skipped under LAB_PRETEND_GPU")
+    profile = os.environ.get("LAB_PRETEND_GPU", "").strip()
+    if profile:
+        from tests import fake_cuda
+        _SESSION_GPU["gpu"], _SESSION_GPU["undo"] = fake_cuda.install_session(profile)
+
+
+KERNELS = ("runs work on the default device, which is the session's pretend GPU (LAB_PRETEND_GPU): that needs "
+           "real CUDA kernels, which a pretend driver has not; on a real GPU this test runs there")
+
+
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.real_kernels``: the test computes on the default device (trains, or makes tensors there)."""
+    if "gpu" in _SESSION_GPU:
+        for item in items:
+            if item.get_closest_marker("real_kernels"):
+                item.add_marker(pytest.mark.skip(reason=KERNELS))
+
+
+def pytest_unconfigure(config):
+    if "undo" in _SESSION_GPU:
+        _SESSION_GPU.pop("undo")()
+
+
+def pytest_report_header(config):
+    if "gpu" in _SESSION_GPU:
+        return f"LAB_PRETEND_GPU: the pretend GPU {_SESSION_GPU['gpu'].profile.name} is installed for the whole session"
 
 
 @pytest.fixture(scope="session")

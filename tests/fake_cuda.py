@@ -11,6 +11,16 @@ fraction range and type checks of ``set_per_process_memory_fraction``, ``memory_
 Tensors cannot live on the pretend GPU (a CPU build has no CUDA kernels). The pretend allocator has counters
 instead: ``gpu.alloc(n, frames)`` / ``gpu.free(addr)`` move them as a real allocation would, raise
 ``torch.OutOfMemoryError`` past the memory fraction, and record trace events for snapshots.
+
+Both torch builds: on the CPU build the ``_cuda_*`` entry points are missing (added here); on pip's default CUDA
+build without a driver they exist and raise ("Found no NVIDIA driver"), and are replaced the same way. What a real
+CUDA tensor does here differs by build (CPU build: ``NotImplementedError``, no CUDA kernels; CUDA build without a
+driver: ``RuntimeError``): :meth:`FakeGPU.kernel_failure` tries it, so tests take the expectation from this torch.
+
+Only where no real GPU is: :func:`install` skips the test on a machine with a real CUDA GPU (the pretend driver
+is never laid over a real one); there ``python -m labutils doctor`` and the notebooks on CUDA
+(.github/workflows/gpu-smoke.yml) run the same paths on the card. :func:`install_session` installs it for a whole
+test session (``LAB_PRETEND_GPU=<profile>``, see tests/conftest.py).
 """
 from __future__ import annotations
 
@@ -21,6 +31,9 @@ from types import SimpleNamespace
 import torch
 
 GiB = 2**30
+ON_REAL_GPU = ("a real CUDA GPU is present, so the pretend driver is not installed over it; "
+               "`python -m labutils doctor` and the notebooks on CUDA (.github/workflows/gpu-smoke.yml) run these "
+               "paths on the card")
 
 
 @dataclass
@@ -141,7 +154,20 @@ class FakeGPU:
         return SimpleNamespace(name=p.name, total_memory=p.total, major=p.major, minor=p.minor,
                                multi_processor_count=80, is_integrated=False)
 
+    def kernel_failure(self) -> type[BaseException] | None:
+        """What creating a real CUDA tensor raises under this pretend GPU on this torch build (the pretend driver
+        has no kernels): ``NotImplementedError`` on the CPU build, ``RuntimeError`` ("Found no NVIDIA driver")
+        on the CUDA build without a driver. None if it succeeded (never, without a driver)."""
+        try:
+            torch.empty(1, device="cuda:0")
+        except Exception as exc:  # noqa: BLE001 - whatever this build raises is the answer
+            return type(exc)
+        return None  # pragma: no cover
+
     def install(self, monkeypatch) -> "FakeGPU":
+        if real_gpu_present():
+            import pytest
+            pytest.skip(ON_REAL_GPU)
         C = torch._C
         entry = {
             "_cuda_getDeviceCount": lambda: 1,
@@ -162,6 +188,7 @@ class FakeGPU:
             "_cuda_record_memory_history": self._record_history,
             "_cuda_memorySnapshot": self._snapshot,
             "_cuda_getArchFlags": lambda: "sm_75 sm_80 sm_86 sm_90",
+            "_cuda_getCurrentRawStream": lambda i: 0,  # the default stream; torch._dynamo imports it on a CUDA torch
         }
         for k, v in entry.items():
             monkeypatch.setattr(C, k, v, raising=False)
@@ -176,11 +203,48 @@ class FakeGPU:
         monkeypatch.setattr(torch.cuda, "default_generators", (torch.Generator(),))
         monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: -1)
         monkeypatch.setattr(torch.version, "cuda", "12.8")
+        monkeypatch.setattr(torch.cuda, MARK, self, raising=False)  # how pretend_gpu() tells it from a real one
         torch.cuda._check_bf16_tensor_supported.cache_clear()
         return self
 
 
+MARK = "_lab_pretend_gpu"
+
+
+def pretend_gpu() -> FakeGPU | None:
+    """The pretend GPU installed now (by a test or for the session), or None."""
+    return getattr(torch.cuda, MARK, None)
+
+
+def real_gpu_present() -> bool:
+    """A real CUDA GPU on this machine (torch sees one and it is not the pretend one)."""
+    return pretend_gpu() is None and torch.cuda.is_available()
+
+
 def install(monkeypatch, profile: str = "rtx3070-8gb", **overrides) -> FakeGPU:
+    """Install the pretend GPU of ``profile`` for one test (undone with ``monkeypatch``); the test is skipped,
+    with a reason naming what covers it, where a real CUDA GPU is present."""
     base = PROFILES[profile]
     prof = Profile(**{**base.__dict__, **overrides})
     return FakeGPU(prof).install(monkeypatch)
+
+
+def no_gpu(monkeypatch) -> None:
+    """A driver that finds no GPU (device count 0), over whatever is installed (a pretend GPU of the session, or
+    a real one): the CPU branches of labutils run as on a machine without a GPU. Driver entry points only."""
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", lambda: 0, raising=False)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "_cached_device_count", None)
+    monkeypatch.setattr(torch.cuda, MARK, None, raising=False)
+
+
+def install_session(profile: str):
+    """Install the pretend GPU of ``profile`` for the rest of the process (``LAB_PRETEND_GPU``, tests/conftest.py).
+    Returns (gpu, undo). Refuses with one line on a machine with a real GPU or for an unknown profile."""
+    import pytest
+    if profile not in PROFILES:
+        raise pytest.UsageError(f"LAB_PRETEND_GPU={profile!r}: allowed values are {', '.join(PROFILES)}")
+    if real_gpu_present():
+        raise pytest.UsageError(f"LAB_PRETEND_GPU={profile!r}: {ON_REAL_GPU}; unset LAB_PRETEND_GPU")
+    patcher = pytest.MonkeyPatch()
+    return install(patcher, profile), patcher.undo

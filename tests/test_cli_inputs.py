@@ -166,6 +166,7 @@ def test_gpu_memory_gb_0_means_no_cap_in_every_command(capsys, monkeypatch):
 
 
 # ----------------------------------------------------------------------------------- (5) launcher variables
+@pytest.mark.real_kernels  # trains one step on the default device
 @pytest.mark.parametrize("env", [{"RANK": "1"}, {"RANK": "3", "LOCAL_RANK": "3"}, {"RANK": "2", "WORLD_SIZE": "1"}])
 def test_a_stale_rank_without_a_launch_still_reports(tmp_path, capsys, monkeypatch, env):
     for k, v in env.items():

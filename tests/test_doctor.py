@@ -1,5 +1,6 @@
-"""``python -m labutils doctor``: on this CPU-only machine it must say there is no GPU, run the CPU checks and
-exit 0; `regenerate` (full mode) runs it first and stops if it fails."""
+"""``python -m labutils doctor``: on a machine without a GPU it must say so, run the CPU checks and exit 0;
+`regenerate` (full mode) runs it first and stops if it fails. On a machine with a GPU the doctor itself is the
+GPU workflow's own step (.github/workflows/gpu-smoke.yml)."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,12 @@ from labutils import regenerate as rg
 
 
 def test_doctor_on_a_cpu_machine(tmp_path, root):
+    """In a subprocess, i.e. on this machine's real hardware (a pretend GPU of the session is in-process only).
+    Fails if the doctor stops saying there is no GPU, marks a GPU-only check pass on a CPU, or fails a CPU check."""
+    from tests import fake_cuda
+    if fake_cuda.real_gpu_present():
+        pytest.skip("a real CUDA GPU is present: the doctor runs its GPU checks, which .github/workflows/gpu-smoke.yml "
+                    "runs as its own step (`python -m labutils doctor`)")
     out = tmp_path / "doctor.json"
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "labutils", "doctor", "--json", str(out)], cwd=root,
@@ -32,6 +39,9 @@ def test_doctor_on_a_cpu_machine(tmp_path, root):
 
 def test_a_failing_check_fails_the_doctor(monkeypatch):
     from labutils import doctor
+    from tests import fake_cuda
+
+    fake_cuda.no_gpu(monkeypatch)  # the CPU checks, on any machine: one broken check must be the one failure
 
     def broken(c, device):
         with c.check("broken on purpose"):
@@ -63,7 +73,10 @@ def test_full_regenerate_stops_when_the_doctor_fails(monkeypatch, tmp_path, caps
 def test_doctor_device_checks_on_a_pretend_gpu(monkeypatch, profile, budget):
     """The CUDA branch of the doctor's device checks (cap set/restore in bytes, outside-allocator memory, caches,
     bf16/tf32, lab 04's raw torch.cuda calls) runs on the pretend GPU, with and without an 8 GiB budget. Only the
-    check that allocates a real 64 MiB CUDA tensor cannot: a CPU-only torch has no CUDA kernels."""
+    check that allocates a real 64 MiB CUDA tensor cannot: the pretend driver has no kernels, and that row must
+    fail with what creating a real CUDA tensor raises on this torch build (asked of torch, not assumed: the CPU
+    build raises NotImplementedError, pip's default CUDA build without a driver a RuntimeError). Skipped on a
+    real GPU, where `python -m labutils doctor` runs these checks on the card."""
     from labutils import device as dev
     from labutils import doctor
     from tests import fake_cuda
@@ -72,11 +85,14 @@ def test_doctor_device_checks_on_a_pretend_gpu(monkeypatch, profile, budget):
     monkeypatch.delenv("LAB_GPU_MEMORY_GB", raising=False)
     if budget:
         monkeypatch.setenv("LAB_GPU_MEMORY_GB", budget)
-    fake_cuda.install(monkeypatch, profile)
+    gpu = fake_cuda.install(monkeypatch, profile)
+    failure = gpu.kernel_failure()
+    assert failure is not None  # the pretend driver has no kernels on either build
     dev.card_budget(dev.budget_from_env())
     c = doctor.Checks(verbose=False)
     doctor.check_device_functions(c, dev.resolve("cuda"))
     status = {r["name"]: (r["status"], r["detail"]) for r in c.rows}
-    assert status.pop("device: memory counters")[1].startswith("NotImplementedError")  # needs real kernels
+    counters = status.pop("device: memory counters")  # needs real kernels
+    assert counters[0] == "fail" and counters[1].startswith(f"{failure.__name__}:"), counters
     assert all(s == "pass" for s, _ in status.values()), status
     assert "torch.cuda calls of lab 04" in status

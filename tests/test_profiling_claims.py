@@ -20,7 +20,8 @@ def test_c6_c1_c2_c4_come_from_the_table_when_its_baseline_fits():
                   ("all together", {"train.precision": "fp16", "train.gradient_checkpointing": True,
                                     "train.micro_batch_size": 1, "train.accumulation_steps": 4})]
     device = torch.device("cpu")
-    rows = technique_rows(cfg, techniques, MeasuredRuns(device), 8 * GiB, progress=False)
+    # the runs on the same device as MeasuredRuns (not the default one: a GPU where there is one)
+    rows = technique_rows(cfg, techniques, MeasuredRuns(device), 8 * GiB, progress=False, device=device)
     by = {r["technique"]: r for r in rows}
     assert all(r["status"] == "ok" for r in rows)
     info = {"device": device, "gpu_name": None, "mode": "smoke"}

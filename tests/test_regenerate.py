@@ -224,16 +224,15 @@ def test_regenerate_fixture_notebooks(tmp_path, tiny):
 
 def test_full_run_never_keeps_smoke_numbers(tmp_path):
     """A full run whose kernel has no GPU records smoke numbers: they are not kept, earlier results stay."""
-    import torch
-
     nb = rg.find_notebooks(write_notebooks(tmp_path / "notebooks", ["91-Tiny"]))
     previous = json.dumps({"notebook": "91-Tiny", "mode": "full", "env": {"gpu_name": "Earlier GPU"},
                            "tables": {"runs": [{"run": "earlier"}]}, "figures": []})
     (tmp_path / "91-Tiny.json").write_text(previous)
     readme = tmp_path / "README.md"
     readme.write_text("<!-- results:91 -->\nkept\n<!-- /results:91 -->\n")
+    from tests import fake_cuda
     (o,) = rg.regenerate(nb, tmp_path, smoke=False, gpu_memory_gb=8, readme=readme, log=lambda *a, **k: None)
-    if torch.cuda.is_available():  # the GPU runner: the kernel really ran in full mode
+    if fake_cuda.real_gpu_present():  # the GPU runner: the kernel (a subprocess: real hardware) ran in full mode
         assert o.ok and json.loads((tmp_path / "91-Tiny.json").read_text())["mode"] == "full"
         assert "kept" not in readme.read_text() and "| a | yes | 8 |" in readme.read_text()
     else:
@@ -319,7 +318,12 @@ def check_smoke_output(out: Path, stems: list[str]):
 
 def check_claims(data: dict):
     """Each recorded claim: a verdict from the vocabulary, a measured value unless not measured (then a why),
-    and in smoke mode labelled a smoke measurement on cpu with the tiny model."""
+    and in smoke mode labelled a smoke measurement with the tiny model, on the hardware the notebook kernel ran on
+    (a subprocess: this machine's real GPU by name if it has one, else "cpu"; a session's pretend GPU is
+    in-process only)."""
+    import torch
+    from tests import fake_cuda
+    hardware = torch.cuda.get_device_name(0) if fake_cuda.real_gpu_present() else "cpu"
     from labutils.claims import VERDICTS
 
     assert data["claims"], f"{data['notebook']} recorded no claims"
@@ -332,7 +336,7 @@ def check_claims(data: dict):
                                          for m in e["measured"].values()), e
             if data["mode"] == "smoke":
                 assert e["measurement"].startswith("smoke measurement"), e
-                assert e["conditions"]["hardware"] == "cpu" and e["conditions"]["model"] == "tiny", e
+                assert e["conditions"]["hardware"] == hardware and e["conditions"]["model"] == "tiny", e
 
 
 def lab_stems(labs):

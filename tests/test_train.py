@@ -105,6 +105,7 @@ def test_checkpointing_matches_plain_training(ragged_corpus):
     assert max(abs(a - b) for a, b in zip(plain.losses, ckpt.losses)) < 1e-5
 
 
+@pytest.mark.real_kernels  # the CLI trains in this process, on the default device
 @pytest.mark.parametrize("name", ["fp32_config", "fp16_config", "bf16_config", "optimized_config"])
 def test_cli_run_each_config_writes_full_json(root, tmp_path, monkeypatch, name):
     import json
