@@ -46,6 +46,19 @@ def loss_at_tokens(r, tokens: int, window: int) -> float:
     return float(moving_average(r.losses, window)[min(i, len(r.losses) - 1)])
 
 
+def at_equal_tokens(runs: dict, tokens: int, window: int, tolerance: float = 0.1) -> dict:
+    """``{key: (moving-average loss, target tokens seen) or None}`` for each run in ``runs``, at its first step
+    that had seen ``tokens`` target tokens; None when no step's count is within ``tolerance`` of it (a large batch's
+    first step may already have seen many times more): such a run is not compared at equal tokens."""
+    out = {}
+    for key, r in runs.items():
+        seen = np.cumsum(r.target_tokens)
+        i = min(int(np.searchsorted(seen, tokens)), len(seen) - 1)
+        out[key] = ((loss_at_tokens(r, tokens, window), int(seen[i])) if abs(seen[i] / tokens - 1) <= tolerance
+                    else None)
+    return out
+
+
 # --------------------------------------------------------------------------- the sweep at a fixed micro-batch
 def plot_sweep(runs: dict, micro: int, title: str):
     """The sweep ``{accumulation steps: finished run}`` at micro-batch ``micro``: loss per optimizer step, loss
