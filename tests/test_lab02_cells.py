@@ -107,3 +107,30 @@ def test_equal_tokens_compares_only_runs_that_saw_equal_tokens():
     near = SimpleNamespace(target_tokens=[205] * 4, losses=[4.0, 3.0, 2.0, 1.0])     # 410 after step 2
     got = acs.at_equal_tokens({2: small, 32: large, 4: near}, 400, window=1)
     assert got[32] is None and got[2] == (1.0, 400) and got[4] == (3.0, 410)
+
+
+def _run(k, per_micro_s, steps=12, warm=1):
+    from types import SimpleNamespace
+    times = [per_micro_s * k] * steps
+    return SimpleNamespace(step_times=times, step_time_seconds=per_micro_s * k,
+                           config={"train": {"timing_warmup_steps": warm}}, memory={"tracked_steps": steps}, env={})
+
+
+def test_c3_time_is_compared_at_a_fixed_micro_batch_and_never_judged_on_cpu():
+    """Issue 24: C3's time compared 2 x 16 with 8 x 4, a micro-batch difference. Now its pair is the sweep's fewest
+    and most accumulation steps at one micro-batch, time per micro-batch; a CPU time never enters the verdict.
+    Breakage that fails it: a pair with different micro-batches, or a CPU time judged."""
+    import labutils.accumulation_sweeps as acs
+    from labutils import claims as cl
+
+    runs = {1: _run(1, 1.0), 16: _run(16, 1.05)}     # +5 % per micro-batch when accumulating 16
+    gpu = acs.c3_claim(0.01, runs, cl.conditions(model="gpt2", batch=None, sequence=256, precision="bf16",
+                                                 hardware="NVIDIA H100 80GB HBM3", mode="full"),
+                       grad_buffer=4 * 124_000_000, micro=2)
+    assert gpu["extra"]["compares"].startswith("2 x 1 vs 2 x 16")
+    assert gpu["measured"]["time_cost"]["value"] == pytest.approx(0.05)
+    assert gpu["verdict"] == cl.HOLDS, gpu
+    cpu = acs.c3_claim(0.01, runs, cl.conditions(model="tiny", batch=None, sequence=64, precision="fp32",
+                                                 hardware="cpu", mode="smoke"), grad_buffer=1000, micro=2)
+    time_part = (cpu.get("parts") or {}).get("time_cost", {}).get("verdict")
+    assert "time_cost" not in cpu["measured"] or time_part == getattr(cl, "NOT_JUDGED", "absent"), cpu
