@@ -85,7 +85,7 @@ def c6_claim(tech_cfg, loop, config_path: str, budget: int, info: dict, **run_kw
     cond = cl.conditions(model=tech_cfg.model.name, batch=f"effective batch {max(e, 1)}",
                          sequence=tech_cfg.data.seq_length, precision="fp16 + checkpointing + accumulation vs fp32",
                          hardware=_hardware(info), mode=info["mode"],
-                         budget=f"{budget / GiB:.3g} GiB" + ("" if device.type == "cuda" else " (simulated)"))
+                         budget=fmt_bytes(budget) + ("" if device.type == "cuda" else " (simulated)"))
     state_bytes = 16 * est.parameter_count(tech_cfg.model.name)
     fits_pred = {name: est.largest_batch(plan_over, 8 * GiB, limit=64, **over) for name, plan_over, over in
                  (("fp32 baseline", load_config(config_path, mode="full"), {}),
