@@ -19,7 +19,7 @@ Core (every lab and command builds on these):
 Labs (the technique itself is written out in the notebook; these hold what its experiments need):
   precision           lab 01: number formats, underflow and overflow, loss scaling
   amp_speed_memory    lab 01: what AMP saves (memory by kind, dtypes), matmul speed, comparison, C1/C2
-  accumulation        lab 02: the gradient of an accumulation window, exact or naive; padding, clipping
+  accumulation        lab 02: bookkeeping of the cells' gradient experiments (memory, OOM rows, comparisons); clipping
   accumulation_sweeps lab 02: the batch-split sweeps read out: fits, stability, learning rate, advice, C3
   checkpointing       lab 03: the variants (every k, segments, selective, offload) a student switches on
   checkpoint_measure  lab 03: each variant trained under a budget and checked (gradients, FLOPs, calls)

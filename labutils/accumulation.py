@@ -1,5 +1,8 @@
-"""Lab 02 (gradient accumulation): the gradient of one accumulation window, exact or naive, and the
-experiments that hold one model for several measurements; and the lab's setup (AMP precision, memory budget).
+"""Lab 02 (gradient accumulation): the bookkeeping of the lab's gradient experiments, and its setup (AMP
+precision, memory budget). The experiments themselves (direct vs accumulated gradient, the padding pitfall, the
+training step) are written out in the notebook's cells; this module holds a model for them
+(:func:`held_model`), measures what a cell's gradient function does (:func:`measure_gradient`: memory, OOM, a
+copy of the gradient) and turns the results into rows (:func:`equivalence_rows`, :func:`padding_rows`).
 
 The one rule the lab is about: a window of k micro-batches holds N target tokens in all; each micro-batch's
 loss is (sum of its token losses) / N, so the accumulated gradient is that of the whole window's mean loss::
@@ -15,8 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 
@@ -119,17 +120,16 @@ def first_window(dataset: LMDataset, micro: int, accum: int, seed: int):
     return next(dataset.windows(micro, accum, seed))
 
 
-def measure_gradient(model, micro_batches, device, normalise="window", cpu_budget_bytes=None,
-                     track: bool = True) -> dict:
-    """One window's gradient (FP32 matmuls, TF32 off), optionally under a memory tracker: status, peak bytes,
-    loss, and the gradient (CPU copy). An out-of-memory error (real on CUDA, simulated on CPU past
-    ``cpu_budget_bytes``) gives status "oom"."""
+def measure_gradient(model, compute, device, cpu_budget_bytes=None, track: bool = True) -> dict:
+    """Run ``compute(model)`` (the notebook's code: it fills ``p.grad`` and returns the loss) with FP32 matmuls
+    (TF32 off), optionally under a memory tracker: status, peak bytes, loss, and the gradient (CPU copy). An
+    out-of-memory error (real on CUDA, simulated on CPU past ``cpu_budget_bytes``) gives status "oom"."""
     out = {"status": "ok", "error": None, "peak_bytes": None, "loss": None, "grads": None}
     tracker = (MemoryTracker(device, cpu_budget_bytes=cpu_budget_bytes if device.type == "cpu" else None)
                if track else contextlib.nullcontext())
     try:
         with _env.matmul_precision(tf32=False), tracker:
-            out["loss"] = window_gradient(model, micro_batches, normalise)
+            out["loss"] = float(compute(model))
         out["peak_bytes"] = tracker.peak_bytes if track else None
         out["grads"] = grads_to_cpu(model)
     except torch.OutOfMemoryError as exc:
@@ -141,44 +141,25 @@ def measure_gradient(model, micro_batches, device, normalise="window", cpu_budge
     return out
 
 
-# --------------------------------------------------------------------------- experiment: equivalence
-@dataclass
-class Equivalence:
-    rows: list = field(default_factory=list)   # one per measured window (direct or accumulated)
-    proof: dict | None = None                   # the comparison at the largest direct batch that fitted
-
-
-def equivalence(cfg: Config, batch_sizes=(32, 16, 8, 4), micro: int = 2, device=None,
-                cpu_budget_bytes: int | None = None) -> Equivalence:
-    """Direct batch E (one micro-batch) against micro x (E / micro), same samples, same weights.
-
-    Tries the largest E first; when the direct batch runs out of memory, records the OOM row and halves E
-    until a direct batch fits, then compares the two gradients element-wise. Run it in FP32 with dropout 0:
-    then the only difference left is floating-point summation order."""
-    res = Equivalence()
-    with held_model(cfg, device) as (model, dataset, device):
-        for E in batch_sizes:
-            accum = E // micro
-            for split, (m, k) in (("accumulated", (micro, accum)), ("direct", (E, 1))):
-                w = first_window(dataset, m, k, cfg.train.seed)
-                g = measure_gradient(model, w.micro_batches, device, cpu_budget_bytes=cpu_budget_bytes)
-                row = {"effective_batch": E, "split": f"{m} x {k}", "kind": split, "status": g["status"],
-                       "peak_memory_bytes": g["peak_bytes"], "loss": g["loss"], "target_tokens": w.num_targets,
-                       "error": g["error"]}
-                res.rows.append(row)
-                if split == "accumulated":
-                    acc_g = g
-                del w
-            if g["status"] == "ok" and acc_g["status"] == "ok":
-                res.proof = {"effective_batch": E, "micro": micro, "accum": accum,
-                             **grad_diff(acc_g["grads"], g["grads"]),
-                             "loss_direct": g["loss"], "loss_accumulated": acc_g["loss"],
-                             "peak_direct_bytes": g["peak_bytes"], "peak_accumulated_bytes": acc_g["peak_bytes"]}
-                for r in res.rows[-2:]:
-                    r.update({k: res.proof[k] for k in ("max_rel_diff", "rel_l2")})
-                break
-            del g, acc_g
-    return res
+# --------------------------------------------------------------------------- bookkeeping: equivalence
+def equivalence_rows(effective: int, accumulated, g_acc: dict, direct, g_dir: dict) -> tuple[list[dict], dict | None]:
+    """The table rows of one effective batch (the accumulated window and the direct batch, each measured with
+    :func:`measure_gradient`) and, when both fitted, the element-wise comparison of the two gradients."""
+    rows = []
+    for kind, w, g in (("accumulated", accumulated, g_acc), ("direct", direct, g_dir)):
+        mbs = w.micro_batches
+        rows.append({"effective_batch": effective, "split": f"{mbs[0]['input_ids'].shape[0]} x {len(mbs)}",
+                     "kind": kind, "status": g["status"], "peak_memory_bytes": g["peak_bytes"], "loss": g["loss"],
+                     "target_tokens": w.num_targets, "error": g["error"]})
+    if g_acc["status"] != "ok" or g_dir["status"] != "ok":
+        return rows, None
+    proof = {"effective_batch": effective, "micro": accumulated.micro_batches[0]["input_ids"].shape[0],
+             "accum": len(accumulated.micro_batches), **grad_diff(g_acc["grads"], g_dir["grads"]),
+             "loss_direct": g_dir["loss"], "loss_accumulated": g_acc["loss"],
+             "peak_direct_bytes": g_dir["peak_bytes"], "peak_accumulated_bytes": g_acc["peak_bytes"]}
+    for r in rows:
+        r.update(max_rel_diff=proof["max_rel_diff"], rel_l2=proof["rel_l2"])
+    return rows, proof
 
 
 # --------------------------------------------------------------------------- experiment: padding pitfall
@@ -200,33 +181,20 @@ def short_documents(dataset: LMDataset, seed: int = 0, min_tokens: int = 4) -> L
     return LMDataset(dataset.input_ids, mask.to(dev), labels.to(dev), targets, packed=False)
 
 
-def padding_pitfall(cfg: Config, effective: int = 8, micro: int = 2, device=None, seed: int = 0) -> list[dict]:
-    """Full batch vs accumulated (exact, window normalisation) vs accumulated (naive, mean / k), on the data as
-    configured and on a short-document version of it. One row per (data, method); errors vs the full batch."""
-    rows = []
-    accum = effective // micro
-    with held_model(cfg, device) as (model, dataset, device):
-        for data_name, data in (("as configured", dataset), ("short documents", short_documents(dataset, seed))):
-            full_w = first_window(data, effective, 1, cfg.train.seed)
-            acc_w = first_window(data, micro, accum, cfg.train.seed)
-            full = measure_gradient(model, full_w.micro_batches, device, track=False)
-            if full["status"] != "ok":
-                rows.append({"data": data_name, "method": f"full batch {effective} x 1", "status": "oom",
-                             "error": full["error"]})
-                continue
-            per_mb = [count_targets([mb]) for mb in acc_w.micro_batches]
-            info = {"data": data_name, "padding": 1 - float(data.attention_mask.float().mean()),
-                    "tokens_per_micro_batch": "/".join(map(str, per_mb)),
-                    "token_spread": (max(per_mb) - min(per_mb)) / (sum(per_mb) / len(per_mb))}
-            rows.append({**info, "method": f"full batch {effective} x 1", "status": "ok", "loss": full["loss"],
-                         "rel_l2": 0.0, "max_rel_diff": 0.0, "cosine": 1.0})
-            for method in NORMALISATIONS:
-                g = measure_gradient(model, acc_w.micro_batches, device, normalise=method, track=False)
-                label = ("exact: sum / window tokens" if method == "window" else "naive: mean / accum_steps")
-                rows.append({**info, "method": f"{micro} x {accum} {label}", "status": g["status"],
-                             "loss": g["loss"], **grad_diff(g["grads"], full["grads"])})
-                del g
-            del full, full_w, acc_w
+def padding_rows(data_name: str, data: LMDataset, window, g_full: dict, measured: dict) -> list[dict]:
+    """The padding pitfall's table for one data set: the full batch (reference) and each accumulated gradient in
+    ``measured`` ({method label: measure_gradient output}) with its error against the full batch; how much of the
+    data is padding and how many target tokens each micro-batch of ``window`` holds."""
+    per_mb = [count_targets([mb]) for mb in window.micro_batches]
+    k, micro = len(per_mb), window.micro_batches[0]["input_ids"].shape[0]
+    info = {"data": data_name, "padding": 1 - float(data.attention_mask.float().mean()),
+            "tokens_per_micro_batch": "/".join(map(str, per_mb)),
+            "token_spread": (max(per_mb) - min(per_mb)) / (sum(per_mb) / len(per_mb))}
+    rows = [{**info, "method": f"full batch {micro * k} x 1", "status": g_full["status"], "loss": g_full["loss"],
+             "rel_l2": 0.0, "max_rel_diff": 0.0, "cosine": 1.0}]
+    for label, g in measured.items():
+        rows.append({**info, "method": f"{micro} x {k} {label}", "status": g["status"], "loss": g["loss"],
+                     **(grad_diff(g["grads"], g_full["grads"]) if g["status"] == g_full["status"] == "ok" else {})})
     return rows
 
 

@@ -351,8 +351,9 @@ def _read_yaml(path: Path) -> dict:
         where = f" (line {mark.line + 1})" if mark else ""
         raise ConfigError(src, None, _MISSING, f"malformed YAML{where}: "
                                                f"{getattr(exc, 'problem', None) or 'cannot parse'}") from None
-    if raw is None:
-        raw = {}
+    if raw is None:  # empty, whitespace, comments only, a bare `---` or `null`: nothing was configured
+        raise ConfigError(src, None, _MISSING, f"the file holds no settings (empty, comments only or null); "
+                                               f"give a mapping with sections {', '.join(SECTIONS)}")
     if not isinstance(raw, dict):
         raise ConfigError(src, None, _MISSING, f"the top level must be a mapping with sections "
                                                f"{', '.join(SECTIONS)}, not a {type(raw).__name__}")

@@ -10,13 +10,14 @@ are in :mod:`labutils.claims`; this module runs what they need and builds their 
 """
 from __future__ import annotations
 
+import torch
+
 from . import cards
 from . import claims as cl
 from . import estimate as est
 from .config import load_config
 from .memory import fmt_bytes
 from .profiling import cuda_memory_cap
-from .train import run
 
 GiB = 2**30
 LAB = "04-Memory_Profiling"
@@ -27,60 +28,96 @@ def _hardware(info: dict) -> str:
     return cl.hardware({"gpu_name": info["gpu_name"], "device": info["device"].type})
 
 
-def _c6_runs(tech_cfg, e: int, run_kw: dict) -> dict:
-    """The FP32 baseline and "all together" at effective batch ``e``, under the 8 GB card's cap."""
-    m = max(1, e // 4)                                   # all together: micro-batch e/4 x accumulation 4 (or less)
-    plan = {"baseline (fp32)": {"train.micro_batch_size": e, "train.accumulation_steps": 1},
-            "all together": {"train.precision": "fp16", "train.gradient_checkpointing": True,
-                             "train.micro_batch_size": m, "train.accumulation_steps": e // m}}
-    with cuda_memory_cap(8):
-        return {name: run(tech_cfg.override(over), desc=f"C6 {name}, batch {e}", verbose=False, **run_kw)
-                for name, over in plan.items()}
+def _c6_run(c, loop, device, budget_kw: dict) -> dict:
+    """One run of the notebook's ``loop(cfg, model, dataset, device) -> {"losses", "step_times", ...}`` under the
+    memory tracker (model loading included, so the peak holds the weights): status, peak bytes, step times."""
+    from .env import seed_everything
+    from .memory import MemoryTracker, release
+    from .train import prepare
+
+    out = {"status": "ok", "peak_bytes": None, "step_times": [], "error": None}
+    seed_everything(c.train.seed)
+    loaded = dataset = None
+    try:
+        with MemoryTracker(device, **budget_kw) as mt:
+            loaded, dataset = prepare(c, device, verbose=False)
+            r = loop(c, loaded.model, dataset, device)
+        out.update(peak_bytes=mt.peak_bytes, step_times=list(r["step_times"]))
+    except torch.OutOfMemoryError as exc:
+        out.update(status="oom", error=str(exc).strip().splitlines()[0][:200])
+    finally:
+        loaded = dataset = None
+        release()
+    return out
 
 
-def c6_claim(tech_cfg, by: dict, config_path: str, budget: int, info: dict, **run_kw) -> tuple[dict, dict, dict]:
-    """C6 from the technique table (``by``: its rows by technique), running the pair again at smaller effective
-    batches when the baseline did not fit. ``info``: ``lu.setup()``'s dict; ``run_kw``: ``lu.run``'s budget
-    arguments. Returns ``(entry, conditions, predicted largest micro-batch on an 8 GB card (7.78 GiB to torch) per setting)``."""
+def c6_plan(tech_cfg, e: int, steps: int) -> dict:
+    """The pair C6 compares at effective batch ``e``: the FP32 baseline (``e`` x 1) and all three techniques
+    (fp16 + checkpointing, micro-batch e/4 x accumulation 4, or less), each for ``steps`` optimizer steps."""
+    m = max(1, e // 4)
+    base = {"train.steps": steps, "train.warmup_steps": 0}
+    return {f"fp32 baseline, {e} x 1": tech_cfg.override({**base, "train.micro_batch_size": e,
+                                                          "train.accumulation_steps": 1}),
+            f"fp16 + checkpointing + accumulation, {m} x {e // m}": tech_cfg.override(
+                {**base, "train.precision": "fp16", "train.gradient_checkpointing": True,
+                 "train.micro_batch_size": m, "train.accumulation_steps": e // m})}
+
+
+def c6_claim(tech_cfg, loop, config_path: str, budget: int, info: dict, **run_kw) -> tuple[dict, dict, dict]:
+    """C6 measured with the notebook's one loop (``loop``, section 8.1): the FP32 baseline against all three
+    techniques at the same effective batch, the table's batch first, halving it until the baseline fits the
+    budget. Speed is judged only from a GPU with enough timed steps (:mod:`labutils.claims`); the entry shows
+    the pair of runs. ``info``: ``lu.setup()``'s dict; ``run_kw``: the CPU budget (``cpu_budget_kwargs``).
+    Returns ``(entry, conditions, predicted largest micro-batch on an 8 GB card (7.78 GiB to torch) per setting)``."""
     device = info["device"]
+    warm = tech_cfg.train.timing_warmup_steps
+    # a GPU gets enough timed steps for a speed verdict; a CPU's time is never judged, so a few steps do
+    steps = warm + getattr(cl, "MIN_TIMED_STEPS", 10) if device.type == "cuda" else tech_cfg.train.steps
     E = tech_cfg.effective_batch_size
-    c6_batch, c6 = E, None
-    if by["baseline (fp32)"]["status"] != "ok":
-        e = E // 2
-        while e >= 1 and c6 is None:
-            runs_e = _c6_runs(tech_cfg, e, run_kw)
-            if runs_e["baseline (fp32)"].ok:
-                c6_batch, c6 = e, runs_e
-            e //= 2
-    cond = cl.conditions(model=tech_cfg.model.name, batch=f"effective batch {c6_batch}",
+    e, runs = E, None
+    while e >= 1:
+        plan = c6_plan(tech_cfg, e, steps)
+        with cuda_memory_cap(8):
+            runs = {name: _c6_run(c, loop, device, run_kw) for name, c in plan.items()}
+        if next(iter(runs.values()))["status"] == "ok":
+            break
+        e //= 2
+    names = tuple(runs)
+    cond = cl.conditions(model=tech_cfg.model.name, batch=f"effective batch {max(e, 1)}",
                          sequence=tech_cfg.data.seq_length, precision="fp16 + checkpointing + accumulation vs fp32",
                          hardware=_hardware(info), mode=info["mode"],
-                         budget=f"{budget / GiB:.3g} GiB" + ("" if device.type == "cuda" else " (simulated)"))
-    if c6 is None:   # the table's own rows
-        b_row, a_row = by["baseline (fp32)"], by["all together"]
-        pair = ((b_row["peak (GiB)"] or 0) * GiB, b_row[SPEED], (a_row["peak (GiB)"] or 0) * GiB, a_row[SPEED]) \
-            if b_row["status"] == a_row["status"] == "ok" else None
-    else:
-        b_run, a_run = c6["baseline (fp32)"], c6["all together"]
-        pair = (b_run.peak_memory_bytes, b_run.target_tokens_per_second, a_run.peak_memory_bytes,
-                a_run.target_tokens_per_second) \
-            if a_run.ok else None
+                         budget=fmt_bytes(budget) + ("" if device.type == "cuda" else " (simulated)"))
     state_bytes = 16 * est.parameter_count(tech_cfg.model.name)
     fits_pred = {name: est.largest_batch(plan_over, cards.card_total_bytes(8)[0], limit=64, **over) for name, plan_over, over in
                  (("fp32 baseline", load_config(config_path, mode="full"), {}),
                   ("fp16 + checkpointing", load_config(config_path, mode="full"),
                    {"precision": "fp16", "checkpointing": True}))}
-    if pair:
-        b_peak, b_tps, a_peak, a_tps = pair
-        entry = cl.claim_entry("C6", {"memory_saving": 1 - a_peak / b_peak, "slowdown": 1 - a_tps / b_tps}, cond,
-                               reason=(f"{fmt_bytes(state_bytes)} of FP32 weights, gradients and AdamW state "
-                                       f"({state_bytes / b_peak:.0%} of the baseline peak) stay whatever the technique"
-                                       + ("; at effective batch 1 there is nothing to accumulate" if c6_batch == 1
-                                          else "")),
-                               extra={"largest_micro_batch_8GiB_predicted": fits_pred})
-    else:
-        entry = cl.not_measured("C6", f"the FP32 baseline did not fit the budget at any effective batch from {E} "
-                                      f"down to 1", cond)
+    base, both = runs[names[0]], runs[names[1]]
+    if e < 1 or base["status"] != "ok" or both["status"] != "ok":
+        why = (f"the FP32 baseline did not fit the budget at any effective batch from {E} down to 1" if e < 1 else
+               f"'{names[1]}' ended with {both['status']}")
+        return cl.not_measured("C6", why, cond), cond, fits_pred
+    memory_saving = 1 - both["peak_bytes"] / base["peak_bytes"]
+    t_base, t_both = base["step_times"][warm:], both["step_times"][warm:]
+    values, evidence = {"memory_saving": memory_saving}, {}
+    if hasattr(cl, "timed_ratio"):   # the claims evidence API: speed judged only on a GPU, with its noise
+        t = cl.timed_ratio(t_base, t_both)                  # ratio = median step time, all together / baseline
+        if t["ratio"]:
+            values["slowdown"] = 1 - 1 / t["ratio"]
+            spread = t["spread"] / t["ratio"] ** 2 if t["spread"] is not None else None
+            evidence = {"slowdown": cl.Evidence(pair=names, timed_steps=t["timed_steps"], spread=spread,
+                                                note="medians of the timed steps after warm-up, the notebook's loop"),
+                        "memory_saving": cl.Evidence(pair=names, note="peak allocated, model loading included")}
+    elif device.type == "cuda" and t_base and t_both:   # without that API: never a speed value from CPU timing
+        values["slowdown"] = 1 - (sum(t_base) / len(t_base)) / (sum(t_both) / len(t_both))
+    entry = cl.claim_entry("C6", values, cond, **({"evidence": evidence} if evidence else {}),
+                           reason=(f"{fmt_bytes(state_bytes)} of FP32 weights, gradients and AdamW state "
+                                   f"({state_bytes / base['peak_bytes']:.0%} of the baseline peak) stay whatever the "
+                                   f"technique" + ("; at effective batch 1 there is nothing to accumulate" if e == 1
+                                                    else "")),
+                           extra={"largest_micro_batch_8GiB_predicted": fits_pred,
+                                  "peaks_bytes": {names[0]: base["peak_bytes"], names[1]: both["peak_bytes"]}})
+    entry.setdefault("compares", {q: f"{names[0]} vs {names[1]}" for q in values})
     return entry, cond, fits_pred
 
 
@@ -109,12 +146,16 @@ def c7_claim(config_path: str, tech_cfg, info: dict, workdir) -> dict:
     full = load_config(config_path, mode="full").override({"train.micro_batch_size": 1, "train.accumulation_steps": 1})
     prediction = {"memory_saving": cl.zero2_offload_prediction(full)["memory_saving"]}
     prediction_for = f"{full.model.name}, 1 x {full.data.seq_length}, fp16, one CUDA GPU"
+    # not measured: the row shows the prediction, so its conditions are the prediction's, not this run's
+    pred_cond = cl.conditions(model=full.model.name, batch="1 x 1", sequence=full.data.seq_length,
+                              precision="fp16, ZeRO-2 + CPU offload vs plain", hardware="one CUDA GPU (predicted)",
+                              mode=info["mode"])
     missing = cl.zero2_offload_unavailable()
     if missing:
-        return cl.not_measured("C7", missing, cond, prediction=prediction, prediction_for=prediction_for)
+        return cl.not_measured("C7", missing, pred_cond, prediction=prediction, prediction_for=prediction_for)
     c7 = cl.measure_zero2_offload(config_path, over, workdir)
     if "error" in c7:
-        return cl.not_measured("C7", c7["error"], cond, prediction=prediction, prediction_for=prediction_for)
+        return cl.not_measured("C7", c7["error"], pred_cond, prediction=prediction, prediction_for=prediction_for)
     p_peak, z_peak = c7["plain"]["peak_memory_bytes"], c7["zero2_offload"]["peak_memory_bytes"]
     return cl.claim_entry("C7", {"memory_saving": 1 - z_peak / p_peak}, cond,
                           reason=f"GPU peak {fmt_bytes(p_peak)} plain vs {fmt_bytes(z_peak)} with the AdamW state "

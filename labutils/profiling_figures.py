@@ -57,7 +57,8 @@ def plot_stages(rows: list[dict], peak_bytes: int, title: str):
 def plot_batch_sweep(sweep: list[dict], fixed: float, per_sample: float, estimate_peak, budget_bytes: int,
                      title: str):
     """The batch sweep's measured peaks, the fitted line ``fixed + per_sample x batch``, the estimator's peak
-    (``estimate_peak(batch)`` in bytes) for every batch up to the largest, OOM rows marked at their estimate, and
+    (``estimate_peak(batch)`` in bytes) for every batch up to the largest, OOM rows drawn hollow at their estimate
+    (labelled: not measured), and
     the budget."""
     import matplotlib.pyplot as plt
 
@@ -71,11 +72,13 @@ def plot_batch_sweep(sweep: list[dict], fixed: float, per_sample: float, estimat
     ax.plot(grid, (fixed + per_sample * grid) / div, "-",
             label=f"fit: {fixed / div:.3g} {unit} + {per_sample / MiB:.3g} MiB/sample")
     ax.plot(grid, [estimate_peak(b) / div for b in grid], ":", color="red", label="estimator")
-    for r in sweep:
-        if r["status"] != "ok":
-            y = r["estimate (GiB)"] * GiB / div
-            ax.plot(r["micro_batch"], y, "X", color="black", ms=11)
-            ax.annotate("OOM", (r["micro_batch"], y), textcoords="offset points", xytext=(6, -4))
+    oom = [r for r in sweep if r["status"] != "ok"]
+    if oom:  # nothing was measured for these: drawn hollow, at the estimator's size, and labelled so
+        ys = [r["estimate (GiB)"] * GiB / div for r in oom]
+        ax.plot([r["micro_batch"] for r in oom], ys, "o", mfc="none", mec="black", ms=10, ls="none",
+                label="OOM: not measured (drawn at its estimate)")
+        for r, y in zip(oom, ys):
+            ax.annotate("OOM (estimate)", (r["micro_batch"], y), textcoords="offset points", xytext=(6, -4), fontsize=8)
     ax.axhline(budget_bytes / div, color="gray", ls="--", lw=1, label="budget")
     ax.set_xlabel("micro-batch size (sequences)")
     ax.set_ylabel(f"peak allocated ({unit})")

@@ -11,8 +11,9 @@ and ``LAB_GPU_MEMORY_GB`` is applied to a clean process), with the repository ro
 only then move them into the output folder. So a failed notebook keeps the previous results, and a "full" run
 whose notebook fell back to smoke (no GPU after all) never lands smoke numbers in ``results/``.
 
-Executed copies (with outputs and tracebacks) go to ``<out>/executed/``; the repository's notebooks are only
-read. Running one notebook (fresh kernel, signals, timeouts) is :mod:`labutils.notebook_runner`; rendering the
+Executed copies (with outputs and tracebacks) go to ``<out>/executed/``, a lab's traces and snapshots to
+``<out>/artifacts/<lab>/`` (``LAB_ARTIFACTS_DIR``); the repository's notebooks are only read, and a smoke run with
+``--out`` outside the repository leaves its working tree, ignored files included, as it was. Running one notebook (fresh kernel, signals, timeouts) is :mod:`labutils.notebook_runner`; rendering the
 results into ``README-results.md`` and the README's marked sections is :mod:`labutils.report`. This module runs
 the labs in turn, keeps what they record, and is the command line.
 
@@ -38,7 +39,7 @@ from .notebook_runner import (FULL_CELL_TIMEOUT, REPO_ROOT, SMOKE_CELL_TIMEOUT, 
                               execute_notebook)
 from .report import (ResultsError, lab_id, load_results, marker_spans, read_readme, readme_blocks,
                      render_results, update_readme)
-from .results import RESULTS_DIR, write_atomic, write_keeping_file
+from .results import ARTIFACTS_ENV, RESULTS_DIR, write_atomic, write_keeping_file
 
 NOTEBOOK_GLOB = "[0-9][0-9]-*.ipynb"
 
@@ -148,7 +149,8 @@ def regenerate(notebooks: list[Path], out: Path, *, smoke: bool, gpu_memory_gb: 
                 try:
                     staging = Path(tempfile.mkdtemp(dir=out, prefix=f".staging-{nb.stem}-"))
                     # LAB_RESULTS_READ_DIR: where a lab finds the labs before it (lab 04's C1-C7 table reads them)
-                    o = execute_notebook(nb, kernel_env(staging, smoke, gpu_memory_gb) | {"LAB_RESULTS_READ_DIR": str(out)},
+                    o = execute_notebook(nb, kernel_env(staging, smoke, gpu_memory_gb) | {"LAB_RESULTS_READ_DIR": str(out),
+                                                                                   ARTIFACTS_ENV: str(out / "artifacts")},
                                          timeout=timeout, executed_dir=out / "executed", on_cell=progress, guard=guard)
                     if o.ok:
                         with guard.critical():  # results move in whole or not at all

@@ -4,7 +4,9 @@ Each notebook ends with one call, ``lu.record_results("01-Mixed_Precision", tabl
 which writes ``<dir>/<stem>.json`` (atomically) and ``<dir>/figures/<stem>-<name>.png``.
 
 Where: ``$LAB_RESULTS_DIR`` if set (the instructors' ``regenerate`` command sets it); otherwise ``results/``
-for a full run and ``runs/smoke/`` for a smoke run, so smoke numbers never land in ``results/``.
+for a full run and a folder under the system's temp folder for a smoke run, so smoke numbers never land in
+``results/`` and a notebook run under nbval writes nothing into the repository. A lab's other files (profiler
+traces, memory snapshots) go to :func:`artifacts_dir`: under ``regenerate``'s output folder, else a temp folder.
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ import tempfile
 from pathlib import Path
 
 RESULTS_DIR = Path("results")
-SMOKE_DIR = Path("runs") / "smoke"
+SMOKE_DIR = Path(tempfile.gettempdir()) / "labutils-smoke"  # not the repository: smoke runs leave it unchanged
+ARTIFACTS_ENV = "LAB_ARTIFACTS_DIR"  # regenerate sets it to <out>/artifacts
 
 
 class OutputPathError(ValueError):
@@ -135,6 +138,16 @@ def results_dir(mode: str) -> Path:
     if env:
         return Path(env)
     return RESULTS_DIR if mode == "full" else SMOKE_DIR
+
+
+def artifacts_dir(lab: str) -> Path:
+    """The folder (created) for ``lab``'s files other than results: traces, snapshots, checkpoints.
+    ``$LAB_ARTIFACTS_DIR/<lab>`` when ``regenerate`` runs the notebook (under its ``--out``), otherwise
+    ``<temp>/labutils-artifacts/<lab>``: never the repository's working tree."""
+    base = os.environ.get(ARTIFACTS_ENV)
+    path = (Path(base) if base else Path(tempfile.gettempdir()) / "labutils-artifacts") / lab
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def _clean(v):

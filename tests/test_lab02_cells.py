@@ -1,0 +1,136 @@
+"""Lab 02's gradient experiments are written out in its cells (issue 24) and match labutils.train.
+
+The notebook's `window_gradient` (section 2's cell; section 3 calls it with both normalisations) is taken from
+the notebook file itself, by its AST, and run against the course's one training loop on padded data:
+- the cell holds the backward passes itself (grep): a cell that only calls a library function fails it;
+- exact ("window") normalisation gives labutils.train's first-step loss and gradient norm on ragged, padded
+  micro-batches: a cell that divides by k, forgets num_items_in_batch or zeroes p.grad between micro-batches
+  fails it;
+- the naive normalisation does NOT match on the same data (so the comparison above can fail, and the padding
+  pitfall the cell demonstrates is real there).
+The oracle is labutils.train (the loop the CLI and every lab run), not a formula copied from the notebook.
+"""
+from __future__ import annotations
+
+import ast
+import math
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+
+import labutils.accumulation as acc
+from labutils.train import train
+
+from conftest import tiny_config
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "02-Gradient_Accumulation.ipynb"
+
+
+def code_cells():
+    return [c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells if c.cell_type == "code"]
+
+
+def cell_defining(name: str) -> str:
+    cells = [s for s in code_cells() if f"def {name}(" in s]
+    assert len(cells) == 1, f"{name} should be defined in exactly one code cell of {NOTEBOOK.name}"
+    return cells[0]
+
+
+def function_from_notebook(name: str):
+    """The notebook's own function, compiled from its cell (only its definition runs, plus IGNORE_INDEX)."""
+    source = cell_defining(name)
+    fn = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == name)
+    consts = [n for s in code_cells() for n in ast.parse(s).body
+              if isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "IGNORE_INDEX" for t in n.targets)]
+    ns = {"torch": torch, "math": math}
+    exec(compile(ast.Module(body=consts + [fn], type_ignores=[]), str(NOTEBOOK), "exec"), ns)
+    return ns[name], ast.get_source_segment(source, fn)
+
+
+def test_the_comparison_cell_holds_the_backward_passes():
+    _, body = function_from_notebook("window_gradient")
+    assert ".backward()" in body and "num_items_in_batch=N" in body and "/ k" in body, body
+    assert "zero_grad" in body.split("for mb in")[0], "p.grad is zeroed once, before the window, not inside it"
+    cell = cell_defining("window_gradient")
+    assert "window_gradient(m, accumulated.micro_batches)" in cell and "window_gradient(m, direct.micro_batches)" in cell
+    pad = next(s for s in code_cells() if "acc.padding_rows(" in s)
+    assert '"window")' in pad and '"naive")' in pad, "section 3 runs both normalisations through the cell's function"
+
+
+@pytest.fixture
+def padded_cfg(ragged_corpus):
+    return tiny_config(ragged_corpus, train__micro_batch_size=2, train__accumulation_steps=4, train__steps=1,
+                       train__precision="fp32", data__pack=False)
+
+
+def notebook_window(cfg, normalise):
+    window_gradient, _ = function_from_notebook("window_gradient")
+    with acc.held_model(cfg, "cpu") as (model, dataset, device):
+        dataset = acc.short_documents(dataset, cfg.train.seed)   # documents cut at random lengths, right-padded
+        w = acc.first_window(dataset, cfg.train.micro_batch_size, cfg.train.accumulation_steps, cfg.train.seed)
+        counts = [acc.count_targets([mb]) for mb in w.micro_batches]
+        assert max(counts) > 1.5 * min(counts), f"the test data must be ragged: {counts}"
+        loss = window_gradient(model, w.micro_batches, normalise)
+        norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]))
+    return loss, norm
+
+
+def labutils_first_step(cfg):
+    with acc.held_model(cfg, "cpu") as (model, dataset, device):
+        r = train(cfg, model, acc.short_documents(dataset, cfg.train.seed), device, progress=False, track_memory=False)
+    return r.losses[0], r.grad_norms[0]
+
+
+def test_exact_normalisation_matches_labutils_train(padded_cfg):
+    loss, norm = notebook_window(padded_cfg, "window")
+    ref_loss, ref_norm = labutils_first_step(padded_cfg)
+    assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-4)
+
+
+def test_naive_normalisation_does_not_match_on_padded_data(padded_cfg):
+    loss, norm = notebook_window(padded_cfg, "naive")
+    ref_loss, ref_norm = labutils_first_step(padded_cfg)
+    assert abs(norm / ref_norm - 1) > 1e-3 or abs(loss / ref_loss - 1) > 1e-3
+
+
+def test_equal_tokens_compares_only_runs_that_saw_equal_tokens():
+    """Issue 24: 'equal tokens' runs compared a B=32 run after its first step (16x the tokens) with B=2's whole run.
+    A run whose steps skip past the token count by more than 10 % is left out (None), not compared."""
+    from types import SimpleNamespace
+
+    import labutils.accumulation_sweeps as acs
+
+    small = SimpleNamespace(target_tokens=[100] * 4, losses=[4.0, 3.0, 2.0, 1.0])    # 400 tokens after step 4
+    large = SimpleNamespace(target_tokens=[1600] * 4, losses=[4.0, 3.5, 3.0, 2.5])   # 1,600 after step 1
+    near = SimpleNamespace(target_tokens=[205] * 4, losses=[4.0, 3.0, 2.0, 1.0])     # 410 after step 2
+    got = acs.at_equal_tokens({2: small, 32: large, 4: near}, 400, window=1)
+    assert got[32] is None and got[2] == (1.0, 400) and got[4] == (3.0, 410)
+
+
+def _run(k, per_micro_s, steps=12, warm=1):
+    from types import SimpleNamespace
+    times = [per_micro_s * k] * steps
+    return SimpleNamespace(step_times=times, step_time_seconds=per_micro_s * k,
+                           config={"train": {"timing_warmup_steps": warm}}, memory={"tracked_steps": steps}, env={})
+
+
+def test_c3_time_is_compared_at_a_fixed_micro_batch_and_never_judged_on_cpu():
+    """Issue 24: C3's time compared 2 x 16 with 8 x 4, a micro-batch difference. Now its pair is the sweep's fewest
+    and most accumulation steps at one micro-batch, time per micro-batch; a CPU time never enters the verdict.
+    Breakage that fails it: a pair with different micro-batches, or a CPU time judged."""
+    import labutils.accumulation_sweeps as acs
+    from labutils import claims as cl
+
+    runs = {1: _run(1, 1.0), 16: _run(16, 1.05)}     # +5 % per micro-batch when accumulating 16
+    gpu = acs.c3_claim(0.01, runs, cl.conditions(model="gpt2", batch=None, sequence=256, precision="bf16",
+                                                 hardware="NVIDIA H100 80GB HBM3", mode="full"),
+                       grad_buffer=4 * 124_000_000, micro=2)
+    assert gpu["extra"]["compares"].startswith("2 x 1 vs 2 x 16")
+    assert gpu["measured"]["time_cost"]["value"] == pytest.approx(0.05)
+    assert gpu["verdict"] == cl.HOLDS, gpu
+    cpu = acs.c3_claim(0.01, runs, cl.conditions(model="tiny", batch=None, sequence=64, precision="fp32",
+                                                 hardware="cpu", mode="smoke"), grad_buffer=1000, micro=2)
+    time_part = (cpu.get("parts") or {}).get("time_cost", {}).get("verdict")
+    assert "time_cost" not in cpu["measured"] or time_part == getattr(cl, "NOT_JUDGED", "absent"), cpu
