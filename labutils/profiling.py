@@ -8,6 +8,7 @@
   and who holds memory at the peak. :class:`CPUTraceRecorder` writes a trace in the same format on CPU (from
   the tensors operators create), so the same views run on a machine without a GPU (:func:`record_cpu_trace`).
 * :func:`range_times` reads the ``record_function`` ranges of a ``torch.profiler`` profile;
+  :func:`timed_steps` times training steps from an idle device to an idle device;
   :func:`cuda_memory_cap` makes the GPU behave like a smaller card.
 
 Lab 04's figures are in :mod:`labutils.profiling_figures`, its experiments' rows in
@@ -350,3 +351,16 @@ def range_times(events, names=("forward", "backward", "optimizer_step")) -> list
                      "cpu time (ms)": sum(e.time_range.elapsed_us() for e in spans) / 1e3,
                      "device time (ms)": device_us / 1e3 if device_us is not None else None})
     return rows
+
+
+def timed_steps(step, n: int, device=None) -> list[float]:
+    """Wall-clock seconds of each of ``n`` calls of ``step()``, timed from an idle device to an idle device
+    (synchronised before and after on a GPU, so the kernels are timed and not only their launch)."""
+    times = []
+    for _ in range(n):
+        dev.synchronize(device)
+        t0 = time.perf_counter()
+        step()
+        dev.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return times
