@@ -2,7 +2,8 @@
 autocast, the dtypes of the training state), matmul throughput per dtype, the comparison table and figure of
 the four precisions, what the speed-ups say (Amdahl, MFU), and the README's expectations and claims C1/C2.
 One training step op by op (:func:`op_profile` on a ``torch.profiler`` profile): matmul-like ops against the
-memory-bound rest, and what that says (:func:`profile_readings`).
+memory-bound rest, and what that says (:func:`profile_readings`); lab 04's slowest ops of a step before and after a
+fix of the same maths (:func:`slowest_op_rows`, :func:`step_time_rows`, :func:`slow_op_readings`).
 
 The training step measured here is the notebook's own written-out ``amp_step``, passed in. The numerics
 (formats, underflow, overflow, loss scaling) are in :mod:`labutils.precision`.
