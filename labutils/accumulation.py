@@ -25,7 +25,7 @@ from . import device as dev
 from . import env as _env
 from .config import Config
 from .data import IGNORE_INDEX, LMDataset
-from .memory import MemoryTracker, release
+from .memory import MemoryTracker, oom_caught, release
 from .train import make_optimizer, prepare, step_scheduler, train
 
 NORMALISATIONS = ("window", "naive")
@@ -128,13 +128,13 @@ def measure_gradient(model, compute, device, cpu_budget_bytes=None, track: bool 
     tracker = (MemoryTracker(device, cpu_budget_bytes=cpu_budget_bytes if device.type == "cpu" else None)
                if track else contextlib.nullcontext())
     try:
-        with _env.matmul_precision(tf32=False), tracker:
-            out["loss"] = float(compute(model))
-        out["peak_bytes"] = tracker.peak_bytes if track else None
-        out["grads"] = grads_to_cpu(model)
-    except torch.OutOfMemoryError as exc:
-        out.update(status="oom", error=str(exc).strip().splitlines()[0][:200],
-                   peak_bytes=dev.peak_allocated(device))
+        with oom_caught() as oom:
+            with _env.matmul_precision(tf32=False), tracker:
+                out["loss"] = float(compute(model))
+            out["peak_bytes"] = tracker.peak_bytes if track else None
+            out["grads"] = grads_to_cpu(model)
+        if oom:
+            out.update(status="oom", error=oom.error[:200], peak_bytes=dev.peak_allocated(device))
     finally:
         model.zero_grad(set_to_none=True)
     release()

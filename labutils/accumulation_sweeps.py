@@ -209,19 +209,16 @@ def c3_claim(memory_increase: float, runs: dict, cond: dict, *, grad_buffer: int
     k_lo, k_hi = min(runs), max(runs)
     pair = (f"{micro} x {k_lo}", f"{micro} x {k_hi}")
     values, evidence = {"memory_increase": memory_increase}, {}
-    if hasattr(cl, "timed_ratio"):   # the claims evidence API: times with their noise and what stands behind them
-        lo, hi = (cl.timed_step_times(runs[k]) for k in (k_lo, k_hi))
-        t = cl.timed_ratio([x / k_lo for x in lo], [x / k_hi for x in hi])   # seconds per micro-batch of each
-        if t["ratio"]:
-            values["time_cost"] = t["ratio"] - 1
-            hw = cond.get("hardware")
-            evidence = {"time_cost": cl.Evidence(pair=pair, hardware=hw, timed_steps=t["timed_steps"],
-                                                 spread=t["spread"], micro_batches=(micro, micro),
-                                                 note="median step time / accumulation steps, timed steps only"),
-                        "memory_increase": cl.Evidence(pair=pair, hardware=hw, micro_batches=(micro, micro))}
-    elif cond.get("hardware") not in (None, "cpu"):   # without that API: never a time from a CPU
-        lo, hi = runs[k_lo].step_time_seconds / k_lo, runs[k_hi].step_time_seconds / k_hi
-        values["time_cost"] = hi / lo - 1
+    # times with their noise and what stands behind them (labutils.claims)
+    lo, hi = (cl.timed_step_times(runs[k]) for k in (k_lo, k_hi))
+    t = cl.timed_ratio([x / k_lo for x in lo], [x / k_hi for x in hi])   # seconds per micro-batch of each
+    if t["ratio"]:
+        values["time_cost"] = t["ratio"] - 1
+        hw = cond.get("hardware")
+        evidence = {"time_cost": cl.Evidence(pair=pair, hardware=hw, timed_steps=t["timed_steps"],
+                                             spread=t["spread"], micro_batches=(micro, micro),
+                                             note="median step time / accumulation steps, timed steps only"),
+                    "memory_increase": cl.Evidence(pair=pair, hardware=hw, micro_batches=(micro, micro))}
     reason = (f"the extra memory is at most one FP32 gradient buffer ({fmt_bytes(grad_buffer)}), which lives next to "
               f"the activations of micro-batches 2..k" if memory_increase > 0 else None)
     return cl.claim_entry("C3", values, cond, reason=reason, **({"evidence": evidence} if evidence else {}),

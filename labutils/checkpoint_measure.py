@@ -23,9 +23,9 @@ from torch import nn
 
 from . import device as dev
 from . import env as _env
-from .checkpointing import Variant, first_line
+from .checkpointing import Variant
 from .config import Config
-from .memory import LiveStorages, release
+from .memory import LiveStorages, oom_caught, release
 from .train import RunResult, prepare, train
 
 MiB = 2**20
@@ -106,11 +106,11 @@ def _train_variant(cfg: Config, model, dataset, device, variant: Variant, env: d
     undo, oom, result = None, None, None
     dev.reset_peak(device)
     try:
-        undo = variant.apply(model)
-        result = train(cfg, model, dataset, device, env=dict(env), progress=progress,
-                       desc=desc or variant.name, cpu_budget_bytes=cpu_budget)
-    except torch.OutOfMemoryError as exc:
-        oom = first_line(exc)
+        with oom_caught() as caught:
+            undo = variant.apply(model)
+            result = train(cfg, model, dataset, device, env=dict(env), progress=progress,
+                           desc=desc or variant.name, cpu_budget_bytes=cpu_budget)
+        oom = caught.error
     finally:
         if undo is not None:
             undo()

@@ -191,7 +191,10 @@ def outside_verdict(outside: int, how: str) -> tuple[bool, str]:
 def check_outside_allocator(c: Checks, device: torch.device, name: str = "device: outside-allocator memory",
                             refresh: bool = False, at_start: int | None = None) -> None:
     with c.check(name) as row:
-        outside, how = dev.outside_allocator_bytes(device, refresh=refresh)
+        # after training, the budget follows what grew outside the allocator, as train() does after step 0
+        # (follow_outside measures again and lowers the cap); without a budget, only the measurement again
+        followed = refresh and dev.follow_outside(device) is not None
+        outside, how = dev.outside_allocator_bytes(device, refresh=refresh and not followed)
         row["value"] = outside / GiB
         if device.type == "cuda":
             ok, detail = outside_verdict(outside, how)
@@ -709,9 +712,7 @@ def run_doctor(device=None, verbose: bool = True) -> dict:
     seed_everything(0)
     budget = dev.card_budget(dev.budget_from_env(), device)
     if budget and verbose:
-        print(f"  memory budget: like a {budget['card_gib']:g} GiB card (allocator cap "
-              f"{budget['allocator_cap_bytes'] / GiB:.2f} GiB; {budget['outside_allocator_bytes'] / GiB:.2f} GiB "
-              f"outside the allocator, {budget['how']})")
+        print("  " + dev.budget_line(budget))
     outside_at_start = dev.outside_allocator_bytes(device)[0]
     check_device_functions(c, device)
     check_tf32_flags(c, device)

@@ -10,6 +10,7 @@ pages, so the tracker counts the bytes of live tensor storages itself: storages 
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 from dataclasses import dataclass, field
@@ -199,3 +200,31 @@ def release(*objs) -> None:
         del o
     gc.collect()
     dev.empty_caches()
+
+
+class CaughtOOM:
+    """What :func:`oom_caught` caught: falsy until an out-of-memory error ends its block; then ``error`` is the
+    error's first line (for a table row). The error itself is not kept: its traceback holds the frames of the
+    step that failed, and with them the activations that :func:`release` must be able to free."""
+
+    def __init__(self):
+        self.error: str | None = None
+
+    def __bool__(self) -> bool:
+        return self.error is not None
+
+
+@contextlib.contextmanager
+def oom_caught():
+    """``with oom_caught() as oom: ...`` then ``if oom: ... oom.error``: an out-of-memory error ends the block
+    and its first line is kept, the allocator's (``torch.OutOfMemoryError``) and one raised outside it as a plain
+    RuntimeError (cuBLAS handle creation, a lazily loaded kernel: :func:`labutils.device.is_oom`); any other error
+    propagates. What every sweep uses to turn an OOM into a row."""
+    caught = CaughtOOM()
+    try:
+        yield caught
+    except RuntimeError as exc:  # torch.OutOfMemoryError is a RuntimeError
+        if not dev.is_oom(exc):
+            raise
+        text = str(exc).strip().splitlines()
+        caught.error = (text[0] if text else type(exc).__name__)[:300]

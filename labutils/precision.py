@@ -274,12 +274,12 @@ def plot_loss_scale_run(run, inject: set, title: str, reference=None):
 def guarded(fn, *args, **kw):
     """Run one of the notebook's hand-written experiments: an out-of-memory error becomes ``None`` (the reason
     is printed and the notebook carries on), and memory is released either way."""
-    from .memory import release
+    from .memory import oom_caught, release
 
     try:
-        return fn(*args, **kw)
-    except torch.OutOfMemoryError as exc:
-        print(f"OOM: {fn.__name__} did not fit ({str(exc).strip().splitlines()[0][:200]}); this part is skipped")
+        with oom_caught() as oom:
+            return fn(*args, **kw)
+        print(f"OOM: {fn.__name__} did not fit ({oom.error[:200]}); this part is skipped")
         return None
     finally:
         release()

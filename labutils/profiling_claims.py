@@ -10,8 +10,6 @@ are in :mod:`labutils.claims`; this module runs what they need and builds their 
 """
 from __future__ import annotations
 
-import torch
-
 from . import cards
 from . import claims as cl
 from . import estimate as est
@@ -32,19 +30,20 @@ def _c6_run(c, loop, device, budget_kw: dict) -> dict:
     """One run of the notebook's ``loop(cfg, model, dataset, device) -> {"losses", "step_times", ...}`` under the
     memory tracker (model loading included, so the peak holds the weights): status, peak bytes, step times."""
     from .env import seed_everything
-    from .memory import MemoryTracker, release
+    from .memory import MemoryTracker, oom_caught, release
     from .train import prepare
 
     out = {"status": "ok", "peak_bytes": None, "step_times": [], "error": None}
     seed_everything(c.train.seed)
     loaded = dataset = None
     try:
-        with MemoryTracker(device, **budget_kw) as mt:
-            loaded, dataset = prepare(c, device, verbose=False)
-            r = loop(c, loaded.model, dataset, device)
-        out.update(peak_bytes=mt.peak_bytes, step_times=list(r["step_times"]))
-    except torch.OutOfMemoryError as exc:
-        out.update(status="oom", error=str(exc).strip().splitlines()[0][:200])
+        with oom_caught() as oom:
+            with MemoryTracker(device, **budget_kw) as mt:
+                loaded, dataset = prepare(c, device, verbose=False)
+                r = loop(c, loaded.model, dataset, device)
+            out.update(peak_bytes=mt.peak_bytes, step_times=list(r["step_times"]))
+        if oom:
+            out.update(status="oom", error=oom.error[:200])
     finally:
         loaded = dataset = None
         release()
@@ -72,7 +71,7 @@ def c6_claim(tech_cfg, loop, config_path: str, budget: int, info: dict, **run_kw
     device = info["device"]
     warm = tech_cfg.train.timing_warmup_steps
     # a GPU gets enough timed steps for a speed verdict; a CPU's time is never judged, so a few steps do
-    steps = warm + getattr(cl, "MIN_TIMED_STEPS", 10) if device.type == "cuda" else tech_cfg.train.steps
+    steps = warm + cl.MIN_TIMED_STEPS if device.type == "cuda" else tech_cfg.train.steps
     E = tech_cfg.effective_batch_size
     e, runs = E, None
     while e >= 1:
@@ -100,16 +99,14 @@ def c6_claim(tech_cfg, loop, config_path: str, budget: int, info: dict, **run_kw
     memory_saving = 1 - both["peak_bytes"] / base["peak_bytes"]
     t_base, t_both = base["step_times"][warm:], both["step_times"][warm:]
     values, evidence = {"memory_saving": memory_saving}, {}
-    if hasattr(cl, "timed_ratio"):   # the claims evidence API: speed judged only on a GPU, with its noise
-        t = cl.timed_ratio(t_base, t_both)                  # ratio = median step time, all together / baseline
-        if t["ratio"]:
-            values["slowdown"] = 1 - 1 / t["ratio"]
-            spread = t["spread"] / t["ratio"] ** 2 if t["spread"] is not None else None
-            evidence = {"slowdown": cl.Evidence(pair=names, timed_steps=t["timed_steps"], spread=spread,
-                                                note="medians of the timed steps after warm-up, the notebook's loop"),
-                        "memory_saving": cl.Evidence(pair=names, note="peak allocated, model loading included")}
-    elif device.type == "cuda" and t_base and t_both:   # without that API: never a speed value from CPU timing
-        values["slowdown"] = 1 - (sum(t_base) / len(t_base)) / (sum(t_both) / len(t_both))
+    # speed judged only on a GPU, with its noise (labutils.claims)
+    t = cl.timed_ratio(t_base, t_both)                  # ratio = median step time, all together / baseline
+    if t["ratio"]:
+        values["slowdown"] = 1 - 1 / t["ratio"]
+        spread = t["spread"] / t["ratio"] ** 2 if t["spread"] is not None else None
+        evidence = {"slowdown": cl.Evidence(pair=names, timed_steps=t["timed_steps"], spread=spread,
+                                            note="medians of the timed steps after warm-up, the notebook's loop"),
+                    "memory_saving": cl.Evidence(pair=names, note="peak allocated, model loading included")}
     entry = cl.claim_entry("C6", values, cond, **({"evidence": evidence} if evidence else {}),
                            reason=(f"{fmt_bytes(state_bytes)} of FP32 weights, gradients and AdamW state "
                                    f"({state_bytes / base['peak_bytes']:.0%} of the baseline peak) stay whatever the "

@@ -21,7 +21,7 @@ from . import cards
 from . import device as dev
 from . import estimate as est
 from .config import load_config
-from .memory import MemoryTracker, gib, release
+from .memory import MemoryTracker, gib, oom_caught, release
 from .train import autocast_for, make_optimizer, prepare, run
 
 GiB, MiB = 2**30, 2**20
@@ -210,9 +210,9 @@ def leak_curves(c, device: torch.device, one_step, warmup_step, variants, steps:
                 train_log, val_log, ys = [], [], []
                 start = mt.current_bytes()
                 for _ in range(steps):
-                    try:
+                    with oom_caught() as oom:
                         one_step(model, optimizer, next(windows), val, autocast, variant, train_log, val_log)
-                    except torch.OutOfMemoryError:                 # the leak filled the card
+                    if oom:                                        # the leak filled the card
                         print(f"{variant}: out of memory after {len(ys)} steps")
                         break
                     ys.append(mt.current_bytes() - start)

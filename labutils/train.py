@@ -475,6 +475,8 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
                     optimizer.zero_grad(set_to_none=True)
             value = (acc.reduce(token_loss, reduction="sum") / window.num_targets).item()
             result.step_times.append(time.perf_counter() - start)
+            if step == 0:  # as in train(): lazily loaded kernels, backward's cuBLAS workspace: the cap follows
+                dev.follow_outside(device)
             if acc.optimizer_step_was_skipped:
                 result.skipped.append(step)
             if not math.isfinite(value) and t.precision != "fp16":

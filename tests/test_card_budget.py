@@ -157,6 +157,25 @@ def test_train_re_measures_after_the_first_step(monkeypatch):
     assert "peak_reserved_bytes" in res.to_dict() and res.row()["peak_reserved_bytes"] is None  # CPU: none
 
 
+def test_accelerate_path_re_measures_after_the_first_step(monkeypatch):
+    """The same under ``accelerate launch`` (one process on the CPU here: the accelerate engine's own loop in
+    labutils.train): once, after step 0. Fails if that loop keeps the budget's first measurement."""
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    import labutils as lu
+    from conftest import tiny_config
+
+    calls = []
+    monkeypatch.setattr(dev, "follow_outside", lambda device=None: calls.append(device))
+    cfg = tiny_config(train__steps=2)
+    loaded, ds = lu.prepare(cfg, "cpu", verbose=False)
+    seen = []
+    res = lu.train(cfg, loaded.model, ds, "cpu", progress=False, accelerator=Accelerator(cpu=True),
+                   on_step=lambda s, *a: seen.append((s, len(calls))))
+    assert seen == [(0, 1), (1, 1)] and res.ok and res.env["world_size"] == 1
+
+
 # ------------------------------------------------------------------------------------- other processes
 def test_other_processes_are_named_not_charged_to_the_budget(fresh):
     """A second notebook kernel holding 1.2 GiB: NVML lists it; the budget leaves it out (it is not part of a

@@ -109,6 +109,47 @@ def test_outside_allocator_passes_on_a_working_driver(gpu):
     assert status(doctor.check_outside_allocator, CUDA0, "after training", True, 300 * MiB) == "pass"
 
 
+def test_outside_allocator_after_training_lowers_the_budgets_cap_as_training_does(gpu):
+    """After training, lazily loaded kernels and backward's cuBLAS workspace (72 MiB here) live outside the
+    allocator: the doctor's check re-measures through ``dev.follow_outside``, so the cap shrinks by as much, as
+    ``train()`` does after step 0. Fails if the check only re-reads the number (cap left where it was)."""
+    dev.card_budget(8, CUDA0)
+    before = gpu.fraction
+    gpu.profile.outside += 72 * MiB
+    assert status(doctor.check_outside_allocator, CUDA0, "after training", True, 0) == "pass"
+    assert (before - gpu.fraction) * gpu.profile.total == pytest.approx(72 * MiB, abs=2)
+    assert dev.current_budget()["outside_after_first_step_bytes"] == gpu.profile.outside
+    assert rows(doctor.check_outside_allocator, CUDA0, "after training", True, 0)["after training"]["value"] \
+        == pytest.approx(gpu.profile.outside / GiB)
+
+
+def test_run_doctor_prints_the_budget_line_of_setup_and_the_cli(gpu, monkeypatch, capsys):
+    """``doctor`` prints the budget in the same words as ``lu.setup`` and the CLI (``dev.budget_line``: the card's
+    total, the cap, what lives outside and that it is measured again after the first step). The checks
+    themselves are stubbed (each has its own tests above); "training" here only grows what lives outside the
+    allocator. Fails on a line of the doctor's own, or if the post-training check leaves the cap unchanged."""
+    import labutils.checkpoint_measure as cm
+
+    for name in [n for n in vars(doctor) if n.startswith("check_") and n != "check_outside_allocator"]:
+        monkeypatch.setattr(doctor, name, lambda *a, **k: None)
+    monkeypatch.setattr(doctor, "check_training", lambda c, device: setattr(gpu.profile, "outside",
+                                                                             gpu.profile.outside + 72 * MiB))
+    monkeypatch.setattr(cm, "loaded", lambda cfg, device: contextlib.nullcontext(
+        type("S", (), {"model": None, "dataset": None})))
+    monkeypatch.setattr(cm, "one_batch", lambda *a: None)
+    monkeypatch.setenv("LAB_GPU_MEMORY_GB", "8")
+    made, card_budget = [], dev.card_budget
+    monkeypatch.setattr(dev, "card_budget", lambda *a, **k: made.append(dict(card_budget(*a, **k))) or made[-1])
+    report = doctor.run_doctor(CUDA0)
+    out = capsys.readouterr().out
+    budget = dev.current_budget()
+    assert "\n  " + dev.budget_line(made[0]) + "\n" in out, out  # as it was before training
+    assert "memory budget: behaving like a 8 GB card" in out
+    assert budget["outside_after_first_step_bytes"] == gpu.profile.outside
+    assert budget["allocator_cap_bytes"] + gpu.profile.outside == pytest.approx(int(round(7.78 * GiB)), abs=2)
+    assert [r["status"] for r in report["checks"]] == ["pass"]
+
+
 def test_outside_allocator_fails_when_the_cpu_reports_outside_memory(monkeypatch):
     assert status(doctor.check_outside_allocator, CPU) == "pass"
     monkeypatch.setattr(dev, "outside_allocator_bytes", lambda device=None, refresh=False: (GiB // 2, "x"))
@@ -399,11 +440,9 @@ def test_fast_path_is_skipped_on_cpu_with_the_reason():
 def test_fast_path_on_a_pretend_h100_fails_where_real_kernels_are_needed(monkeypatch):
     """The CUDA branch runs for real (config, fit, train.run: the model is built) until the model goes to a device
     without kernels: the check fails rather than reporting an MFU it did not measure."""
-    # imported while torch.cuda is still absent: under the pretend GPU a first import of torch._dynamo (which
-    # transformers' GPT-2 module pulls in) fails half-way on the CPU build and would break later tests' compile
-    import torch._dynamo  # noqa: F401
-    import transformers.models.gpt2.modeling_gpt2  # noqa: F401
-
+    # torch._dynamo may be imported here for the first time, under the pretend GPU (transformers' GPT-2 module
+    # pulls it in): fake_cuda.install provides the driver entry it imports on a CUDA torch
+    # (_cuda_getCurrentRawStream); without it the detail is that ImportError and this test fails
     pretend(monkeypatch, "h100")
     r = rows(doctor.check_fast_path, CUDA0)[FAST]
     assert r["status"] == "fail" and r["value"] is None

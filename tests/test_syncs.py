@@ -78,24 +78,17 @@ def host_reads(monkeypatch):
         yield mode
 
 
-def causal_attention(model):
-    """Use transformers' own SDPA function under a name registered without a mask function: transformers then
-    builds no mask (``_preprocess_mask_arguments`` exits early) and SDPA gets ``is_causal=True``. This takes the
-    model's side out of the count (the stock ``sdpa`` path reads its mask or position ids back every forward; the
-    course's fast attention is the model's business). The loop is what this file tests."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    AttentionInterface.register("test_causal_sdpa", sdpa_attention_forward)
-    model.config._attn_implementation = "test_causal_sdpa"
-    return model
+# The course's own causal attention (labutils.models.causal_sdpa_attention, config key model.attn_implementation):
+# transformers builds no mask for it and SDPA gets is_causal=True, so the model's forward reads nothing back.
+# The stock "sdpa" path reads its mask or position ids back every forward (test_stock_sdpa_reads_back_every_step).
+CAUSAL = "sdpa_causal"
 
 
 def run_counted(cfg, host_reads, accum=1):
     """Train 3 steps; return the reads of step 1 and of step 2 (phases set by ``on_step``: phase k runs from the
     end of step k-1's on_step to the end of step k's, so it holds all of step k's loop body)."""
     loaded, ds = lu.prepare(cfg, "cpu", verbose=False)
-    model = causal_attention(loaded.model)
+    model = loaded.model
 
     def on_step(step, *_):
         host_reads.phase = step + 1
@@ -113,11 +106,26 @@ def test_one_host_read_per_step(precision, host_reads):
     """Breaks if the loop reads the device anywhere but its one end-of-step read: ``scaler.get_scale()`` (fp16,
     twice per step before this fix), ``float(norm)``, an ``if loss_tensor`` / ``.item()`` added to the step."""
     cfg = tiny_config(data__pack=True, train__precision=precision, train__micro_batch_size=2,
-                      train__accumulation_steps=2, train__steps=3, train__timing_warmup_steps=1)
+                      train__accumulation_steps=2, train__steps=3, train__timing_warmup_steps=1,
+                      model__attn_implementation=CAUSAL)
     per_step = run_counted(cfg, host_reads)
     for step in (1, 2):
         reads = per_step.get(step, [])
         assert len(reads) == 1 and reads[0].startswith("tolist at labutils/train.py"), (step, reads)
+
+
+def test_stock_sdpa_reads_back_every_step(host_reads):
+    """Why the course's fast path names ``sdpa_causal``: with transformers' stock ``sdpa`` the model itself reads
+    the device back in every micro-batch's forward (transformers 5.x: ``masking_utils.find_packed_sequence_indices``
+    reads the position ids on the host to detect packed sequences before building the mask), so the count above
+    fails on it. Also shows the counter sees a read inside the model's forward: if this fails, the test above
+    proves nothing about the model's side."""
+    cfg = tiny_config(data__pack=True, train__micro_batch_size=2, train__accumulation_steps=2, train__steps=3,
+                      train__timing_warmup_steps=1, model__attn_implementation="sdpa")
+    per_step = run_counted(cfg, host_reads)
+    for step in (1, 2):
+        reads = per_step.get(step, [])
+        assert len(reads) > 1 and any("transformers/masking_utils.py" in r for r in reads), (step, reads)
 
 
 def test_fused_adamw_with_grad_scaler_reads_nothing(host_reads):
@@ -157,10 +165,11 @@ def test_one_sync_per_step_on_cuda():
     one each, the loss read. Breaks on any sync the CPU test cannot see (a synchronous host-to-device copy)."""
     import warnings
 
-    cfg = tiny_config(data__pack=True, train__steps=3, train__timing_warmup_steps=1).override(
+    cfg = tiny_config(data__pack=True, train__steps=3, train__timing_warmup_steps=1,
+                      model__attn_implementation=CAUSAL).override(
         {"train.micro_batch_size": 2, "train.accumulation_steps": 2})
     loaded, ds = lu.prepare(cfg, "cuda", verbose=False)
-    model = causal_attention(loaded.model)
+    model = loaded.model
     counts = {}
 
     def on_step(step, *_):

@@ -1,0 +1,128 @@
+"""Issue 20 item 4: an out-of-memory raised outside the caching allocator is an OOM row in every sweep, as
+``torch.OutOfMemoryError`` is; any other RuntimeError is raised.
+
+A real card raises it as a plain RuntimeError, not ``torch.OutOfMemoryError``: cuBLAS handle creation on the first
+matmul fails with the message below (PyTorch's ``TORCH_CUDABLAS_CHECK`` in aten/src/ATen/cuda/CublasHandlePool.cpp
+formats "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), and a lazily loaded kernel
+module fails with "CUDA error: out of memory". Here the GPT-2 model's forward (transformers' code, the collaborator)
+or the notebook's step raises it; the sweep code under test runs unchanged. A sweep that still caught only
+``torch.OutOfMemoryError`` crashes with that error (fails the OOM-row tests); one that caught every RuntimeError
+would turn a shape bug into an "oom" row (fails the ``shape mismatch`` tests).
+"""
+import pytest
+import torch
+from transformers import GPT2LMHeadModel
+
+import labutils.accumulation as acc
+import labutils.checkpoint_measure as cm
+import labutils.checkpointing as ck
+import labutils.precision as lp
+from conftest import tiny_config
+from labutils.memory import oom_caught
+from labutils.profiling_claims import c6_claim
+from labutils.profiling_runs import leak_curves
+
+CUBLAS = "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
+NOT_OOM = "shape mismatch: mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)"
+CPU = torch.device("cpu")
+
+
+def raising(message):
+    def forward(*args, **kwargs):
+        raise RuntimeError(message)
+    return forward
+
+
+@pytest.mark.parametrize("exc", [RuntimeError(CUBLAS), RuntimeError("CUDA error: out of memory"),
+                                 torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")])
+def test_oom_caught_keeps_every_out_of_memory(exc):
+    with oom_caught() as oom:
+        raise exc
+    assert oom and oom.error == str(exc)
+
+
+def test_oom_caught_raises_any_other_error():
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        with oom_caught():
+            raise RuntimeError(NOT_OOM)
+    with oom_caught() as oom:
+        pass
+    assert not oom and oom.error is None
+
+
+@pytest.mark.parametrize("message, oom", [(CUBLAS, True), (NOT_OOM, False)])
+def test_lab02_measure_gradient(monkeypatch, message, oom):
+    model = torch.nn.Linear(8, 8)
+    monkeypatch.setattr(model, "forward", raising(message))
+
+    def compute(m):  # the notebook's gradient cell
+        loss = m(torch.ones(4, 8)).sum()
+        loss.backward()
+        return loss
+
+    if not oom:
+        with pytest.raises(RuntimeError, match="shape mismatch"):
+            acc.measure_gradient(model, compute, CPU)
+        return
+    out = acc.measure_gradient(model, compute, CPU)
+    assert out["status"] == "oom" and "CUBLAS_STATUS_ALLOC_FAILED" in out["error"] and out["grads"] is None
+
+
+@pytest.mark.parametrize("message, oom", [(CUBLAS, True), (NOT_OOM, False)])
+def test_lab03_checkpoint_measure(monkeypatch, message, oom):
+    monkeypatch.setattr(GPT2LMHeadModel, "forward", raising(message))
+    cfg = tiny_config(train__steps=1, train__micro_batch_size=2, data__seq_length=16)
+    if not oom:
+        with pytest.raises(RuntimeError, match="shape mismatch"):
+            cm.measure(cfg, [ck.baseline()], CPU, progress=False)
+        return
+    (m,) = cm.measure(cfg, [ck.baseline()], CPU, progress=False)
+    assert m.result.status == "oom" and "CUBLAS_STATUS_ALLOC_FAILED" in m.result.error
+
+
+@pytest.mark.parametrize("message, oom", [(CUBLAS, True), (NOT_OOM, False)])
+def test_lab01_guarded(capsys, message, oom):
+    def experiment():
+        raise RuntimeError(message)
+    if not oom:
+        with pytest.raises(RuntimeError, match="shape mismatch"):
+            lp.guarded(experiment)
+        return
+    assert lp.guarded(experiment) is None
+    assert "OOM: experiment did not fit" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("message, oom", [(CUBLAS, True), (NOT_OOM, False)])
+def test_lab04_leak_curves(monkeypatch, capsys, message, oom):
+    cfg = tiny_config(train__steps=1, train__micro_batch_size=2, data__seq_length=16)
+
+    def one_step(model, optimizer, window, val, autocast, variant, train_log, val_log):  # the notebook's step
+        model(**window.micro_batches[0])
+
+    monkeypatch.setattr(GPT2LMHeadModel, "forward", raising(message))
+    args = (cfg, CPU, one_step, lambda *a: None, ["keep the tensor"], 2)
+    if not oom:
+        with pytest.raises(RuntimeError, match="shape mismatch"):
+            leak_curves(*args)
+        return
+    curves = leak_curves(*args)
+    assert curves["keep the tensor"] == []
+    assert "keep the tensor: out of memory after 0 steps" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("message, oom", [(CUBLAS, True), (NOT_OOM, False)])
+def test_lab04_c6_claim(message, oom):
+    """Every run of C6's pair runs out of memory: C6 halves the effective batch down to 1 and is "not measured"."""
+    cfg = tiny_config(train__steps=1, train__micro_batch_size=2, train__accumulation_steps=1,
+                      data__seq_length=16)
+
+    def loop(c, model, dataset, device):  # the notebook's training loop
+        raise RuntimeError(message)
+
+    info = {"device": CPU, "gpu_name": None, "mode": "smoke"}
+    if not oom:
+        with pytest.raises(RuntimeError, match="shape mismatch"):
+            c6_claim(cfg, loop, "configs/lab04_techniques.yaml", 8 * 2**30, info)
+        return
+    c6, _, _ = c6_claim(cfg, loop, "configs/lab04_techniques.yaml", 8 * 2**30, info)
+    assert c6["id"] == "C6" and "did not fit the budget at any effective batch" in str(c6), c6
