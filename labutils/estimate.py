@@ -76,7 +76,8 @@ def parameter_count(model: str, pad_vocab_to: int | None = None) -> int:
     """Parameters of a GPT-2 preset (LM head tied to the token embedding), from its shape alone; with
     ``pad_vocab_to`` the embedding has the padded vocabulary's rows."""
     n_layer, h, _ = PRESETS[model]
-    return padded_vocab_size(vocab_size(model), pad_vocab_to) * h + N_POSITIONS * h + n_layer * (12 * h * h + 13 * h) + 2 * h
+    vocab = padded_vocab_size(vocab_size(model), pad_vocab_to)
+    return vocab * h + N_POSITIONS * h + n_layer * (12 * h * h + 13 * h) + 2 * h
 
 
 # ----------------------------------------------------------------------------------------------------------
