@@ -161,7 +161,8 @@ def cli_estimate(cfg, args) -> int:
     print(f"{cfg.model.name} ({est['parameters'] / 1e6:.1f}M parameters), {t.precision}, micro-batch "
           f"{t.micro_batch_size} x accumulation {t.accumulation_steps} x {cfg.data.seq_length} tokens, "
           f"checkpointing {'every ' + str(t.checkpoint_every_n_layers) if t.gradient_checkpointing else 'off'}, "
-          f"{cfg.model.attn_implementation} attention -- predicted for CUDA")
+          f"{cfg.model.attn_implementation} attention, {cfg.model.activation}, vocabulary {est['vocab_rows']} rows "
+          f"-- predicted for CUDA ({est['basis']})")
     rows = [("params (fp32 master weights)", est["params_bytes"]),
             ("grads (fp32)", est["grads_bytes"]),
             ("optimizer (AdamW exp_avg + exp_avg_sq)", est["optimizer_bytes"]),
@@ -221,12 +222,11 @@ def fit_micro_batch(cfg, budget_bytes: int) -> tuple[object, str | None]:
     nothing smaller fits either (then the run goes ahead and reports its own OOM)."""
     t = cfg.train
     eff = t.micro_batch_size * t.accumulation_steps
-    # sdpa_causal holds what transformers' sdpa holds without a mask (the replay knows sdpa and eager)
-    attn = {"attn": "sdpa", "padded": False} if cfg.model.attn_implementation == "sdpa_causal" else {}
-    if fits(estimate_memory(cfg, **attn), budget_bytes):
+    # the config's own keys (attention, activation, padded vocabulary, compile) go to the estimate as they are
+    if fits(estimate_memory(cfg), budget_bytes):
         return cfg, None
     for micro in sorted((m for m in range(1, t.micro_batch_size) if eff % m == 0), reverse=True):
-        if fits(estimate_memory(cfg, micro=micro, accum=eff // micro, **attn), budget_bytes):
+        if fits(estimate_memory(cfg, micro=micro, accum=eff // micro), budget_bytes):
             new = cfg.override({"train.micro_batch_size": micro, "train.accumulation_steps": eff // micro})
             return new, (f"micro-batch {t.micro_batch_size} x {t.accumulation_steps} does not fit "
                          f"{budget_bytes / GiB:.1f} GiB (estimate); running {micro} x {eff // micro}: the same "

@@ -11,12 +11,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .models import N_POSITIONS, PRESETS, vocab_size
+from .models import N_POSITIONS, PRESETS, padded_vocab_size, vocab_size
 from .replay import CUBLAS_WORKSPACE_BYTES, KINDS, Replay
 
 GiB = 2**30
 CUDA_CONTEXT_BYTES = int(0.5 * GiB)   # CUDA context + kernels outside PyTorch's allocator (typical 0.3-0.6 GiB)
 HEADROOM = 0.10                       # allocator rounding / fragmentation: reserved is usually 5-15 % above peak
+EAGER_BASIS = "the eager step, tensor by tensor"
+# What the estimate assumes for train.compile: the replay follows the eager step's tensors. Inductor fuses
+# elementwise chains (fewer intermediates) and its partitioner may recompute cheap ops instead of saving them, so
+# a compiled step usually holds no more than this; it is not checked here (that needs a GPU run).
+COMPILE_BASIS = ("torch.compile assumed to hold what the eager step holds (inductor usually saves less); "
+                 "not measured on a compiled step")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -32,7 +38,10 @@ class Plan:
     precision: str = "fp32"
     checkpointing: bool = False
     every_n: int = 1
-    attn: str = "sdpa"          # sdpa | eager
+    attn: str = "sdpa"          # sdpa | sdpa_causal (no mask even when padded) | eager
+    activation: str = "gelu_new"  # gelu_new (a chain of pow/mul/tanh) | gelu_pytorch_tanh (one kernel)
+    pad_vocab_to: int | None = None  # the LM head / wte rows rounded up to this multiple (padded logits too)
+    compile: bool = False       # torch.compile: memory modelled as the eager step (see COMPILE_BASIS)
     dropout: bool = True        # GPT-2's own 0.1 unless the config sets 0
     padded: bool = False        # batches with padding get a 4-D attention mask (no flash kernel)
     num_samples: int = 0        # the dataset lives on the device: 3 int64 tensors of num_samples x seq
@@ -58,14 +67,17 @@ def plan_from_config(cfg, device: str = "cuda", **overrides) -> Plan:
     plan = Plan(model=m.name, seq=d.seq_length, micro=t.micro_batch_size, accum=t.accumulation_steps,
                 precision=t.precision, checkpointing=t.gradient_checkpointing, every_n=t.checkpoint_every_n_layers,
                 attn=m.attn_implementation, dropout=(m.dropout is None or m.dropout > 0), padded=not d.pack,
-                num_samples=d.num_samples, device=device)
+                num_samples=d.num_samples, device=device, activation=m.activation, pad_vocab_to=m.pad_vocab_to,
+                compile=t.compile)
     return replace(plan, **overrides)
 
 
-def parameter_count(model: str) -> int:
-    """Parameters of a GPT-2 preset (LM head tied to the token embedding), from its shape alone."""
+def parameter_count(model: str, pad_vocab_to: int | None = None) -> int:
+    """Parameters of a GPT-2 preset (LM head tied to the token embedding), from its shape alone; with
+    ``pad_vocab_to`` the embedding has the padded vocabulary's rows."""
     n_layer, h, _ = PRESETS[model]
-    return vocab_size(model) * h + N_POSITIONS * h + n_layer * (12 * h * h + 13 * h) + 2 * h
+    vocab = padded_vocab_size(vocab_size(model), pad_vocab_to)
+    return vocab * h + N_POSITIONS * h + n_layer * (12 * h * h + 13 * h) + 2 * h
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -75,7 +87,7 @@ def estimate_plan(plan: Plan) -> dict:
     """The estimate for a :class:`Plan` (see :func:`estimate_memory`)."""
     replay = Replay(plan)
     led = replay.run()
-    P = parameter_count(plan.model)
+    P = parameter_count(plan.model, plan.pad_vocab_to)
     # activations: what one micro-batch's forward leaves saved for backward (replayed once more to read it)
     probe = Replay(plan)
     probe.forward("probe")
@@ -87,6 +99,8 @@ def estimate_plan(plan: Plan) -> dict:
         "precision": plan.precision, "micro_batch_size": plan.micro, "accumulation_steps": plan.accum,
         "seq_length": plan.seq, "gradient_checkpointing": plan.checkpointing,
         "checkpoint_every_n_layers": plan.every_n, "attn_implementation": plan.attn,
+        "activation": plan.activation, "vocab_rows": replay.V, "compile": plan.compile,
+        "basis": COMPILE_BASIS if plan.compile else EAGER_BASIS,
         "params_bytes": 4 * P, "grads_bytes": 4 * P,
         "optimizer_bytes": 8 * P,
         "activations_bytes": acts,                      # saved for backward by one micro-batch's forward
@@ -105,7 +119,7 @@ def estimate_memory(cfg, device: str = "cuda", **overrides) -> dict:
 
     ``device="cuda"`` (default) predicts CUDA whatever machine this runs on; ``device="cpu"`` replays the CPU
     kernels instead, to compare with the CPU tracker. Overrides: micro=, accum=, precision=, checkpointing=,
-    every_n=, seq=, padded=, dropout=, attn=, num_samples=.
+    every_n=, seq=, padded=, dropout=, attn=, num_samples=, activation=, pad_vocab_to=, compile=.
     """
     return estimate_plan(plan_from_config(cfg, device=device, **overrides))
 

@@ -197,6 +197,7 @@ def padded_vocab_size(vocab: int, multiple: int | None) -> int:
 # Causal SDPA with no mask: flash attention that survives torch.compile
 # ---------------------------------------------------------------------------------------------------------------
 CAUSAL_SDPA = "sdpa_causal"  # the attn_implementation name (config key model.attn_implementation)
+FAST_GELU = "gelu_pytorch_tanh"  # GPT-2's tanh GELU as torch.nn.functional.gelu(approximate="tanh"): one kernel
 
 
 def causal_sdpa_attention(module, query, key, value, attention_mask=None, dropout: float = 0.0,

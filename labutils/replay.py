@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from .models import N_POSITIONS, PRESETS, vocab_size
+from .models import CAUSAL_SDPA, FAST_GELU, N_POSITIONS, PRESETS, padded_vocab_size, vocab_size
 
 CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8   # cuBLAS default workspace per (handle, stream)
 
@@ -122,7 +122,11 @@ class Replay:
     def __init__(self, plan):
         self.p = plan
         self.L, self.h, self.a = PRESETS[plan.model]
-        self.V = vocab_size(plan.model)
+        self.V_real = vocab_size(plan.model)
+        self.V = padded_vocab_size(self.V_real, plan.pad_vocab_to)   # the LM head's (and wte's) rows
+        self.fast_gelu = plan.activation == FAST_GELU
+        # a 4-D mask reaches SDPA only through transformers' sdpa path with padded batches; sdpa_causal takes none
+        self.masked = plan.padded and plan.attn not in ("eager", CAUSAL_SDPA)
         self.B, self.T = plan.micro, plan.seq
         self.N = self.B * self.T
         self.cuda = plan.device == "cuda"
@@ -178,7 +182,7 @@ class Replay:
         mask_saved = bool(self.ckpt)                            # checkpoint keeps its inputs, the mask too
         if p.attn == "eager":
             led.alloc("mask4d", 4 * B * T * T, "activations" if mask_saved else "temporaries", mask_saved)
-        elif p.padded:
+        elif self.masked:
             led.alloc("mask4d", B * T * T, "activations" if mask_saved else "temporaries", mask_saved)
         if p.dropout:
             led.alloc("res.0", 4 * N * h, "activations", True)
@@ -203,6 +207,8 @@ class Replay:
         else:
             led.keep("lnf.out")
         led.alloc("logits", self.c * N * V, "logits")
+        # padded vocabulary: the LM head's forward hook fills the padded columns in place (a view of the logits:
+        # nothing new, nothing saved); its backward, a CopySlices node, is booked in :meth:`backward`
         # ForCausalLMLoss: logits.float() (a copy under autocast), shift labels, cross_entropy = log_softmax + nll
         if p.amp:
             led.alloc("logits.fp32", 4 * N * V, "logits")
@@ -251,7 +257,7 @@ class Replay:
             keep("qkv")                                         # q, k, v are views of it; the kernel saves them
             lse_T = -(-T // 32) * 32 if (self.cuda and not p.amp) else T   # memory-efficient kernel pads to 32
             save("sdpa.lse", 4 * a * B * lse_T)
-            if p.padded:
+            if self.masked:
                 save("sdpa.bias", c * B * T * T)                # bool mask converted to the query dtype
             save("attn.out", c * Nh)
             release("sdpa.lse", "sdpa.bias")
@@ -316,31 +322,37 @@ class Replay:
             keep("ln2.out")
         led.alloc(x + "fc", c * n)                              # c_fc output, gelu input
         release("ln2.in16")
-        # gelu_new = 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * pow(x, 3))))
-        save("gelu.half_x", c * n)
-        if e != c:
-            save("gelu.x32", e * n)                             # pow's autocast cast to fp32, saved by pow
-        else:
-            keep("fc")                                          # pow saves its input
-        led.alloc(x + "gelu.t1", e * n)                         # pow
-        release("gelu.x32")
-        led.alloc(x + "gelu.t2", e * n)                         # * 0.044715
-        led.free(x + "gelu.t1")
-        led.alloc(x + "gelu.t3", e * n)                         # x + ...
-        led.free(x + "gelu.t2")
-        led.alloc(x + "gelu.t4", e * n)                         # * sqrt(2/pi)
-        led.free(x + "gelu.t3")
-        save("gelu.tanh", e * n)
-        led.free(x + "gelu.t4")
-        save("gelu.one_plus", e * n)
-        release("gelu.tanh")
-        led.alloc(x + "gelu.out", e * n)                        # half_x * one_plus: promotes to e
-        release("gelu.half_x", "gelu.one_plus", "fc")           # NewGELUActivation.forward returns
-        if e == c:
+        if self.fast_gelu:                                      # gelu(x, approximate="tanh"): one kernel
+            keep("fc")                                          # saves only its input (derivatives.yaml)
+            led.alloc(x + "gelu.out", c * n)                    # input dtype: on no autocast list
             keep("gelu.out")                                    # saved by c_proj's matmul
+            release("fc")
         else:
-            save("mlp.proj_in16", c * n)                        # autocast's cast for c_proj
-            led.free(x + "gelu.out")
+            # gelu_new = 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * pow(x, 3))))
+            save("gelu.half_x", c * n)
+            if e != c:
+                save("gelu.x32", e * n)                             # pow's autocast cast to fp32, saved by pow
+            else:
+                keep("fc")                                          # pow saves its input
+            led.alloc(x + "gelu.t1", e * n)                         # pow
+            release("gelu.x32")
+            led.alloc(x + "gelu.t2", e * n)                         # * 0.044715
+            led.free(x + "gelu.t1")
+            led.alloc(x + "gelu.t3", e * n)                         # x + ...
+            led.free(x + "gelu.t2")
+            led.alloc(x + "gelu.t4", e * n)                         # * sqrt(2/pi)
+            led.free(x + "gelu.t3")
+            save("gelu.tanh", e * n)
+            led.free(x + "gelu.t4")
+            save("gelu.one_plus", e * n)
+            release("gelu.tanh")
+            led.alloc(x + "gelu.out", e * n)                        # half_x * one_plus: promotes to e
+            release("gelu.half_x", "gelu.one_plus", "fc")           # NewGELUActivation.forward returns
+            if e == c:
+                keep("gelu.out")                                    # saved by c_proj's matmul
+            else:
+                save("mlp.proj_in16", c * n)                        # autocast's cast for c_proj
+                led.free(x + "gelu.out")
         self.half_copy(x + "mlp.c_proj", 4 * h * h, i, bias=h)
         led.alloc(x + "mlp.proj", c * Nh)
         release("gelu.out", "mlp.proj_in16")
@@ -400,6 +412,13 @@ class Replay:
             self.node(out=[("g.logits", c * NV, "logits")], free=["g.lsm"])  # .float() backward: cast back
         else:
             led.rename("g.lsm", "g.logits")
+        if V != self.V_real:
+            # the in-place fill of the padded columns (models._mask_padded_logits) is a CopySlices node: a new
+            # gradient of the logits' size, then the slice's gradient cloned and fill_'s zero gradient for it
+            pad = c * N * (V - self.V_real)
+            self.node(out=[("g.logits_cs", c * NV, "logits"), ("g.pad_clone", pad), ("g.pad_zero", pad)],
+                      free=["g.logits", "g.pad_clone", "g.pad_zero"])
+            led.rename("g.logits_cs", "g.logits")
         # lm_head: grad wrt its input and wrt the (tied) wte weight; the latter waits in autograd's input
         # buffer for the embedding's contribution at the very end of backward
         self.node(out=[("g.lnf16", c * Nh), ("tmp.gwte16", c * V * h)],
@@ -474,37 +493,40 @@ class Replay:
         # mlp.c_proj (its input: the gelu output, cast to half under autocast)
         node(out=[("g.gelu_out", c * n)], params=[(x + "mlp.c_proj.weight", 4 * h * h), (x + "mlp.c_proj.bias", h)],
              free=[g if g != "g.res" else "", x + "mlp.proj_in16", x + "gelu.out", "w16." + x + "mlp.c_proj"])
-        if e != c:
-            node(out=[("g.prod", e * n)], free=["g.gelu_out"])
+        if self.fast_gelu:                                      # gelu_backward(grad, x): one tensor
+            node(out=[("g.xbuf", c * n)], free=["g.gelu_out", x + "fc"])
         else:
-            led.rename("g.gelu_out", "g.prod")
-        # gelu_new backward. Autograd runs the highest sequence number first, so the chain through tanh and
-        # pow runs before `0.5 * x`, whose gradient waits in its input buffer meanwhile.
-        # half_x * one_plus: grad * other (computed in the promoted dtype, cast to half_x's), grad * self
-        if e != c:
-            node(out=[("g.half_x32", e * n), ("g.half_x", c * n)])
-            led.free("g.half_x32")
-        else:
-            node(out=[("g.half_x", c * n)])
-        node(out=[("g.one_plus", e * n)], free=["g.prod", x + "gelu.half_x", x + "gelu.one_plus"])
-        node(out=[("g.t", e * n)], free=["g.one_plus", x + "gelu.tanh"])  # tanh backward (1 + . passes on)
-        node(out=[("g.s", e * n)], free=["g.t"])                           # * sqrt(2/pi)
-        if e != c:                                                          # x + ...: x's share, in x's dtype
-            node(out=[("g.xbuf", c * n)])
-            node(out=[("g.m", e * n)], free=["g.s"])                       # * 0.044715
-        else:                                                               # the same tensor goes to both
-            led.rename("g.s", "g.xbuf")
-            node(out=[("g.m", e * n)])
-        # pow backward: grad * (3 * x.pow(2)): the C++ temporaries live until the end of the expression
-        node(out=[("g.pow_t1", e * n), ("g.pow_t2", e * n), ("g.pow", e * n)],
-             free=["g.pow_t1", "g.pow_t2", "g.m", x + "gelu.x32", x + "fc"])
-        if e != c:
-            node(out=[("g.pow16", c * n)], free=["g.pow"])                 # backward of the cast for pow
-            self.accumulate("g.xbuf", "g.pow16")
-        else:
-            self.accumulate("g.xbuf", "g.pow")
-        node(out=[("g.hx", c * n)], free=["g.half_x"])                    # 0.5 * x, at last
-        self.accumulate("g.xbuf", "g.hx")
+            if e != c:
+                node(out=[("g.prod", e * n)], free=["g.gelu_out"])
+            else:
+                led.rename("g.gelu_out", "g.prod")
+            # gelu_new backward. Autograd runs the highest sequence number first, so the chain through tanh and
+            # pow runs before `0.5 * x`, whose gradient waits in its input buffer meanwhile.
+            # half_x * one_plus: grad * other (computed in the promoted dtype, cast to half_x's), grad * self
+            if e != c:
+                node(out=[("g.half_x32", e * n), ("g.half_x", c * n)])
+                led.free("g.half_x32")
+            else:
+                node(out=[("g.half_x", c * n)])
+            node(out=[("g.one_plus", e * n)], free=["g.prod", x + "gelu.half_x", x + "gelu.one_plus"])
+            node(out=[("g.t", e * n)], free=["g.one_plus", x + "gelu.tanh"])  # tanh backward (1 + . passes on)
+            node(out=[("g.s", e * n)], free=["g.t"])                           # * sqrt(2/pi)
+            if e != c:                                                          # x + ...: x's share, in x's dtype
+                node(out=[("g.xbuf", c * n)])
+                node(out=[("g.m", e * n)], free=["g.s"])                       # * 0.044715
+            else:                                                               # the same tensor goes to both
+                led.rename("g.s", "g.xbuf")
+                node(out=[("g.m", e * n)])
+            # pow backward: grad * (3 * x.pow(2)): the C++ temporaries live until the end of the expression
+            node(out=[("g.pow_t1", e * n), ("g.pow_t2", e * n), ("g.pow", e * n)],
+                 free=["g.pow_t1", "g.pow_t2", "g.m", x + "gelu.x32", x + "fc"])
+            if e != c:
+                node(out=[("g.pow16", c * n)], free=["g.pow"])                 # backward of the cast for pow
+                self.accumulate("g.xbuf", "g.pow16")
+            else:
+                self.accumulate("g.xbuf", "g.pow")
+            node(out=[("g.hx", c * n)], free=["g.half_x"])                    # 0.5 * x, at last
+            self.accumulate("g.xbuf", "g.hx")
         # mlp.c_fc
         node(out=[("g.ln2_16", c * Nh)], params=[(x + "mlp.c_fc.weight", 4 * h * h), (x + "mlp.c_fc.bias", 4 * h)],
              free=["g.xbuf", x + "ln2.in16", x + "ln2.out", "w16." + x + "mlp.c_fc"])

@@ -14,6 +14,8 @@ from labutils.models import compile_model, load_model, pad_vocabulary, real_voca
 
 FAST_MODEL = {"model.activation": "gelu_pytorch_tanh", "model.pad_vocab_to": 64,
               "model.attn_implementation": "sdpa_causal"}
+# GPT-2 as published, op for op: no longer the defaults (issue 21), but reachable by config (lab 04's "before")
+PUBLISHED = {"model.activation": "gelu_new", "model.pad_vocab_to": None, "model.attn_implementation": "sdpa"}
 
 
 def tiny(**over):
@@ -70,7 +72,7 @@ def test_compiled_model_calls_causal_sdpa_without_mask():
 def test_causal_sdpa_equals_transformers_sdpa_padded_or_not():
     """Breaks if causal-without-mask changed any loss: packed data, and labutils' right-padded data, where the
     mask only hides padding that a causal query never sees. Oracle: transformers' own 'sdpa' with the mask."""
-    ref = load_model(tiny().model).model
+    ref = load_model(tiny(**{"model.attn_implementation": "sdpa"}).model).model
     fast = load_model(tiny(**{"model.attn_implementation": "sdpa_causal"}).model).model
     same_weights(ref, fast)
     ids = torch.randint(0, 256, (3, 24), generator=torch.Generator().manual_seed(1))
@@ -89,7 +91,8 @@ def test_gelu_pytorch_tanh_matches_gelu_new_on_gpt2_logits():
     checkpoint is not reachable here). Breaks if the 'fast' activation were another formula (exact erf GELU
     differs by ~1e-3 per activation, far more after 12 blocks)."""
     base = dict(**{"model.name": "gpt2", "model.pretrained": "false", "model.dropout": 0.0})
-    ref = load_model(load_config(None, overrides=base, mode="full").model).model.eval()
+    ref = load_model(load_config(None, overrides={**base, "model.activation": "gelu_new"},
+                                 mode="full").model).model.eval()
     fast = load_model(load_config(None, overrides={**base, "model.activation": "gelu_pytorch_tanh"},
                                   mode="full").model).model.eval()
     same_weights(ref, fast)
@@ -104,7 +107,7 @@ def test_gelu_pytorch_tanh_matches_gelu_new_on_gpt2_logits():
 def test_padded_vocabulary_changes_no_result_and_never_wins():
     """Breaks if padded rows leaked into the softmax (the loss would rise by log(1 + 63 e^0 / Z) ...), won an
     argmax, took gradient, or changed the weights an unpadded model gets from the same seed."""
-    ref = load_model(tiny().model).model
+    ref = load_model(tiny(**{"model.pad_vocab_to": None}).model).model
     fast = load_model(tiny(**{"model.pad_vocab_to": 64}).model).model
     assert fast.config.vocab_size == 320 and real_vocab_size(fast) == 257
     for (n, a), (_, b) in zip(ref.named_parameters(), fast.named_parameters()):  # same seed, same weights
@@ -124,7 +127,7 @@ def test_pretrained_weights_load_then_pad(tmp_path):
     loading (a 50304-row model cannot load a 50257-row checkpoint) or lost the loaded rows."""
     from transformers import GPT2LMHeadModel
 
-    src = load_model(tiny().model).model
+    src = load_model(tiny(**{"model.pad_vocab_to": None}).model).model
     src.save_pretrained(tmp_path)
     loaded = GPT2LMHeadModel.from_pretrained(tmp_path)
     assert pad_vocabulary(loaded, 64) == 320
@@ -149,6 +152,20 @@ def test_attention_probe_reads_the_kernel_that_ran():
     result = lu.run(tiny(**FAST_MODEL, **{"data.seq_length": 32, "train.steps": 2}), "cpu", progress=False,
                     verbose=False)
     assert result.ok and result.attention_kernel == "flash (CPU kernel)"
+
+
+def test_fast_and_published_keys_build_what_they_name():
+    """FAST_MODEL builds the one-kernel GELU, 320 rows (tiny) and labutils' causal SDPA; PUBLISHED builds GPT-2 op
+    for op (gelu_new, 257 rows, transformers' sdpa), whatever the defaults are. Breaks if either set of keys
+    stopped reaching the model (lab 04 profiles PUBLISHED as its "before" and FAST_MODEL as the fix)."""
+    from transformers.activations import GELUTanh, NewGELUActivation
+
+    fast = load_model(tiny(**FAST_MODEL).model).model
+    assert isinstance(fast.transformer.h[0].mlp.act, GELUTanh) and fast.config.vocab_size == 320
+    assert fast.config._attn_implementation == "sdpa_causal"
+    pub = load_model(tiny(**PUBLISHED).model).model
+    assert isinstance(pub.transformer.h[0].mlp.act, NewGELUActivation) and pub.config.vocab_size == 257
+    assert pub.config._attn_implementation == "sdpa"
 
 
 @pytest.mark.parametrize("key,value", [("model.activation", "gelu"), ("model.pad_vocab_to", 60),
@@ -224,7 +241,7 @@ def test_fast_config_moves_at_most_half_the_bytes(monkeypatch):
 
     monkeypatch.setattr(amp_common, "amp_definitely_not_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    today = forward_traffic({})
+    today = forward_traffic(PUBLISHED)
     fast = forward_traffic(FAST_MODEL)
     t, f = sum(today.values()), sum(fast.values())
     print(f"\nforward traffic GPT-2 small B16xT1024 bf16: today {t / 1e9:.1f} GB, fast {f / 1e9:.1f} GB "
