@@ -86,7 +86,7 @@ def c6_claim(tech_cfg, loop, config_path: str, budget: int, info: dict, **run_kw
                          sequence=tech_cfg.data.seq_length, precision="fp16 + checkpointing + accumulation vs fp32",
                          hardware=_hardware(info), mode=info["mode"],
                          budget=fmt_bytes(budget) + ("" if device.type == "cuda" else " (simulated)"))
-    state_bytes = 16 * est.parameter_count(tech_cfg.model.name)
+    state_bytes = 16 * est.parameter_count(tech_cfg.model.name, tech_cfg.model.pad_vocab_to)
     fits_pred = {name: est.largest_batch(plan_over, cards.card_total_bytes(8)[0], limit=64, **over) for name, plan_over, over in
                  (("fp32 baseline", load_config(config_path, mode="full"), {}),
                   ("fp16 + checkpointing", load_config(config_path, mode="full"),
