@@ -160,13 +160,16 @@ def timed_ratio(times_a, times_b) -> dict:
 
 
 def timed_step_times(result) -> list[float]:
-    """The step times a :class:`labutils.train.RunResult` averages into ``step_time_seconds``: warm-up steps
-    (and, on CPU, the steps the memory tracker slowed down) left out, as :func:`labutils.train.train` does."""
+    """The step times a :class:`labutils.train.RunResult` averages into ``step_time_seconds``: its last
+    ``timed_steps`` (the training loop leaves out warm-up, compiling and, on CPU, memory-tracked steps, and times
+    none when nothing is left: then this is empty, never warm-up). A result without ``timed_steps`` (made by hand,
+    older JSON) falls back to leaving out ``timing_warmup_steps``."""
     times = list(result.step_times or [])
+    n = getattr(result, "timed_steps", None)
+    if n is not None and (n or not times or result.step_time_seconds is None):
+        return times[len(times) - n:] if n else []
     warm = (result.config or {}).get("train", {}).get("timing_warmup_steps", 0)
-    tracked = (result.memory or {}).get("tracked_steps")
-    first = warm if tracked in (None, len(times)) else max(warm, tracked)
-    return times[min(first, max(len(times) - 1, 0)):]
+    return times[warm:] if warm < len(times) else []
 
 
 def run_pair_evidence(base, other, names: tuple[str, str], *, hardware: str | None = None) -> tuple[float | None, Evidence]:

@@ -233,3 +233,23 @@ def test_lab03_conclusions_phrase_the_chain_from_c5s_rule_and_flag_cpu_time():
     text = "\n".join(cr.spec_conclusions(cfg, _info(), k_chain=8, **kw))
     assert "the sqrt rule holds (measured optimum 8" in text and "CPU timing: says nothing about a GPU" in text
     assert "the sqrt rule does not hold (measured optimum 64" in "\n".join(cr.spec_conclusions(cfg, _info(), k_chain=64, **kw))
+
+
+def test_timed_step_times_are_the_steps_the_loop_timed(tmp_path):
+    """The claims read the steps the training loop itself timed (RunResult.timed_steps), not a count of their own:
+    with torch.compile the compiling step is never timed, and a run whose steps are all warm-up has no timed step
+    (the old rule handed the last warm-up step to the verdict). Oracle: a real run of the loop on the CPU."""
+    from conftest import tiny_config
+
+    import labutils as lu
+
+    r = lu.run(tiny_config(train__steps=3, train__timing_warmup_steps=1), progress=False, verbose=False)
+    n = r.timed_steps  # on the CPU the memory-tracked steps are left out too, when a step remains
+    assert n >= 1 and cl.timed_step_times(r) == r.step_times[-n:]
+    assert sum(cl.timed_step_times(r)) / n == pytest.approx(r.step_time_seconds)
+    none = lu.run(tiny_config(train__steps=2, train__timing_warmup_steps=2), progress=False, verbose=False)
+    assert none.timed_steps == 0 and none.step_time_seconds is None and cl.timed_step_times(none) == []
+    # a compiled run: step 1 compiled again (the loop saw dynamo's graph counter move), so only step 2 is timed
+    compiled = RunResult(config={"train": {"timing_warmup_steps": 1}}, env={}, step_times=[9.0, 5.0, 0.1],
+                         timed_steps=1, step_time_seconds=0.1)
+    assert cl.timed_step_times(compiled) == [0.1]

@@ -361,10 +361,15 @@ def test_cli_smoke_one_lab(tmp_path):
 @pytest.mark.skipif(os.environ.get("LAB_FULL_REGEN") != "1",
                     reason="all four notebooks take minutes: set LAB_FULL_REGEN=1 (make test-regen-all)")
 def test_cli_smoke_all_labs(tmp_path):
+    from tests.test_worktree_clean import REPO as TREE, tree_state
+
     stems = lab_stems(LABS)
     assert len(stems) == 4
-    status = git_status()
+    status, before = git_status(), tree_state(TREE)
     r = run_cli("--smoke", "--out", str(tmp_path / "out"), timeout=1800)
     assert r.returncode == 0, r.stdout + r.stderr
     check_smoke_output(tmp_path / "out", stems)
     assert git_status() == status
+    # every file under the repository, ignored ones included, as it was (issue 24: nothing outside --out)
+    after = tree_state(TREE)
+    assert after == before, sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))[:20]
