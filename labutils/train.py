@@ -457,8 +457,10 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
     with (tracker or contextlib.nullcontext()), _env.matmul_precision(tf32=t.precision == "tf32"):
         bar = tqdm(range(t.steps), desc=desc or f"{cfg.model.name} {t.precision} x{world}",
                    disable=not (progress and acc.is_main_process and _env.progress_bars()), leave=False)
+        graphs, compile_steps = compiled_graphs() if t.compile else 0, []
+        mark = time.perf_counter()  # as in train(): each step's time runs from the previous step's end to its own
         for step in bar:
-            start = time.perf_counter()
+            untimed = 0.0
             window = next(windows)
             mine = window.micro_batches[rank * t.accumulation_steps:(rank + 1) * t.accumulation_steps]
             norm_items = window.num_targets / (t.accumulation_steps * world)  # engine: /accum, DDP: mean
@@ -474,9 +476,10 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
                     scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
             value = (acc.reduce(token_loss, reduction="sum") / window.num_targets).item()
-            result.step_times.append(time.perf_counter() - start)
             if step == 0:  # as in train(): lazily loaded kernels, backward's cuBLAS workspace: the cap follows
+                u = time.perf_counter()
                 dev.follow_outside(device)
+                untimed += time.perf_counter() - u
             if acc.optimizer_step_was_skipped:
                 result.skipped.append(step)
             if not math.isfinite(value) and t.precision != "fp16":
@@ -486,8 +489,17 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
                 result.grad_norms.append(float(norm))
             result.target_tokens.append(window.num_targets)
             real_positions += window.num_real
+            if t.compile and compiled_graphs() != graphs:  # torch.compile compiled during this step: never timed
+                graphs = compiled_graphs()
+                compile_steps.append(step)
             if on_step:
+                u = time.perf_counter()
                 on_step(step, result, model, optimizer, None)
+                untimed += time.perf_counter() - u
+            now = time.perf_counter()
+            result.step_times.append(now - mark - untimed)
+            result.untimed_seconds += untimed
+            mark = now
         bar.close()
     why = divergence(result.losses, result.skipped, t.precision)
     if why:
@@ -497,7 +509,7 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
         result.peak_memory_bytes = int(acc.reduce(peak, reduction="max"))  # the busiest rank
     else:
         result.peak_memory_bytes = None
-    _finish_timing(result, cfg, dataset.seq_length, device, first_timed_step(t.steps, t.timing_warmup_steps), (),
-                   real_positions)
+    _finish_timing(result, cfg, dataset.seq_length, device,
+                   first_timed_step(t.steps, t.timing_warmup_steps, compile_steps), compile_steps, real_positions)
     acc.free_memory()
     return result
