@@ -201,10 +201,16 @@ def gpu_processes(device=None) -> tuple[list[tuple[int, int]] | None, str]:
 
 def other_processes(device=None) -> dict:
     """Memory that *other* processes hold on this GPU: ``{"bytes", "processes": [(pid, bytes)], "how"}``;
-    ``bytes`` None when NVML cannot list processes (see :func:`gpu_processes`)."""
+    ``bytes`` None when NVML cannot list processes (see :func:`gpu_processes`), or when its list does not hold
+    this process's pid: in a container without ``--pid=host`` NVML lists the *host's* pids, so this process
+    would pass for another one (its context and everything its allocator reserved counted as "other")."""
     procs, how = gpu_processes(device)
     if procs is None:
         return {"bytes": None, "processes": [], "how": how}
+    if procs and os.getpid() not in (pid for pid, _ in procs):
+        return {"bytes": None, "processes": [],
+                "how": f"NVML's pids ({', '.join(str(pid) for pid, _ in procs)}) are not this process's namespace "
+                       f"(container?): its pid {os.getpid()} is not among them"}
     others = [(pid, n) for pid, n in procs if pid != os.getpid()]
     return {"bytes": sum(n for _, n in others), "processes": others, "how": how}
 
@@ -213,7 +219,8 @@ def outside_allocator_bytes(device=None, refresh: bool = False) -> tuple[int, st
     """Bytes of GPU memory this process uses outside the caching allocator (CUDA context, library handles and
     kernels), and how that number was obtained. Measured once per process, after the context exists and
     cuBLAS has run: (total - free) - reserved - what other processes hold (when NVML can list them; when it
-    cannot, their memory counts too and the budget's notice says so). Kernels that load later (CUDA's lazy
+    cannot, or its list is not comparable: this pid missing from it, or more than is used, their memory counts too
+    and the budget's notice says so). Kernels that load later (CUDA's lazy
     module loading: attention, fused optimizers) and the autograd thread's cuBLAS workspace add more during the
     first training step: ``refresh=True`` measures again (:func:`follow_outside` does, after that step)."""
     if not is_cuda(device):
@@ -233,7 +240,14 @@ def outside_allocator_bytes(device=None, refresh: bool = False) -> tuple[int, st
         try:
             free, total = torch.cuda.mem_get_info(i)
             used = int(total - free - torch.cuda.memory_reserved(i))
-            if others["bytes"]:
+            if others["bytes"] is not None and others["bytes"] > used:  # more than the driver says is used
+                others = _state[("others", i)] = {
+                    "bytes": None, "processes": [],
+                    "how": f"NVML's other processes ({others['bytes'] / GiB:.2f} GiB) exceed what the driver "
+                           f"reports used outside this allocator ({used / GiB:.2f} GiB): not comparable"}
+            if others["bytes"] is None:
+                how += f"; other processes' memory counted in ({others['how']})"
+            elif others["bytes"]:
                 how += f"; {others['bytes'] / GiB:.2f} GiB of other processes left out"
             _state[("outside", i)] = (max(0, used - (others["bytes"] or 0)), how)
         except RuntimeError as exc:  # a driver that cannot answer: the documented default

@@ -203,6 +203,46 @@ def test_other_processes_are_suspected_where_nvml_refuses(fresh):
     assert info["notice"] and "probably holds memory" in info["notice"] and "NVML cannot list" in info["notice"]
 
 
+HOST_PID = 2_000_000_000  # a host pid no process in this namespace has (Linux pids stay below 2**22)
+
+
+@pytest.mark.parametrize("neighbour", [0, int(1.2 * GiB)], ids=["alone", "with-a-second-kernel"])
+def test_a_container_lists_this_process_under_a_host_pid(fresh, neighbour):
+    """A container without --pid=host: NVML (real torch.cuda.list_gpu_processes over a stand-in nvidia-ml-py)
+    lists this very process under its host pid, which is not os.getpid(). Its memory must not pass for
+    another process's. Before the fix it was subtracted as "other": outside became 0, the cap the whole card
+    total (too large by this process's context), and the NOTICE named the process itself. The driver's used
+    memory (the pretend GPU's truth) equals the NVML list's sum, so only the pid check can catch it."""
+    gpu = fake_cuda.install(fresh, "rtx3070-8gb")
+    own = gpu.profile.outside
+    gpu.profile.outside = own + neighbour
+    listed = [(HOST_PID, own)] + ([(HOST_PID + 1, neighbour)] if neighbour else [])
+    fresh.setitem(sys.modules, "pynvml", fake_nvml(listed))
+    assert dev.gpu_processes()[0] == listed  # torch's printout, parsed back
+    info = dev.card_budget(8)
+    assert torch_limit(gpu) + own <= EIGHT_GB_CARD + 2  # never more than this process's share of the card
+    assert info["outside_allocator_bytes"] == own + neighbour  # the old conservative way: others counted in
+    assert info["other_processes_bytes"] is None and "not this process's namespace" in info["how"]
+    assert f"pid {HOST_PID}:" not in dev.budget_line(info)
+    if neighbour:  # 1.54 GiB outside: the heuristic still suspects a second process, without naming pids
+        assert "probably holds memory" in info["notice"] and "container?" in info["notice"]
+    else:
+        assert info["notice"] is None
+
+
+def test_others_beyond_what_the_driver_uses_are_unknown(fresh):
+    """NVML lists this pid and a neighbour holding 3 GiB, but the driver reports only this process's 350 MiB in
+    use outside the allocator (a list that does not describe this card's memory). Subtracting it gave
+    max(0, negative) = 0 outside and the whole card total as cap; it must count as unknown instead."""
+    gpu = fake_cuda.install(fresh, "rtx3070-8gb")
+    own = gpu.profile.outside
+    fresh.setitem(sys.modules, "pynvml", fake_nvml([(os.getpid(), own), (4242, 3 * GiB)]))
+    info = dev.card_budget(8)
+    assert torch_limit(gpu) + own == pytest.approx(EIGHT_GB_CARD, abs=2)
+    assert info["other_processes_bytes"] is None and "exceed what the driver reports used" in info["how"]
+    assert info["notice"] is None  # 350 MiB outside is one process's context: nothing to suspect
+
+
 def test_no_notice_when_alone_or_unknown(fresh):
     fake_cuda.install(fresh, "t4")
     assert dev.gpu_processes()[0] is None  # nvidia-ml-py not installed here
@@ -241,6 +281,13 @@ def exercise_card_budget(monkeypatch) -> None:
     with monkeypatch.context() as m:
         m.setattr(dev, "_state", {})
         test_cap_follows_what_grows_outside_after_the_first_step(m)
+    for neighbour in (0, int(1.2 * GiB)):
+        with monkeypatch.context() as m:
+            m.setattr(dev, "_state", {})
+            test_a_container_lists_this_process_under_a_host_pid(m, neighbour)
+    with monkeypatch.context() as m:
+        m.setattr(dev, "_state", {})
+        test_others_beyond_what_the_driver_uses_are_unknown(m)
     with monkeypatch.context() as m:
         test_peak_reserved_is_the_allocators(m)
     test_cpu_has_no_processes_budget_or_reserved()
