@@ -19,7 +19,7 @@ def _run(root, tmp_path, extra_env):
     proc = subprocess.run(
         [sys.executable, "-m", "labutils", "run", "configs/fp32_config.yaml", "--quiet", "--json", str(out),
          "--set", "model.name=gpt2", "model.pretrained=auto", "data.seq_length=16", "data.num_samples=4",
-         "train.micro_batch_size=1", "train.steps=1"],
+         "train.micro_batch_size=1", "train.steps=2"],  # smoke times steps after 1 warm-up step: one timed
         cwd=root, env=env, capture_output=True, text=True, timeout=120)
     elapsed = time.monotonic() - start
     assert proc.returncode == 0, proc.stderr[-2000:]
