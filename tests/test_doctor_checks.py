@@ -35,7 +35,7 @@ def status(check, *args, name=None) -> str:
     return (r[name] if name else next(iter(r.values())))["status"]
 
 
-REAL_GPU = torch.cuda.is_available()  # before any pretend driver is installed
+REAL_GPU = fake_cuda.real_gpu_present()  # a session-wide pretend GPU (LAB_PRETEND_GPU) is not a real one
 
 
 def pretend(monkeypatch, profile="h100", **overrides):

@@ -25,7 +25,7 @@ from tests import fake_cuda
 
 tr = importlib.import_module("labutils.train")
 FAST = Path(__file__).resolve().parent.parent / "configs" / "fast_config.yaml"
-REAL_GPU = torch.cuda.is_available()  # before any pretend driver is installed
+REAL_GPU = fake_cuda.real_gpu_present()  # a session-wide pretend GPU (LAB_PRETEND_GPU) is not a real one
 
 with open(FAST) as f:
     FILE = yaml.safe_load(f)["train"]

@@ -159,6 +159,7 @@ def test_packed_batches_carry_no_attention_mask(ragged_corpus):
         assert ("attention_mask" in mb) is has_mask
 
 
+@pytest.mark.real_kernels  # trains on "cuda": under LAB_PRETEND_GPU that is the pretend GPU, which has no kernels
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: torch's own sync detector")
 def test_one_sync_per_step_on_cuda():
     """On a GPU, torch's own detector (``set_sync_debug_mode``) counts the synchronising calls of steps 1 and 2:

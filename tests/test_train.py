@@ -214,6 +214,7 @@ def test_step_times_tile_the_loop_wall_clock():
         assert res.step_times[k] < stamps[k] - stamps[k - 1] - 0.04
 
 
+@pytest.mark.real_kernels  # the CLI part trains in this process, on the default device
 def test_no_timed_steps_is_said_not_filled_with_warm_up(capsys, root, tmp_path, monkeypatch):
     """steps <= timing_warmup_steps: every step is warm-up. Breaks if the speed numbers quietly come from warm-up
     steps again (the old loop timed the last step whatever the warm-up)."""
