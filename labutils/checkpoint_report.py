@@ -6,8 +6,11 @@ Nothing here measures: every function takes what :mod:`labutils.checkpoint_measu
     plot_chain                      section 3: Chen et al.'s chain, peak vs segment length
     every_k_table, sqrt_note,       section 4: every_n_layers = k and segments of k blocks on GPT-2
       plot_every_k
-    pareto_front, plot_pareto       section 5: the memory / time trade-off of every variant
-    recommendation                  section 6: which variant for which memory gap
+    every_k_fit_note                section 4: which k fits the budget (and, on a GPU only, which is fastest)
+    pareto_front, plot_pareto,      section 5: the memory / time trade-off of every variant
+      ranking_label, front_line
+    recommendation,                 section 6: which variant for which memory gap
+      recommendation_note
     spec_check, spec_conclusions,   section 7: the spec's expectations against this run; claims C4 and C5
       claim_c4, claim_c5
 """
@@ -99,6 +102,58 @@ def plot_every_k(ks: list[int], every: dict, segs: dict, pred_every: dict, pred_
     return fig
 
 
+# -------------------------------------------------------------------- orders by step time: what they may say
+CPU_ORDER = "ordered by CPU step time: not a GPU ranking, not judged"
+
+
+def unsettled_order(a, b) -> str | None:
+    """Why the step-time order of two runs (``a`` measured faster than ``b``) is not settled, or None when it is:
+    fewer than :data:`labutils.claims.MIN_TIMED_STEPS` timed steps, or a noise (:func:`labutils.claims.timed_ratio`:
+    +- from the two runs' half inter-quartile ranges) as large as the difference."""
+    t = cl.timed_ratio(cl.timed_step_times(a.result), cl.timed_step_times(b.result))
+    if t["timed_steps"] < cl.MIN_TIMED_STEPS:
+        return f"{t['timed_steps']} timed step(s), fewer than {cl.MIN_TIMED_STEPS}"
+    if t["spread"] is not None and t["spread"] >= abs(t["ratio"] - 1):
+        return f"noise +-{t['spread']:.0%} vs a {t['ratio'] - 1:+.0%} difference"
+    return None
+
+
+def ranking_label(runs: list, device_type: str) -> str:
+    """How an order of ``runs`` by step time (fastest first) may be read on ``device_type``: on a CPU it is CPU
+    timing (:data:`CPU_ORDER`: says nothing about a GPU); on a GPU a measured ranking, with each neighbouring pair
+    whose order is not settled (:func:`unsettled_order`) named."""
+    if device_type != "cuda":
+        return CPU_ORDER
+    open_pairs = [f"{a.variant} vs {b.variant} ({why})" for a, b in zip(runs, runs[1:])
+                  if (why := unsettled_order(a, b))]
+    return ("fastest first, by measured GPU step time"
+            + ("; order not decided for " + "; ".join(open_pairs) if open_pairs else ""))
+
+
+def every_k_fit_note(ks: list[int], every: dict, budget: int, device_type: str) -> str:
+    """Section 4's pick among every_n_layers = k (``every``: the Measured runs by k) within ``budget``. Memory is
+    measured on any device: the largest k whose peak fits. Which k is fastest is said only on a GPU, by measured
+    step time (with :func:`unsettled_order` against the runner-up); on a CPU the step time is shown, labelled as CPU
+    timing that ranks nothing. Every word follows the numbers printed beside it."""
+    fits = [k for k in ks if every[k].ok and every[k].peak <= budget]
+    if not fits:
+        return f"every_n_layers: no k fits the budget of {fmt(budget)}"
+    big = max(fits)
+    vs1 = (lambda k: f"{every[k].step_time / every[1].step_time - 1:+.0%} step time vs k = 1") if every[1].ok else \
+        (lambda k: f"{every[k].step_time:.3g} s per step")
+    out = (f"every_n_layers: the largest k whose peak fits the budget of {fmt(budget)} is k = {big} "
+           f"(peak {fmt(every[big].peak)}: memory, measured)")
+    if device_type != "cuda":
+        return out + f"; {vs1(big)} ({CPU_ORDER})"
+    by_time = sorted(fits, key=lambda k: every[k].step_time)
+    fastest = by_time[0]
+    out += (f"; the fastest k that fits, by measured GPU step time, is k = {fastest} ({vs1(fastest)})"
+            + (f"; k = {big}: {vs1(big)}" if fastest != big else ""))
+    if len(by_time) > 1 and (why := unsettled_order(every[fastest], every[by_time[1]])):
+        out += f"; not decided against k = {by_time[1]}: {why}"
+    return out
+
+
 # ---------------------------------------------------------------------------- section 5: memory vs time
 OFFLOAD_KINDS = ("offload", "checkpoint_offload")
 
@@ -110,8 +165,9 @@ def does_nothing_here(m, device_type: str) -> bool:
 
 
 def pareto_front(runs, device_type: str = "cuda") -> list:
-    """The runs that ran and that no other run beats on both peak memory and step time, fastest first; a
-    variant that does nothing on ``device_type`` (:func:`does_nothing_here`) is left out."""
+    """The runs that ran and that no other run beats on both peak memory and step time, by step time (what that
+    order may say: :func:`ranking_label`); a variant that does nothing on ``device_type``
+    (:func:`does_nothing_here`) is left out."""
     front, best = [], math.inf
     for m in sorted((m for m in runs if m.ok and not does_nothing_here(m, device_type)),
                     key=lambda m: (m.step_time, m.peak)):
@@ -150,12 +206,19 @@ def plot_pareto(ks: list[int], every: dict, segs: dict, points: list, front: lis
     return fig
 
 
+def front_line(front: list, device_type: str) -> str:
+    """The Pareto front in one line, its order labelled by :func:`ranking_label`."""
+    unit = " CPU" if device_type != "cuda" else ""
+    return (f"Pareto front ({ranking_label(front, device_type)}): "
+            + " -> ".join(f"{m.variant} ({fmt(m.peak)}, {m.step_time:.3g} s{unit})" for m in front))
+
+
 # ---------------------------------------------------------------------------- section 6: which one when
 def recommendation(front: list, base) -> list[dict]:
-    """One row per Pareto-front run, fastest first: the budget it needs, the gap to the baseline it closes, its
-    step time and overhead; a last row says what to do below the front's smallest peak."""
+    """One row per Pareto-front run, in the front's order (by step time): the budget it needs, the gap to the
+    baseline it closes, its step time and overhead; a last row says what to do below the front's smallest peak."""
     rec = []
-    for m in front:  # fastest first, so the first row that fits your budget is the one to use
+    for m in front:  # in the front's order: by step time (on a CPU, CPU time: see recommendation_note)
         rec.append({"budget_at_least_mib": m.peak / MiB, "use": m.variant,
                     "gap_it_closes_mib": (base.peak - m.peak) / MiB if base.ok else None,
                     "step_s": m.step_time,
@@ -165,6 +228,20 @@ def recommendation(front: list, base) -> list[dict]:
                     "use": f"below {fmt(front[-1].peak)}: checkpointing alone is not enough: "
                            "smaller micro-batch + accumulation, mixed precision (below), or a bigger GPU"})
     return rec
+
+
+def recommendation_note(front: list, budget: int, device_type: str) -> str:
+    """How to read :func:`recommendation`'s table and what it gives within this lab's ``budget``. On a GPU the rows
+    are a measured ranking: the first row that fits is the fastest option that does (with the noise caveats of
+    :func:`ranking_label`). On a CPU the order is CPU timing, so no option is called fastest: only which ones fit
+    (memory, measured) is said."""
+    fit = [m.variant for m in front if m.peak <= budget]
+    if device_type != "cuda":
+        return (f"rows {CPU_ORDER}; what this run shows is memory: within this lab's budget of {fmt(budget)} "
+                + (f"the peak of {', '.join(repr(v) for v in fit)} fits" if fit else "none of them fits"))
+    return (f"read it top down ({ranking_label(front, device_type)}): the first row whose peak fits your budget is "
+            f"the fastest option that does. With this lab's budget of {fmt(budget)}: "
+            + (f"'{fit[0]}'" if fit else "none of them") + ".")
 
 
 # ------------------------------------------------------------------------- section 7: against the spec
