@@ -44,8 +44,9 @@ def pytest_collection_modifyitems(config, items):
     """``@pytest.mark.real_kernels``: the test computes on the default device (trains, or makes tensors there)."""
     if "gpu" in _SESSION_GPU:
         for item in items:
-            if item.get_closest_marker("real_kernels"):
-                item.add_marker(pytest.mark.skip(reason=KERNELS))
+            marker = item.get_closest_marker("real_kernels")
+            if marker:
+                item.add_marker(pytest.mark.skip(reason=marker.kwargs.get("reason", KERNELS)))
 
 
 def pytest_unconfigure(config):

@@ -188,6 +188,10 @@ class FakeGPU:
             "_cuda_record_memory_history": self._record_history,
             "_cuda_memorySnapshot": self._snapshot,
             "_cuda_getArchFlags": lambda: "sm_75 sm_80 sm_86 sm_90",
+            # torch >= 2.14 (CUDA build): every optimizer.step() asks the accelerator's current stream whether it is
+            # being captured into a CUDA graph; the driver would answer (no graph is ever captured here)
+            "_accelerator_getDeviceIndex": lambda: 0,
+            "_accelerator_getStream": lambda i: SimpleNamespace(is_capturing=lambda: False, device_index=0),
             "_cuda_getCurrentRawStream": lambda i: 0,  # the default stream; torch._dynamo imports it on a CUDA torch
         }
         for k, v in entry.items():

@@ -233,6 +233,8 @@ def test_no_timed_steps_is_said_not_filled_with_warm_up(capsys, root, tmp_path, 
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.real_kernels(reason="torch.compile on the CUDA build asks the driver whether the current stream is being "
+                                 "captured (torch.cuda.graphs), past the entry points the pretend driver replaces")
 def test_compile_seconds_apart_from_step_times(ragged_corpus):
     """With train.compile the compiling step is never timed; its extra time is ``compile_seconds`` (in --json).
     Oracle for which step compiled: dynamo's own graph counter. Breaks if compilation lands in a timed step
