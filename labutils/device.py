@@ -486,3 +486,15 @@ def facts(device=None) -> dict | None:
 def pin_memory_default(device_type: str) -> bool:
     """Whether host copies for ``device_type`` should be pinned (only with a GPU: pinning needs its driver)."""
     return device_type == "cuda" and cuda_available()
+
+
+def capability(device=None) -> tuple[int, int] | None:
+    """The GPU's compute capability (major, minor) as torch reports it; None on the CPU."""
+    device = resolve(device)
+    return tuple(torch.cuda.get_device_capability(device.index)) if device.type == "cuda" else None
+
+
+def torch_bf16_native(device=None) -> bool:
+    """torch's own answer to "native BF16 here?" (``torch.cuda.is_bf16_supported(including_emulation=False)``),
+    the outside answer :func:`bf16_support` is checked against by ``doctor``; False on the CPU."""
+    return resolve(device).type == "cuda" and bool(torch.cuda.is_bf16_supported(including_emulation=False))

@@ -6,7 +6,9 @@ card supports (GPT-2 small); the memory cap and recovery from an out-of-memory e
 recorded, dumped and read back by the course's own parser; a profiler run with CUDA activity; every
 checkpointing variant's gradients against no checkpointing *with dropout on*; the memory estimator against
 measured peaks; matmul TFLOP/s per precision; configs/fast_config.yaml for a few steps, its MFU next to the goal.
-Exit code 1 if anything failed.
+Exit code 1 if anything failed; the summary line gives the total time. ``regenerate`` runs it first and stops on
+any failure except a missed MFU goal (the row says ``"gates_regenerate": False``): the labs do not need the
+fast path's speed.
 
 Without a GPU it says so, runs the CPU equivalents that exist (tiny model), and exits 0: the GPU checks are
 listed as skipped, never as passed.
@@ -42,8 +44,10 @@ fails each (tests/test_doctor_checks.py breaks each on purpose):
   matmul TFLOP/s <format>           a wrong product (vs float64); TF32 not engaged (fp32-sized error); on CUDA
                                     TF32 / FP16 / BF16 not faster than FP32 by what the card's datasheet promises
   fast path MFU (fast_config.yaml)  the fast config not training (OOM even at the fitted micro-batch, a
-                                    non-finite loss); on an A100/H100/H200 an MFU below 45 % (other cards: the
-                                    MFU is shown, not judged; CPU: skipped, CPU timing judges no speed)
+                                    non-finite loss); on an A100/H100/H200, uncapped at the config's own
+                                    micro-batch, an MFU below 45 % over >= claims.MIN_TIMED_STEPS timed steps
+                                    (not gating regenerate). Not judged, MFU shown: other cards, a memory
+                                    budget active (LAB_GPU_MEMORY_GB), a lowered micro-batch; CPU: skipped
 """
 from __future__ import annotations
 
@@ -58,6 +62,7 @@ from pathlib import Path
 import torch
 
 from . import device as dev
+from .claims import MIN_TIMED_STEPS
 
 MiB, GiB = 2**20, 2**30
 ESTIMATOR_TOLERANCE_PCT = 10.0   # the estimator's goal: within 10 % of the measured CUDA peak
@@ -219,20 +224,11 @@ def check_support_facts(c: Checks, device: torch.device) -> None:
         tf, _ = dev.tf32_support(device)
         facts = dev.facts(device)
         if device.type == "cuda":
-            cap = torch.cuda.get_device_capability(device.index)
-            ok, detail = support_verdict(cap, bf, tf, torch.cuda.is_bf16_supported(including_emulation=False))
+            ok, detail = support_verdict(dev.capability(device), bf, tf, dev.torch_bf16_native(device))
             _expect(row, ok and facts is not None, f"{dev.name(device)}; {detail}")
         else:
             _expect(row, facts is None and isinstance(bf, bool) and tf is False, f"CPU; bf16: {bf}; tf32: {tf}")
         row["value"] = facts["compute_capability"] if facts else None
-
-
-def gpu_processes() -> tuple[str | None, str]:
-    """``torch.cuda.list_gpu_processes()``, or None and why: NVML refuses in WSL and some containers."""
-    try:
-        return torch.cuda.list_gpu_processes(), "list_gpu_processes"
-    except Exception as exc:  # pynvml.NVMLError_NotSupported, NVMLError_NoPermission, ...
-        return None, f"list_gpu_processes unavailable ({type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''})"
 
 
 def lab04_verdict(free: int, total: int, device_total: int, counters: list) -> bool:
@@ -247,9 +243,12 @@ def check_lab04_calls(c: Checks, device: torch.device) -> None:
         free, total = torch.cuda.mem_get_info()
         vals = [torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), torch.cuda.max_memory_allocated(),
                 torch.cuda.memory_stats().get("num_alloc_retries", 0), torch.cuda.current_device()]
-        procs, how = gpu_processes()
+        # lab 04's torch.cuda.list_gpu_processes(), through the device module's guard: NVML refuses in WSL and
+        # some containers, which is no fault of this machine's CUDA
+        procs, how = dev.gpu_processes(device)
+        listed = f"list_gpu_processes: {len(procs)} process(es)" if procs is not None else f"list_gpu_processes unavailable ({how})"
         _expect(row, lab04_verdict(free, total, torch.cuda.get_device_properties(device.index).total_memory, vals),
-                f"mem_get_info, memory_allocated/reserved, max_memory_allocated, memory_stats; {how}")
+                f"mem_get_info, memory_allocated/reserved, max_memory_allocated, memory_stats; {listed}")
 
 
 def check_device_functions(c: Checks, device: torch.device) -> None:
@@ -577,7 +576,7 @@ def check_matmul(c: Checks, device: torch.device) -> None:
             formats.insert(1, ("tf32", torch.float32, True))
         if dev.bf16_support(device)[0]:
             formats.append(("bf16", torch.bfloat16, False))
-        capability = torch.cuda.get_device_capability(device.index)
+        capability = dev.capability(device)
     fp32_tflops = None
     for label, dtype, tf32 in formats:
         with c.check(f"matmul TFLOP/s {label} ({n}x{n})") as row:
@@ -617,7 +616,6 @@ MFU_GOAL = 0.45  # issue 21: build-nanogpt reaches about 50 % on an A100 for GPT
 # datasheet peaks and more memory bandwidth). Others: the MFU is printed, not judged.
 MFU_GOAL_CARDS = ("a100", "h100", "h200")
 FAST_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "fast_config.yaml"
-FAST_TIMED_STEPS = 5  # timed steps after the config's own timing warm-up (compile and allocator warm-up)
 
 
 def mfu_goal(gpu_name: str | None, precision: str) -> float | None:
@@ -631,9 +629,12 @@ def mfu_goal(gpu_name: str | None, precision: str) -> float | None:
 
 
 def mfu_verdict(mfu: float | None, gpu_name: str | None, precision: str = "bf16", status: str = "ok",
-                error: str | None = None) -> tuple[bool, str]:
+                error: str | None = None, not_judged: list[str] | tuple[str, ...] = ()) -> tuple[bool, str]:
     """The fast config trained (status ok); on a card with a goal (:func:`mfu_goal`) its MFU reached it. Elsewhere
-    the MFU is shown and not judged (no goal for this card), or there is none (the card's peak is unknown)."""
+    the MFU is shown and not judged (no goal for this card), or there is none (the card's peak is unknown).
+    ``not_judged``: why this run cannot be held to the goal although the card has one (a memory budget is active,
+    the micro-batch was lowered to fit): the goal is for the config as written on the whole card (issue 21: speed
+    rows run without the cap), so the MFU is shown with those reasons and not judged."""
     from .peaks import peak_info
 
     if status != "ok":
@@ -643,12 +644,16 @@ def mfu_verdict(mfu: float | None, gpu_name: str | None, precision: str = "bf16"
     goal = mfu_goal(gpu_name, precision)
     if goal is None:
         return True, f"MFU {100 * mfu:.1f} % ({precision}); no goal for this card: not judged"
+    if not_judged:
+        return True, (f"MFU {100 * mfu:.1f} % ({precision}); not judged against the {100 * goal:.0f} % goal: "
+                      + "; ".join(not_judged) + " (the goal holds for the config as written, without a cap)")
     return mfu >= goal, f"MFU {100 * mfu:.1f} % ({precision}), goal >= {100 * goal:.0f} % on {gpu_name}"
 
 
 def fast_path_config(device: torch.device):
-    """configs/fast_config.yaml for the doctor: the config's warm-up steps (compile included) + FAST_TIMED_STEPS
-    timed ones, random weights (no download: MFU does not depend on them), FP16 where the card has no BF16, and
+    """configs/fast_config.yaml for the doctor: the config's warm-up steps (compile included) + MIN_TIMED_STEPS
+    timed ones (the claims' evidence rule, labutils.claims: the MFU verdict rests on as many timed steps as any
+    timed claim), random weights (no download: MFU does not depend on them), FP16 where the card has no BF16, and
     the largest micro-batch the estimator fits on this card, as ``python -m labutils run`` picks it. Returns
     (config, the line saying what the fit changed or None)."""
     from .advise import default_budget_bytes, fit_micro_batch
@@ -656,7 +661,7 @@ def fast_path_config(device: torch.device):
 
     base = load_config(FAST_CONFIG, mode="full")
     t = base.train
-    steps = t.timing_warmup_steps + FAST_TIMED_STEPS
+    steps = t.timing_warmup_steps + MIN_TIMED_STEPS
     over = {"train.steps": steps, "model.pretrained": "false",
             "data.num_samples": min(base.data.num_samples, steps * t.micro_batch_size * t.accumulation_steps)}
     if t.precision == "bf16" and not dev.bf16_support(device)[0]:
@@ -679,9 +684,16 @@ def check_fast_path(c: Checks, device: torch.device) -> None:
     with c.check(name) as row:
         cfg, fitted = fast_path_config(device)
         t = cfg.train
+        budget = dev.current_budget()  # set by run_doctor from LAB_GPU_MEMORY_GB, or by the fit just above
+        why_not = ([f"a memory budget is active (behaving like a {budget['card_gib']:g} GB card)"] if budget else []) \
+            + (["the micro-batch was lowered to fit"] if fitted else [])
         res = run(cfg, device, progress=False, verbose=False)
-        ok, detail = mfu_verdict(res.mfu, dev.name(device), t.precision, res.status, res.error)
+        ok, detail = mfu_verdict(res.mfu, dev.name(device), t.precision, res.status, res.error, why_not)
         row["value"] = None if res.mfu is None else 100 * res.mfu
+        # A missed goal is a real finding (doctor fails), but the labs do not need the fast path's speed: it does
+        # not stop `regenerate`. A fast config that does not train at all still does.
+        if not ok and res.status == "ok":
+            row["gates_regenerate"] = False
         parts = [detail, f"{t.micro_batch_size} x {t.accumulation_steps} x T{cfg.data.seq_length}"]
         warm = res.step_times[:t.timing_warmup_steps]
         if res.step_time_seconds:
@@ -701,6 +713,7 @@ def run_doctor(device=None, verbose: bool = True) -> dict:
     from .env import environment, seed_everything
     from .memory import release
 
+    start = time.perf_counter()
     device = dev.resolve(device)
     c = Checks(verbose)
     if verbose:
@@ -735,10 +748,13 @@ def run_doctor(device=None, verbose: bool = True) -> dict:
     check_matmul(c, device)
     release()
     counts = {k: sum(r["status"] == k for r in c.rows) for k in ("pass", "fail", "skip")}
+    seconds = round(time.perf_counter() - start, 1)
     if verbose:
-        print(f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped"
-              + ("" if device.type == "cuda" else " (no GPU: CPU checks only)"))
-    return {"checks": c.rows, "summary": counts, "env": environment(device)}
+        quiet = [r["name"] for r in c.failed if r.get("gates_regenerate") is False]
+        print(f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped in {seconds:.0f} s"
+              + ("" if device.type == "cuda" else " (no GPU: CPU checks only)")
+              + (f"; {len(quiet)} of the failures ({', '.join(quiet)}) do not stop `regenerate`" if quiet else ""))
+    return {"checks": c.rows, "summary": counts, "seconds": seconds, "env": environment(device)}
 
 
 def cli_doctor(args) -> int:

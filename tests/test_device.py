@@ -403,6 +403,7 @@ def exercise_device_module(monkeypatch, tmp_path, profile: str) -> None:
         assert ok_bf16 == ok_tf32 == (gpu.profile.major >= 8) and gpu.profile.name in why + why_tf
         assert dev.name() == gpu.profile.name and dev.pin_memory_default("cuda")
         assert lu.bf16_supported()[0] == ok_bf16
+        assert dev.capability() == (gpu.profile.major, gpu.profile.minor) and dev.torch_bf16_native() == ok_bf16
         env = lenv.environment()
         assert env["gpu"]["compute_capability"] == f"{gpu.profile.major}.{gpu.profile.minor}"
         assert dev.set_cap_fraction(1.5) == 1.0 and dev.card_budget(None) is None
