@@ -203,18 +203,26 @@ CPU_CASES = [  # fp32_config packs; the first two cases keep padded documents (a
 ]
 
 
-@pytest.mark.parametrize("over", CPU_CASES, ids=lambda o: ",".join(f"{k.split('.')[1]}={v}" for k, v in o.items()))
-def test_cpu_replay_matches_the_tracker(over, one_thread):
+def replay_and_tracker(over, check_model=None):
+    """(predicted, measured, peak phase) of a 2-step smoke run of fp32_config with ``over``: the replay's peak
+    above resident state against the CPU tracker's measured peak above the run's start."""
     cfg = lu.load_config(ROOT / "configs" / "fp32_config.yaml", mode="smoke").override({"train.steps": 2, **over})
     loaded, dataset = lu.prepare(cfg, "cpu", verbose=False)
+    if check_model:
+        check_model(loaded.model)
     padded = dataset.padding_fraction > 0
     del loaded, dataset
     res = lu.run(cfg, "cpu", progress=False, verbose=False)
     assert res.ok
     est = E.estimate_memory(cfg, device="cpu", padded=padded)
-    measured = res.memory["peak_bytes"] - res.memory["start_bytes"]
-    predicted = est["peak_bytes"] - est["resident_bytes"]
-    assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured, est["peak_phase"])
+    return est["peak_bytes"] - est["resident_bytes"], res.memory["peak_bytes"] - res.memory["start_bytes"], \
+        est["peak_phase"]
+
+
+@pytest.mark.parametrize("over", CPU_CASES, ids=lambda o: ",".join(f"{k.split('.')[1]}={v}" for k, v in o.items()))
+def test_cpu_replay_matches_the_tracker(over, one_thread):
+    predicted, measured, phase = replay_and_tracker(over)
+    assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured, phase)
 
 
 FAST = {"model.activation": "gelu_pytorch_tanh", "model.pad_vocab_to": 64, "model.attn_implementation": "sdpa_causal"}
@@ -236,17 +244,11 @@ def test_cpu_replay_matches_the_tracker_on_the_fast_keys(over, one_thread):
     ignores a key: gelu_new's chain booked instead of the one-kernel GELU (+7 to +40 %, every case); the
     unpadded vocabulary (logits, wte and the hook's CopySlices backward: -2.6 % and -4.2 % in cases 1 and 3); a
     4-D mask booked for sdpa_causal on padded data (+8 % in case 4, where checkpointing keeps it)."""
-    cfg = lu.load_config(ROOT / "configs" / "fp32_config.yaml", mode="smoke").override({"train.steps": 2, **over})
-    loaded, dataset = lu.prepare(cfg, "cpu", verbose=False)
-    assert lu.models.real_vocab_size(loaded.model) < loaded.model.get_output_embeddings().weight.shape[0]
-    padded = dataset.padding_fraction > 0
-    del loaded, dataset
-    res = lu.run(cfg, "cpu", progress=False, verbose=False)
-    assert res.ok
-    est = E.estimate_memory(cfg, device="cpu", padded=padded)
-    measured = res.memory["peak_bytes"] - res.memory["start_bytes"]
-    predicted = est["peak_bytes"] - est["resident_bytes"]
-    assert abs(predicted - measured) <= 0.005 * measured, (predicted, measured, est["peak_phase"])
+    def padded(model):
+        assert lu.models.real_vocab_size(model) < model.get_output_embeddings().weight.shape[0]
+
+    predicted, measured, phase = replay_and_tracker(over, padded)
+    assert abs(predicted - measured) <= 0.005 * measured, (predicted, measured, phase)
 
 
 @pytest.mark.parametrize("name", ("tiny", "gpt2"))
