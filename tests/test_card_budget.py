@@ -100,6 +100,23 @@ def test_budget_8_follows_the_card_table_on_every_card(fresh, profile, capsys):
     assert "7.78 GiB" in dev.budget_line(info) and "NOTICE" not in dev.budget_line(info)
 
 
+@pytest.mark.parametrize("profile", list(fake_cuda.PROFILES))
+def test_what_a_program_can_allocate_under_budget_8_fits_a_real_8gb_card(fresh, profile):
+    """The allocator's own refusal, not the budget's arithmetic: under --gpu-memory-gb 8, allocate 1 MiB blocks until
+    the pretend allocator raises torch.OutOfMemoryError (at torch's int(fraction x total)); what was allocated plus
+    what the driver holds outside the allocator must fit the published 7.78 GiB of an RTX 3070 and leave at most one
+    block unused. Breaks if the cap models 8 GiB (about 225 MiB too much), or wastes the card (a cap far below)."""
+    gpu = fake_cuda.install(fresh, profile)
+    dev.card_budget(8)
+    held = 0
+    with pytest.raises(torch.OutOfMemoryError):
+        while True:
+            gpu.alloc(MiB)
+            held += MiB
+    published = int(round(PUBLISHED["RTX 3070 (8 GB)"] * GiB))
+    assert published - MiB - 6 * MiB < held + gpu.profile.outside <= published  # torch prints 2 decimals: 5.2 MiB
+
+
 def test_budget_of_the_card_itself_on_a_t4(fresh):
     """--gpu-memory-gb 16 on Colab's T4 is that T4: the limit is its own total minus what lives outside."""
     gpu = fake_cuda.install(fresh, "t4")
