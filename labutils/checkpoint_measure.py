@@ -229,6 +229,7 @@ def segment_peaks(cfg: Config, ks, device: torch.device | str | None = None, *, 
         batch = one_batch(s.dataset, cfg.train.micro_batch_size, cfg.train.seed, device)
     _env.seed_everything(cfg.train.seed)
     model = GPT2LMHeadModel(gcfg).to(device).train()
+    model.loss_type = "ForCausalLM"  # as labutils.models does: the class name maps to no loss type (a warning)
     peaks = {}
     try:
         for k in ks:

@@ -12,6 +12,8 @@ All counts are checked against ``torch.utils.flop_counter.FlopCounterMode`` in t
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import device as dev
@@ -149,6 +151,9 @@ class AttentionProbe:
     def __enter__(self):
         from torch.profiler import ProfilerActivity, profile
 
+        # kineto prints C++ progress lines (USDT profiler_start / profiler_stop) into every notebook cell that trains
+        # unless its log level is set before the process's first profiler: this probe is usually that first one
+        os.environ.setdefault("KINETO_LOG_LEVEL", "10")
         self._prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
         self._prof.__enter__()
         return self
