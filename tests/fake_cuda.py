@@ -192,6 +192,7 @@ class FakeGPU:
             # being captured into a CUDA graph; the driver would answer (no graph is ever captured here)
             "_accelerator_getDeviceIndex": lambda: 0,
             "_accelerator_getStream": lambda i: SimpleNamespace(is_capturing=lambda: False, device_index=0),
+            "_accelerator_synchronizeDevice": lambda i: setattr(self, "sync_calls", self.sync_calls + 1),
             "_cuda_getCurrentRawStream": lambda i: 0,  # the default stream; torch._dynamo imports it on a CUDA torch
         }
         for k, v in entry.items():
