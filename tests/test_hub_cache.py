@@ -113,6 +113,37 @@ def test_load_model_from_the_hub_cache_is_pretrained_and_trains(hf_home):
     assert r["tokenizer"] == "GPT-2 BPE (local hub cache)" and r["hello"] == [15496, 995]
 
 
+FAST_LOAD = r"""
+import json, torch
+import labutils as lu
+from labutils.config import ModelConfig
+from safetensors.torch import load_file
+from huggingface_hub import snapshot_download
+path = snapshot_download("%s", local_files_only=True)
+ckpt = load_file(path + "/model.safetensors")["transformer.wte.weight"]
+loaded = lu.load_model(ModelConfig(name="gpt2", activation="gelu_pytorch_tanh", pad_vocab_to=64,
+                                   attn_implementation="sdpa_causal"), "cpu")
+m = loaded.model
+wte = m.get_input_embeddings().weight
+ids = torch.randint(0, 50257, (2, 16))
+logits = m(input_ids=ids).logits
+print(json.dumps({"weights": loaded.weights, "rows": wte.shape[0], "real": lu.models.real_vocab_size(m),
+                  "kept": bool(torch.equal(wte[:50257], ckpt)), "tied": m.lm_head.weight is wte,
+                  "act": m.config.activation_function,
+                  "padded_win": int((logits.argmax(-1) >= 50257).sum())}))
+"""
+
+
+def test_the_fast_keys_load_from_the_hub_cache(hf_home):
+    """The online branch with the fast path's keys: from_pretrained reads the local hub cache, then the vocabulary
+    is padded (50257 -> 50304) keeping every checkpoint row (oracle: the cached safetensors file itself), head
+    and embedding still tied, the one-kernel GELU in the config, and no padded logit ever the argmax. Breaks if
+    padding came before loading (rows lost or resized away), or the keys never reach a pretrained model."""
+    r = run_python(FAST_LOAD % HUB_IDS["gpt2"], offline_env(hf_home))
+    assert r["weights"] == "pretrained" and r["rows"] == 50304 and r["real"] == 50257
+    assert r["kept"] and r["tied"] and r["act"] == "gelu_pytorch_tanh" and r["padded_win"] == 0
+
+
 def test_cli_run_on_the_hub_cache(hf_home, tmp_path):
     out = tmp_path / "run.json"
     proc = subprocess.run(
