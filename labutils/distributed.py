@@ -69,10 +69,22 @@ def is_main_process(environ=None) -> bool:
     return env["RANK"] == 0
 
 
+def compile_refusal(cfg: Config) -> ConfigError:
+    """The one line for ``train.compile: true`` under ``accelerate launch`` / torchrun: the engine path does not
+    compile (an engine-wrapped model would need the engine's own compile plugin), and never pretends to."""
+    source = cfg.origins.get("train.compile", cfg.source)
+    return ConfigError(source, "train.compile", True,
+                       "not supported when launched by accelerate / torchrun (the engine path trains eagerly); "
+                       "--set train.compile=false, or run in one process to compile")
+
+
 def maybe_accelerator(cfg: Config):
-    """An ``Accelerator`` when this process was started by ``accelerate launch``; None otherwise."""
+    """An ``Accelerator`` when this process was started by ``accelerate launch``; None otherwise. ``train.compile:
+    true`` is refused here, before any work (:func:`compile_refusal`)."""
     if not launched_by_accelerate():
         return None
+    if cfg.train.compile:
+        raise compile_refusal(cfg)
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and importlib.util.find_spec("deepspeed") is None:
         raise ConfigError("accelerate config", "distributed_type", "DEEPSPEED",
                           "DeepSpeed was requested but the deepspeed package is not installed; "

@@ -89,7 +89,9 @@ def flops_per_token(name: str, seq_length: int, recompute: bool = False, *, ever
     return flops
 
 
-_SDPA_KERNELS = {0: "math", 1: "flash", 2: "memory-efficient", 3: "cudnn", 4: "overrideable"}
+# torch's SDPBackend enum (torch/nn/attention/__init__.py): what _fused_sdp_choice returns. On Hopper with the
+# cuDNN that torch 2.14 ships, SDPA prefers cuDNN attention over flash: it is named as such, never "flash".
+_SDPA_KERNELS = {0: "math", 1: "flash", 2: "memory-efficient", 3: "cuDNN", 4: "overrideable"}
 
 
 def attention_kernel(model, seq_length: int, padded: bool, precision: str = "fp32",
@@ -126,14 +128,14 @@ def attention_kernel(model, seq_length: int, padded: bool, precision: str = "fp3
     return f"{kernel} (CPU kernel)" if device.type == "cpu" and kernel == "flash" else kernel
 
 
-FUSED_KERNELS = ("flash", "memory-efficient", "cudnn")  # SDPA kernels that recompute the scores in backward
+FUSED_KERNELS = ("flash", "memory-efficient", "cuDNN")  # SDPA kernels that recompute the scores in backward
 
 # The aten op each SDPA kernel dispatches to, as the profiler names it (eager and compiled code call the same ops).
 # Each op's argument holding the mask (flash takes none): an input shape there means a mask was passed.
 _KERNEL_OPS = {"aten::_scaled_dot_product_flash_attention": ("flash", None),
                "aten::_scaled_dot_product_flash_attention_for_cpu": ("flash (CPU kernel)", 5),
                "aten::_scaled_dot_product_efficient_attention": ("memory-efficient", 3),
-               "aten::_scaled_dot_product_cudnn_attention": ("cudnn", 3),
+               "aten::_scaled_dot_product_cudnn_attention": ("cuDNN", 3),
                "aten::_scaled_dot_product_attention_math": ("math", 3),
                "aten::_scaled_dot_product_fused_attention_overrideable": ("overrideable", 3)}
 
@@ -141,7 +143,7 @@ _KERNEL_OPS = {"aten::_scaled_dot_product_flash_attention": ("flash", None),
 class AttentionProbe:
     """Which SDPA kernel really ran inside the ``with`` block, read from ``torch.profiler``'s aten ops (CPU-side
     events only: cheap, and the same op names whether the model is eager or compiled; compiled code calls the
-    kernels through the dispatcher). ``.kernel``: "flash", "memory-efficient", "cudnn", "math",
+    kernels through the dispatcher). ``.kernel``: "flash", "memory-efficient", "cuDNN", "math",
     "flash (CPU kernel)"; "... (masked)" when that kernel got an attention mask; "eager (not SDPA)" when no SDPA
     op ran; None before the block ends. Wrap one warm-up micro-batch (profiling costs time)."""
 

@@ -41,7 +41,13 @@ def fmt_bytes(n: float | None) -> str:
 class LiveStorages(TorchDispatchMode):
     """Counts bytes of live CPU tensor storages; keeps a running peak (``with LiveStorages() as live: ...;
     live.peak``). What :class:`MemoryTracker` uses on the CPU; ``add_existing()`` also counts what was alive
-    before."""
+    before.
+
+    It must see every operator, so it does not declare ``ignore_compile_internals``: torch.compile'd code met
+    inside it runs eagerly (dynamo does not compile under a non-infra dispatch mode), and is measured as the eager
+    step. Dynamo also marks that code as skipped for the rest of the process; the training loop clears those
+    marks before it compiles (:mod:`labutils.compiling`) and does not track compiled steps on the CPU (compiled
+    kernels allocate past the dispatcher, so this count would miss their buffers)."""
 
     def __init__(self, budget_bytes: int | None = None):
         super().__init__()

@@ -29,6 +29,7 @@ from . import device as dev
 from . import env as _env
 from .config import Config
 from .data import LMDataset, build_dataset
+from .compiling import CompileRun, compile_for_training, compiled_graphs
 from .memory import MemoryTracker, release, state_bytes
 from .flops import AttentionProbe, account_flops, attention_kernel
 from .models import count_parameters, enable_checkpointing, load_model
@@ -82,6 +83,9 @@ class RunResult:
     step_times: list = field(default_factory=list)    # seconds, device synchronised: each step's whole wall-clock
     timed_steps: int = 0     # the speed numbers average the last this-many steps; 0: no step was timed (speeds None)
     compile_seconds: float | None = None  # train.compile: extra time of the compiling steps over a timed step
+    compiled_graphs: int | None = None    # train.compile: graphs torch.compile compiled in this run (dynamo's count)
+    graph_breaks: list = field(default_factory=list)  # train.compile: dynamo's graph-break reasons in this run
+    compile_fallback: str | None = None   # train.compile asked, yet the run was eager: why (backend unavailable, ...)
     untimed_seconds: float = 0.0  # between steps, left out of step_times: state_bytes, memory tracker, on_step
     num_alloc_retries: int | None = None  # CUDA: allocator frees-and-retries during the run (near a memory cap)
     tokens_per_step: int = 0          # positions processed per optimizer step (padding included: it is computed)
@@ -133,7 +137,7 @@ class RunResult:
                 "target_tokens_per_s": self.target_tokens_per_second, "padding_fraction": self.padding_fraction,
                 "tflops": self.achieved_tflops, "peak_memory_bytes": self.peak_memory_bytes,
                 "peak_reserved_bytes": self.peak_reserved_bytes,
-                "mfu": self.mfu,
+                "mfu": self.mfu, "compiled_graphs": self.compiled_graphs, "compile_fallback": self.compile_fallback,
                 "skipped_steps": self.skipped_steps, "error": self.error}
 
 
@@ -203,18 +207,21 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
     model.train()
     if t.gradient_checkpointing:
         enable_checkpointing(model, t.checkpoint_every_n_layers)
-    if t.compile:
-        model.compile()  # in place (nn.Module.compile): same parameters and state_dict keys
+    compiling = compile_for_training(model, device) if t.compile else None  # in place; None: not asked
+    compiled = compiling is not None and compiling.active
     result.attention_kernel = attention_kernel(model, dataset.seq_length, dataset.padding_fraction > 0,
                                                t.precision, device)
     data = dataset.to(device)
     real_positions = 0
     windows = data.windows(t.micro_batch_size, t.accumulation_steps, t.seed)
     params = [p for p in model.parameters() if p.requires_grad]
-    tracker = MemoryTracker(device, cpu_budget_bytes=cpu_budget_bytes) if track_memory else None
-    # On CUDA the allocator counts for free: track every step. On CPU the tracker costs Python work per
-    # operator, so it covers the first two steps only (the second already holds optimizer state, and later
-    # steps repeat the same shapes) and those steps are left out of the timing.
+    # On CUDA the allocator counts for free: track every step, compiled or not. On CPU the tracker counts storages
+    # through torch's dispatcher (Python work per operator), so it covers the first two steps only (the second
+    # already holds optimizer state, and later steps repeat the same shapes) and those steps are left out of the
+    # timing; compiled steps it steps aside for (see cpu_compile_untracked), and the result says so.
+    untracked_why = cpu_compile_untracked(device, compiled, track_memory, cpu_budget_bytes)
+    tracker = (MemoryTracker(device, cpu_budget_bytes=cpu_budget_bytes)
+               if track_memory and untracked_why is None else None)
     tracked_steps = t.steps if device.type == "cuda" or tracker is None else min(t.steps, 2)
     optimizer = scheduler = None
     stack = contextlib.ExitStack()
@@ -228,7 +235,7 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
         probe = AttentionProbe()
         one = torch.ones((), device=device) if scaler else None
         bar = tqdm(range(t.steps), desc=desc or f"{cfg.model.name} {t.precision}", disable=not (progress and _env.progress_bars()), leave=False)
-        graphs, compile_steps = compiled_graphs() if t.compile else 0, []
+        graphs, compile_steps = compiled_graphs(), []
         retries = dev.memory_stats(device).get("num_alloc_retries")
         mark = time.perf_counter()  # each step's time runs from the previous step's end to its own end
         for step in bar:
@@ -280,7 +287,7 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
             real_positions += window.num_real
             if progress:
                 bar.set_postfix(loss=f"{value:.3f}", refresh=False)
-            if t.compile and compiled_graphs() != graphs:  # torch.compile compiled during this step
+            if compiled and compiled_graphs() != graphs:  # torch.compile compiled during this step
                 graphs = compiled_graphs()
                 compile_steps.append(step)
             if step == 0:  # lazily loaded kernels and backward's cuBLAS workspace now exist: the cap follows
@@ -321,18 +328,29 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
                              end_bytes=tracker.end_bytes, reserved_bytes=tracker.reserved_bytes,
                              peak_reserved_bytes=tracker.peak_reserved_bytes,
                              tracked_steps=tracked_steps)
+    elif untracked_why:
+        result.memory.update(tracked_steps=0, not_tracked=untracked_why)
     # On the CPU the memory-tracked steps are slow (Python work per operator): left out when a step remains.
     slow = tracked_steps if device.type != "cuda" and tracker is not None else 0
     first = first_timed_step(t.steps, t.timing_warmup_steps, compile_steps, slow)
-    _finish_timing(result, cfg, dataset.seq_length, device, first, compile_steps, real_positions)
+    _finish_timing(result, cfg, dataset.seq_length, device, first, compile_steps, real_positions, compiling)
     return result
 
 
-def compiled_graphs() -> int:
-    """How many graphs torch.compile (dynamo) has compiled in this process so far: dynamo's own counter."""
-    from torch._dynamo.utils import counters
+CPU_COMPILE_UNTRACKED = ("not tracked: on the CPU the memory tracker counts tensor storages through torch's "
+                         "dispatcher, which compiled (inductor) kernels bypass, and dynamo does not compile under it; "
+                         "compiled steps are not tracked on the CPU (train.compile: false measures the eager step)")
 
-    return counters["stats"]["unique_graphs"]
+
+def cpu_compile_untracked(device, compiled: bool, track_memory: bool, cpu_budget_bytes) -> str | None:
+    """Why a run's memory goes untracked (compiled steps on the CPU), or None. A CPU budget cannot be enforced on
+    compiled steps: refused (ValueError) rather than ignored."""
+    if not compiled or torch.device(device).type == "cuda":
+        return None
+    if cpu_budget_bytes is not None:
+        raise ValueError("cpu_budget_bytes (a simulated CPU memory budget) cannot be enforced on compiled steps: the "
+                         "CPU tracker does not see inside compiled kernels; set train.compile: false for this run")
+    return CPU_COMPILE_UNTRACKED if track_memory else None
 
 
 def first_timed_step(steps: int, warmup: int, compile_steps=(), slow_steps: int = 0) -> int:
@@ -344,15 +362,18 @@ def first_timed_step(steps: int, warmup: int, compile_steps=(), slow_steps: int 
 
 
 def _finish_timing(result: RunResult, cfg: Config, seq_length: int, device, first: int, compile_steps,
-                   real_positions: int) -> None:
-    """Step time and speeds over the timed steps ``first..`` (none: they stay None), compile seconds apart."""
+                   real_positions: int, compiling: CompileRun | None = None) -> None:
+    """Step time and speeds over the timed steps ``first..`` (none: they stay None), compile seconds apart;
+    ``compiling``: the run's torch.compile (graph count, graph breaks, a loud warning if nothing compiled)."""
     timed = result.step_times[first:]
     result.timed_steps = len(timed)
     mean = sum(timed) / len(timed) if timed else None
     if compile_steps:  # what the compiling steps took beyond a timed step (all of it when none was timed)
         result.compile_seconds = max(0.0, sum(result.step_times[s] - (mean or 0.0) for s in compile_steps))
-    elif cfg.train.compile:
+    elif compiling is not None and compiling.active:
         result.compile_seconds = 0.0
+    if compiling is not None:
+        compiling.finish(result)
     steps = len(result.target_tokens)
     result.padding_fraction = 1.0 - real_positions / (result.tokens_per_step * steps) if steps else None
     if not timed:
@@ -433,6 +454,9 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
                        on_step=None) -> RunResult:
     """The same step as :func:`train`, with the engine doing what the single-process loop does by hand."""
     t, world, rank = cfg.train, acc.num_processes, acc.process_index
+    if t.compile:  # maybe_accelerator refuses it before any work; a caller passing its own accelerator too
+        from .distributed import compile_refusal
+        raise compile_refusal(cfg)
     device = acc.device
     result = RunResult(config=cfg.to_dict(), env={**(env or {}), "world_size": world,
                                                   "distributed_type": str(acc.distributed_type)},
@@ -457,7 +481,6 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
     with (tracker or contextlib.nullcontext()), _env.matmul_precision(tf32=t.precision == "tf32"):
         bar = tqdm(range(t.steps), desc=desc or f"{cfg.model.name} {t.precision} x{world}",
                    disable=not (progress and acc.is_main_process and _env.progress_bars()), leave=False)
-        graphs, compile_steps = compiled_graphs() if t.compile else 0, []
         mark = time.perf_counter()  # as in train(): each step's time runs from the previous step's end to its own
         for step in bar:
             untimed = 0.0
@@ -489,9 +512,6 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
                 result.grad_norms.append(float(norm))
             result.target_tokens.append(window.num_targets)
             real_positions += window.num_real
-            if t.compile and compiled_graphs() != graphs:  # torch.compile compiled during this step: never timed
-                graphs = compiled_graphs()
-                compile_steps.append(step)
             if on_step:
                 u = time.perf_counter()
                 on_step(step, result, model, optimizer, None)
@@ -510,6 +530,6 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
     else:
         result.peak_memory_bytes = None
     _finish_timing(result, cfg, dataset.seq_length, device,
-                   first_timed_step(t.steps, t.timing_warmup_steps, compile_steps), compile_steps, real_positions)
+                   first_timed_step(t.steps, t.timing_warmup_steps), (), real_positions)
     acc.free_memory()
     return result
