@@ -80,7 +80,10 @@ def print_summary(result) -> None:
                              f"{len(d['losses'])} steps)"))
         if result.compile_seconds is not None:
             rows.append(("compile", f"{result.compile_seconds:.1f} s (the compiling steps' extra time; not in the "
-                                    "step time)"))
+                                    f"step time), {result.compiled_graphs} graphs, "
+                                    f"{len(result.graph_breaks)} graph breaks"))
+        if result.compile_fallback:
+            rows.append(("compile", f"NOT COMPILED: {result.compile_fallback}"))
     if result.ok and not result.timed_steps:
         rows += [("step time", f"no timed steps: train.steps ({t['steps']}) <= train.timing_warmup_steps "
                                f"({t['timing_warmup_steps']}), or the last step compiled; raise train.steps"),

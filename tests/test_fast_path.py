@@ -154,6 +154,33 @@ def test_attention_probe_reads_the_kernel_that_ran():
     assert result.ok and result.attention_kernel == "flash (CPU kernel)"
 
 
+def test_kernel_names_come_from_torch_and_name_cudnn_attention():
+    """Issue 28: on Hopper with torch 2.14's cuDNN, SDPA prefers cuDNN attention; the run must say cuDNN, not flash.
+    Oracles: torch's SDPBackend enum (what ``torch._fused_sdp_choice`` returns) and each profiled op's schema (which
+    argument holds the mask). Breaks if a backend were named after another, an op name were not one of this torch's
+    ops, the mask were read from the wrong argument, or cuDNN attention were not counted as a fused kernel (HFU)."""
+    from torch.nn.attention import SDPBackend
+
+    from labutils import flops
+
+    want = {SDPBackend.MATH: "math", SDPBackend.FLASH_ATTENTION: "flash",
+            SDPBackend.EFFICIENT_ATTENTION: "memory-efficient", SDPBackend.CUDNN_ATTENTION: "cuDNN",
+            SDPBackend.OVERRIDEABLE: "overrideable"}
+    assert {int(b.value): name for b, name in want.items()} == flops._SDPA_KERNELS
+    for op_name, (kernel, mask_arg) in flops._KERNEL_OPS.items():
+        schema = getattr(torch.ops.aten, op_name.removeprefix("aten::")).default._schema
+        args = [a.name for a in schema.arguments]
+        if mask_arg is None:
+            assert not {"attn_mask", "attn_bias"} & set(args), op_name
+        else:
+            assert args[mask_arg] in ("attn_mask", "attn_bias"), (op_name, args)
+    q = [1, 12, 1024, 64]
+    cudnn = "aten::_scaled_dot_product_cudnn_attention"
+    assert flops.kernel_from_ops([(cudnn, [q, q, q, []])] * 12) == "cuDNN"
+    assert flops.kernel_from_ops([(cudnn, [q, q, q, [1, 1, 1024, 1024]])]) == "cuDNN (masked)"
+    assert "cuDNN".split()[0] in flops.FUSED_KERNELS  # account_flops' rule: recomputes the scores in backward
+
+
 def test_fast_and_published_keys_build_what_they_name():
     """FAST_MODEL builds the one-kernel GELU, 320 rows (tiny) and labutils' causal SDPA; PUBLISHED builds GPT-2 op
     for op (gelu_new, 257 rows, transformers' sdpa), whatever the defaults are. Breaks if either set of keys

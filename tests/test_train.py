@@ -249,5 +249,6 @@ def test_compile_seconds_apart_from_step_times(ragged_corpus):
     assert res.step_time_seconds == pytest.approx(mean)
     assert res.compile_seconds == pytest.approx(res.step_times[0] - mean) and res.compile_seconds > 0
     assert res.to_dict()["compile_seconds"] == res.compile_seconds
+    assert res.compiled_graphs >= 1 and res.compile_fallback is None and res.to_dict()["compiled_graphs"] >= 1
     eager, _ = _train(tiny_config(ragged_corpus, train__steps=3), track_memory=False)
-    assert eager.compile_seconds is None and eager.timed_steps == 3
+    assert eager.compile_seconds is None and eager.timed_steps == 3 and eager.compiled_graphs is None
