@@ -29,7 +29,7 @@ from . import device as dev
 from . import env as _env
 from .config import Config
 from .data import LMDataset, build_dataset
-from .compiling import CompileRun, compile_for_training, compiled_graphs
+from .compiling import CompileRun, compile_for_training, compiled_graphs, cpu_compile_untracked
 from .memory import MemoryTracker, release, state_bytes
 from .flops import AttentionProbe, account_flops, attention_kernel
 from .models import count_parameters, enable_checkpointing, load_model
@@ -137,8 +137,10 @@ class RunResult:
                 "target_tokens_per_s": self.target_tokens_per_second, "padding_fraction": self.padding_fraction,
                 "tflops": self.achieved_tflops, "peak_memory_bytes": self.peak_memory_bytes,
                 "peak_reserved_bytes": self.peak_reserved_bytes,
-                "mfu": self.mfu, "compiled_graphs": self.compiled_graphs, "compile_fallback": self.compile_fallback,
-                "skipped_steps": self.skipped_steps, "error": self.error}
+                "mfu": self.mfu,
+                "skipped_steps": self.skipped_steps, "error": self.error,
+                **({"compiled_graphs": self.compiled_graphs, "compile_fallback": self.compile_fallback}
+                   if t.get("compile") else {})}  # a compiled row says how much compiled, or why it did not
 
 
 def autocast_for(precision: str, device: torch.device):
@@ -335,22 +337,6 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
     first = first_timed_step(t.steps, t.timing_warmup_steps, compile_steps, slow)
     _finish_timing(result, cfg, dataset.seq_length, device, first, compile_steps, real_positions, compiling)
     return result
-
-
-CPU_COMPILE_UNTRACKED = ("not tracked: on the CPU the memory tracker counts tensor storages through torch's "
-                         "dispatcher, which compiled (inductor) kernels bypass, and dynamo does not compile under it; "
-                         "compiled steps are not tracked on the CPU (train.compile: false measures the eager step)")
-
-
-def cpu_compile_untracked(device, compiled: bool, track_memory: bool, cpu_budget_bytes) -> str | None:
-    """Why a run's memory goes untracked (compiled steps on the CPU), or None. A CPU budget cannot be enforced on
-    compiled steps: refused (ValueError) rather than ignored."""
-    if not compiled or torch.device(device).type == "cuda":
-        return None
-    if cpu_budget_bytes is not None:
-        raise ValueError("cpu_budget_bytes (a simulated CPU memory budget) cannot be enforced on compiled steps: the "
-                         "CPU tracker does not see inside compiled kernels; set train.compile: false for this run")
-    return CPU_COMPILE_UNTRACKED if track_memory else None
 
 
 def first_timed_step(steps: int, warmup: int, compile_steps=(), slow_steps: int = 0) -> int:
