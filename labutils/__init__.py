@@ -14,6 +14,7 @@ Core (every lab and command builds on these):
   peaks               dense peak TFLOP/s of NVIDIA GPUs per precision (the denominator of MFU)
   flops               FLOPs of a training step (model and executed), the SDPA kernel, MFU and HFU of a run
   memory              MemoryTracker: peak and live memory of a region, the same meaning on CUDA and CPU
+  compiling           train.compile that really compiles: dynamo reset, backend probe, graph count, loud fallback
   train               the one training loop (AMP, accumulation, clipping, checkpointing) and RunResult
   figures             conventions every lab's figures follow (step axis, legends)
 Labs (the technique itself is written out in the notebook; these hold what its experiments need):
