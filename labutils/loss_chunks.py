@@ -58,22 +58,20 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk: int, dtype: torch.dtype):
         with torch.autocast(hidden.device.type, enabled=False):  # casts are explicit below
-            h = hidden.to(dtype)
+            h = hidden.to(dtype)                                   # as lm_head's autocast cast (saved, as there)
             w = weight.to(dtype)
             n = h.shape[0]
             total = torch.zeros((), dtype=torch.float32, device=h.device)
             lse = torch.empty(n, dtype=torch.float32, device=h.device)
             for s in range(0, n, chunk):
                 e = min(s + chunk, n)
-                logits = (h[s:e] @ w.t()).float()
-                if bias is not None:
-                    logits += bias.float()
                 t = targets[s:e]
-                valid = t != IGNORE_INDEX
-                lse[s:e] = torch.logsumexp(logits, dim=-1)
-                target_logit = logits.gather(1, t.clamp_min(0).unsqueeze(1)).squeeze(1)
-                total += torch.where(valid, lse[s:e] - target_logit, 0.0).sum()
-                del logits
+                x = _chunk_logits(h[s:e], w, bias)
+                target_logit = x.gather(1, t.clamp_min(0).unsqueeze(1)).squeeze(1)
+                top = x.amax(dim=-1, keepdim=True)
+                lse[s:e] = x.sub_(top).exp_().sum(-1).log_() + top.squeeze(1)   # log-sum-exp, in x's buffer
+                del x
+                total += torch.where(t != IGNORE_INDEX, lse[s:e] - target_logit, 0.0).sum()
         ctx.save_for_backward(h, weight, bias, targets, lse)
         ctx.chunk, ctx.dtype, ctx.hidden_dtype = chunk, dtype, hidden.dtype
         return total
@@ -93,12 +91,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             scale = grad_total.float()
             for s in range(0, n, chunk):
                 e = min(s + chunk, n)
-                logits = (h[s:e] @ w.t()).float()
-                if bias is not None:
-                    logits += bias.float()
                 t = targets[s:e]
                 valid = (t != IGNORE_INDEX).float()
-                g = logits.sub_(lse[s:e].unsqueeze(1)).exp_()                  # softmax, in the logits' buffer
+                g = _chunk_logits(h[s:e], w, bias)
+                g.sub_(lse[s:e].unsqueeze(1)).exp_()                           # softmax, in the logits' buffer
                 g.scatter_add_(1, t.clamp_min(0).unsqueeze(1), -valid.unsqueeze(1))   # - onehot(target)
                 g.mul_((valid * scale).unsqueeze(1))                            # ignored positions: 0
                 if need_b:
@@ -110,11 +106,19 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                     grad_w.addmm_(g.t(), h[s:e])                                # in place: no [V, d] temporary
                 elif need_w:
                     grad_w.add_(g.t() @ h[s:e])                                 # half product, fp32 accumulator
-                del logits, g
+                del g
         grad_hidden = grad_h.to(ctx.hidden_dtype) if need_h else None
         grad_weight = grad_w.to(weight.dtype) if need_w else None
         grad_bias = grad_b.to(bias.dtype) if need_b else None
         return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+def _chunk_logits(h, w, bias):
+    """One chunk's logits in fp32: the matmul in ``h``'s dtype (lm_head's), then upcast as transformers' loss does."""
+    x = (h @ w.t()).float()
+    if bias is not None:
+        x += bias.float()
+    return x
 
 
 # ---------------------------------------------------------------------------------------------------------------
