@@ -102,8 +102,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 g = g.to(dtype)                                                 # as the head's matmul sees it
                 if need_h:
                     torch.mm(g, w, out=grad_h[s:e])
-                if need_w and g.dtype == grad_w.dtype:
-                    grad_w.addmm_(g.t(), h[s:e])                                # in place: no [V, d] temporary
+                if need_w and g.dtype == grad_w.dtype:   # in place, no [V, d] temporary; out= rather than addmm_,
+                    torch.addmm(grad_w, g.t(), h[s:e], out=grad_w)     # which torch's FLOP counter does not see
                 elif need_w:
                     grad_w.add_(g.t() @ h[s:e])                                 # half product, fp32 accumulator
                 del g
@@ -138,10 +138,16 @@ def uses_liger(device: torch.device | str, use_liger: bool = True) -> bool:
 
 
 def _liger_sum(hidden, weight, bias, targets):
+    """Liger's fused linear cross-entropy, summed; the weight gradient accumulated in fp32 where the installed
+    version takes ``accum_dtype`` (as the torch path does)."""
+    import inspect
+
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
+    kw = {"accum_dtype": torch.float32} if "accum_dtype" in inspect.signature(
+        liger_fused_linear_cross_entropy).parameters else {}
     return liger_fused_linear_cross_entropy(hidden, weight, targets, bias, ignore_index=IGNORE_INDEX,
-                                            reduction="sum", accum_dtype=torch.float32)
+                                            reduction="sum", **kw)
 
 
 # ---------------------------------------------------------------------------------------------------------------
