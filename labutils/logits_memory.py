@@ -61,7 +61,8 @@ def _line(row: dict, positions: int) -> str:
             f"{min(row['chunk_size'], positions)} positions)")
     line = (f"loss {row['loss']:<8} peak {fmt_bytes(row['peak_bytes'])}; {what} = "
             f"{100 * row['largest_logits_share']:.1f} % of the peak")
-    if row["loss"] != "full":
-        line += (f"; peak lower by {fmt_bytes(row['saved_bytes'])} = {row['saved_logits']:.2f} x the whole "
-                 f"logits ({fmt_bytes(row['logits_bytes'])})")
+    if row["loss"] != "full" and row["saved_bytes"] is not None:
+        way = "lower" if row["saved_bytes"] >= 0 else "higher"
+        line += (f"; peak {way} by {fmt_bytes(abs(row['saved_bytes']))} = {abs(row['saved_logits']):.2f} x the "
+                 f"whole logits ({fmt_bytes(row['logits_bytes'])}) than with the full loss")
     return line
