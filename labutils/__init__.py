@@ -15,6 +15,7 @@ Core (every lab and command builds on these):
   flops               FLOPs of a training step (model and executed), the SDPA kernel, MFU and HFU of a run
   memory              MemoryTracker: peak and live memory of a region, the same meaning on CUDA and CPU
   compiling           train.compile that really compiles: dynamo reset, backend probe, graph count, loud fallback
+  loss_chunks         model.loss chunked: LM head + cross-entropy a chunk of positions at a time (Liger on CUDA)
   train               the one training loop (AMP, accumulation, clipping, checkpointing) and RunResult
   figures             conventions every lab's figures follow (step axis, legends)
 Labs (the technique itself is written out in the notebook; these hold what its experiments need):
@@ -27,6 +28,7 @@ Labs (the technique itself is written out in the notebook; these hold what its e
   checkpoint_report   lab 03: tables, figures, conclusions and C4/C5 from what was measured
   profiling           lab 04: what autograd saves per module, profiler ranges, allocator snapshot traces
   profiling_runs      lab 04: every experiment as rows next to the estimator's prediction, under a budget
+  logits_memory       lab 04: the logits' share of a step's peak, full loss against chunked loss
   profiling_figures   lab 04: the lab's figures, from the rows its cells measured
   profiling_claims    lab 04: C6 (all techniques together), C1/C2/C4 from its table, C7 (ZeRO-2 offload)
   claims              C1-C7, the course's folklore claims, and the one rule that turns numbers into verdicts

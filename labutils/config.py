@@ -27,6 +27,10 @@ ATTENTION = ("sdpa", "eager", "sdpa_causal")
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
 # gelu_new: HF's tanh-GELU written as ~9 elementwise ops (GPT-2's checkpoint config); gelu_pytorch_tanh: the same
 # tanh formula as one fused kernel (torch.nn.functional.gelu(x, approximate="tanh")).
+LOSSES = ("full", "chunked")
+# full: transformers' loss over the whole [B, T, V] logits; chunked: LM head + cross-entropy a chunk of positions at
+# a time, the logits never whole (labutils.loss_chunks; Liger-Kernel's fused kernel on CUDA where installed)
+MAX_LOSS_CHUNK = 2**20
 PAD_VOCAB_TO = (64, 128)  # or null: the vocabulary rounded up to a multiple of this, padded logits masked
 MAX_POSITIONS = 1024  # GPT-2's learned position table
 MAX_SEED = 2**32 - 1  # numpy.random.seed's limit (torch accepts more)
@@ -73,6 +77,8 @@ class ModelConfig:
     # Defaults keep the labs' model exactly GPT-2 as published (and what lab 04 profiles): gelu_new, 50257 rows.
     activation: str = "gelu_new"         # gelu_new | gelu_pytorch_tanh (same maths, one kernel)
     pad_vocab_to: int | None = None      # null | 64 | 128: 50257 -> 50304 (64); padded logits are masked out
+    loss: str = "full"                   # full | chunked (the logits never whole: labutils.loss_chunks)
+    loss_chunk_size: int = 1024          # chunked: positions per chunk of the LM head and cross-entropy
 
 
 @dataclass
@@ -246,6 +252,8 @@ def validate(cfg: Config) -> Config:
     choice("model.pretrained", m.pretrained, PRETRAINED)
     choice("model.attn_implementation", m.attn_implementation, ATTENTION)
     choice("model.activation", m.activation, ACTIVATIONS)
+    choice("model.loss", m.loss, LOSSES)
+    rng("model.loss_chunk_size", m.loss_chunk_size, 1, MAX_LOSS_CHUNK)
     if m.pad_vocab_to is not None and m.pad_vocab_to not in PAD_VOCAB_TO:
         raise ConfigError(s("model.pad_vocab_to"), "model.pad_vocab_to", m.pad_vocab_to,
                           f"must be null or one of {', '.join(map(str, PAD_VOCAB_TO))}")

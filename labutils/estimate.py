@@ -42,6 +42,8 @@ class Plan:
     activation: str = "gelu_new"  # gelu_new (a chain of pow/mul/tanh) | gelu_pytorch_tanh (one kernel)
     pad_vocab_to: int | None = None  # the LM head / wte rows rounded up to this multiple (padded logits too)
     compile: bool = False       # torch.compile: memory modelled as the eager step (see COMPILE_BASIS)
+    loss: str = "full"          # full | chunked: the LM head and loss a chunk of positions at a time
+    loss_chunk: int = 1024      # chunked: positions per chunk
     dropout: bool = True        # GPT-2's own 0.1 unless the config sets 0
     padded: bool = False        # batches with padding get a 4-D attention mask (no flash kernel)
     num_samples: int = 0        # the dataset lives on the device: 3 int64 tensors of num_samples x seq
@@ -68,7 +70,7 @@ def plan_from_config(cfg, device: str = "cuda", **overrides) -> Plan:
                 precision=t.precision, checkpointing=t.gradient_checkpointing, every_n=t.checkpoint_every_n_layers,
                 attn=m.attn_implementation, dropout=(m.dropout is None or m.dropout > 0), padded=not d.pack,
                 num_samples=d.num_samples, device=device, activation=m.activation, pad_vocab_to=m.pad_vocab_to,
-                compile=t.compile)
+                compile=t.compile, loss=m.loss, loss_chunk=m.loss_chunk_size)
     return replace(plan, **overrides)
 
 
@@ -106,6 +108,9 @@ def estimate_plan(plan: Plan) -> dict:
         "activations_bytes": acts,                      # saved for backward by one micro-batch's forward
         "half_weights_bytes": half,                     # autocast's weight copies saved for backward
         "logits_bytes": 4 * replay.N * replay.V,        # one FP32 [B, T, V] tensor (the loss holds 2-3)
+        "loss": plan.loss,                              # chunked: never more than one chunk's logits at once
+        "saved_logits_bytes": probe.led.saved_bytes(("logits",)) + (4 * replay.N if plan.loss == "chunked" else 0),
+        "loss_chunk_bytes": 4 * min(plan.loss_chunk, replay.N) * replay.V if plan.loss == "chunked" else None,
         "peak_bytes": led.peak,                         # compare with torch.cuda.max_memory_allocated()
         "peak_phase": led.peak_phase,
         "peak_breakdown": kinds,
@@ -119,7 +124,8 @@ def estimate_memory(cfg, device: str = "cuda", **overrides) -> dict:
 
     ``device="cuda"`` (default) predicts CUDA whatever machine this runs on; ``device="cpu"`` replays the CPU
     kernels instead, to compare with the CPU tracker. Overrides: micro=, accum=, precision=, checkpointing=,
-    every_n=, seq=, padded=, dropout=, attn=, num_samples=, activation=, pad_vocab_to=, compile=.
+    every_n=, seq=, padded=, dropout=, attn=, num_samples=, activation=, pad_vocab_to=, compile=, loss=,
+    loss_chunk=.
     """
     return estimate_plan(plan_from_config(cfg, device=device, **overrides))
 

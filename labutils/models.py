@@ -281,6 +281,16 @@ def real_vocab_size(model) -> int:
     return getattr(head, "labutils_real_vocab", head.weight.shape[0])
 
 
+def install_loss(model, cfg: ModelConfig):
+    """``model.loss: chunked``: the training loss computed by :mod:`labutils.loss_chunks` (LM head and
+    cross-entropy a chunk of positions at a time, the logits never whole); ``full`` leaves the model as it is."""
+    if cfg.loss == "chunked":
+        from . import loss_chunks
+
+        loss_chunks.install(model, cfg.loss_chunk_size)
+    return model
+
+
 def compile_model(model, backend: str | None = None, **kwargs):
     """``torch.compile`` in place (``nn.Module.compile``: same parameters and state_dict keys), returning the
     model. With ``attn_implementation="sdpa_causal"`` the compiled graph calls SDPA with ``is_causal=True`` and
@@ -310,6 +320,7 @@ def _from_cache_or_hub(cfg: ModelConfig, device: torch.device, local_only: bool)
         kw.update(resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout)
     model = GPT2LMHeadModel.from_pretrained(repo, dtype=torch.float32, **kw).to(device)
     pad_vocabulary(model, cfg.pad_vocab_to)  # after loading: the checkpoint's 50257 rows load as they are
+    install_loss(model, cfg)
     # from_pretrained returns the model in eval mode: dropout off, and transformers hands back a KV cache even
     # under checkpointing. Every lab trains it, so it leaves here in training mode, like a freshly built model.
     model.train()
@@ -371,6 +382,7 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int =
     with torch.device(device):
         model = GPT2LMHeadModel(gpt2_config(cfg.name, cfg.dropout, cfg.attn_implementation, cfg.activation))
     pad_vocabulary(model, cfg.pad_vocab_to)  # after init: the unpadded model's weights, RNG state untouched
+    install_loss(model, cfg)
     model.loss_type = "ForCausalLM"
     if notice and verbose:
         print(notice)

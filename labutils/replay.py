@@ -130,6 +130,7 @@ class Replay:
         self.B, self.T = plan.micro, plan.seq
         self.N = self.B * self.T
         self.cuda = plan.device == "cuda"
+        self.chunked = plan.loss == "chunked"            # model.loss: the logits a chunk of positions at a time
         amp = plan.amp
         self.c = 2 if amp else 4                          # matmul outputs (autocast: half; else fp32)
         # gelu_new's pow: float32 on CUDA autocast's list; CPU autocast leaves it in the input dtype
@@ -201,6 +202,9 @@ class Replay:
         led.free("emb.inputs_embeds", "emb.pos_embeds")
         if not mask_saved:
             led.free("mask4d")
+        if self.chunked:
+            self.chunked_loss_forward()
+            return
         if p.amp:
             self.half_copy("wte", V * h, None)
             led.alloc("lmh.in16", 2 * N * h, "activations", True)
@@ -310,7 +314,7 @@ class Replay:
             led.free(x + "attn.proj")
         release("qkv")                                          # GPT2Attention.forward returns
         led.alloc(x + "mid", 4 * Nh, A, S)                      # attn_output + residual: fp32
-        led.release(x + "resid1.out", x + "attn.proj", x + "ln1.out")
+        led.release(x + "ln1.out")         # attn_output (resid1.out / attn.proj) stays bound until the block returns
         # --- MLP
         save("ln2.stats", 8 * N)
         release("ln2.stats")
@@ -363,7 +367,7 @@ class Replay:
             led.free(x + "mlp.proj")
         if not recomputing:                                     # recompute stops before the block output
             led.alloc(f"res.{i + 1}", 4 * Nh, "activations", True)
-        led.release(x + "resid2.out", x + "mlp.proj", x + "ln2.out", x + "mid")
+        led.release(x + "resid2.out", x + "mlp.proj", x + "ln2.out", x + "mid", x + "resid1.out", x + "attn.proj")
 
     # ---- backward --------------------------------------------------------------------------------------------
     def accumulate(self, buffer: str, incoming: str, inplace: bool | None = None) -> None:
@@ -406,6 +410,43 @@ class Replay:
         self._grads_exist = grads_exist
         led.phase = f"{label} backward: loss and LM head"
         NV, Nh = N * V, N * h
+        if self.chunked:
+            self.chunked_loss_backward()
+        else:
+            self.full_loss_backward()
+        self.node(out=[("g.res", 4 * Nh)], params=[("ln_f.weight", h), ("ln_f.bias", h)],
+                  free=["g.lnf", "lnf.stats", f"res.{self.L}"], cast=False)
+        for i in reversed(range(self.L)):
+            led.phase = f"{label} backward: block {i}" + (" (recomputed)" if i in self.ckpt else "")
+            if i in self.ckpt:
+                self._recomputing = True
+                self.block_forward(i)                           # recompute, under autocast again
+                led.free_prefix("cache.")
+                self._recomputing = False
+            self.block_backward(i)
+        led.phase = f"{label} backward: embeddings"
+        if p.dropout:
+            self.node(out=[("g.emb", 4 * Nh)], free=["g.res", "emb.drop_mask"])
+            led.rename("g.emb", "g.res")
+        self.node(out=[("g.wpe_in", 4 * self.T * h)])                       # the add's broadcast: sum over B
+        ws = [("g.emb_ws", 4 * Nh + 16 * N)] if self.cuda else []          # CUDA: sorted ids, partial sums
+        self.node(out=[("g.wte", 4 * V * h)] + ws, free=["res.0", "g.emb_ws"])  # embedding_dense_backward
+        # the buffer holds lm_head's contribution: a fresh fp32 copy under autocast (added into in place),
+        # a transposed view of the matmul's output in fp32 (so the sum is a new tensor); the chunked loss's is
+        # its own fp32 accumulator (added into in place)
+        self.accumulate("wte.buffer", "g.wte", self.inplace_accumulate and (p.amp or self.chunked))
+        self.node(params=[("wpe", N_POSITIONS * h)], free=["g.wpe_in", "g.res", "emb.pos_ids", "mask4d"],
+                  cast=False)
+        if grads_exist:
+            led.free("wte.buffer")                                          # .grad += buffer
+        else:
+            led.rename("wte.buffer", "grad.wte", "grads")
+        led.free_prefix("g.")
+
+    def full_loss_backward(self) -> None:
+        """transformers' loss and the LM head, backward: three [N, V] fp32 tensors at the worst moment."""
+        p, led, N, h, V, c, grads_exist = self.p, self.led, self.N, self.h, self.V, self.c, self._grads_exist
+        NV, Nh = N * V, N * h
         self.node(out=[("g.nll", 4 * NV, "logits")], free=["labels.shift"])  # nll_loss: dense [N, V] fp32
         self.node(out=[("g.lsm", 4 * NV, "logits")], free=["g.nll", "log_softmax"])  # log_softmax backward
         if p.amp:
@@ -430,33 +471,62 @@ class Replay:
         else:
             led.rename("tmp.gwte16", "wte.buffer", "temporaries" if grads_exist else "grads")
             led.rename("g.lnf16", "g.lnf")
-        self.node(out=[("g.res", 4 * Nh)], params=[("ln_f.weight", h), ("ln_f.bias", h)],
-                  free=["g.lnf", "lnf.stats", f"res.{self.L}"], cast=False)
-        for i in reversed(range(self.L)):
-            led.phase = f"{label} backward: block {i}" + (" (recomputed)" if i in self.ckpt else "")
-            if i in self.ckpt:
-                self._recomputing = True
-                self.block_forward(i)                           # recompute, under autocast again
-                led.free_prefix("cache.")
-                self._recomputing = False
-            self.block_backward(i)
-        led.phase = f"{label} backward: embeddings"
-        if p.dropout:
-            self.node(out=[("g.emb", 4 * Nh)], free=["g.res", "emb.drop_mask"])
-            led.rename("g.emb", "g.res")
-        self.node(out=[("g.wpe_in", 4 * self.T * h)])                       # the add's broadcast: sum over B
-        ws = [("g.emb_ws", 4 * Nh + 16 * N)] if self.cuda else []          # CUDA: sorted ids, partial sums
-        self.node(out=[("g.wte", 4 * V * h)] + ws, free=["res.0", "g.emb_ws"])  # embedding_dense_backward
-        # the buffer holds lm_head's contribution: a fresh fp32 copy under autocast (added into in place),
-        # a transposed view of the matmul's output in fp32 (so the sum is a new tensor)
-        self.accumulate("wte.buffer", "g.wte", self.inplace_accumulate and p.amp)
-        self.node(params=[("wpe", N_POSITIONS * h)], free=["g.wpe_in", "g.res", "emb.pos_ids", "mask4d"],
-                  cast=False)
-        if grads_exist:
-            led.free("wte.buffer")                                          # .grad += buffer
+
+    # ---- model.loss: chunked (labutils.loss_chunks) ------------------------------------------------------------
+    def _chunk_logits(self, C: int) -> None:
+        """One chunk's logits, ``loss_chunks._chunk_logits``: the matmul in the head's dtype, upcast to fp32."""
+        led, V = self.led, self.V
+        led.alloc("chunk.logits", self.c * C * V, "logits")
+        if self.p.amp:
+            led.alloc("chunk.logits32", 4 * C * V, "logits")
+            led.free("chunk.logits")
+            led.rename("chunk.logits32", "chunk.logits")
+
+    def chunked_loss_forward(self) -> None:
+        """``model.loss: chunked`` forward (:class:`labutils.loss_chunks.ChunkedLinearCrossEntropy`): the shifted
+        targets, the head's input in its matmul dtype (saved, as lm_head saves it), the weight cast (a temporary),
+        then one chunk's logits at a time, log-sum-exp computed in their buffer; a log-sum-exp per position is
+        kept. Liger's fused kernel (CUDA, where installed) is booked as this path."""
+        p, led, N, B, T, h, V = self.p, self.led, self.N, self.B, self.T, self.h, self.V
+        led.alloc("labels.pad", 8 * B * (T + 1))
+        led.alloc("labels.shift", 8 * N, "activations", True)            # the targets, saved
+        led.free("labels.pad")
+        if V != self.V_real:                                             # head_bias: the padded rows' constant
+            led.alloc("loss.bias", 4 * V, "activations", True)
+        if p.amp:
+            led.alloc("lmh.in16", 2 * N * h, "activations", True)
+            led.alloc("tmp.w16", 2 * V * h, "half_weights")
         else:
-            led.rename("wte.buffer", "grad.wte", "grads")
-        led.free_prefix("g.")
+            led.keep("lnf.out")
+        led.alloc("loss.lse", 4 * N, "activations", True)
+        self._chunk_logits(min(self.p.loss_chunk, N))
+        led.free("chunk.logits", "tmp.w16")
+        led.release("lnf.out")                                           # fp32: saved by the loss instead
+        led.free_prefix("cache.")                                        # autocast exits: its cache is dropped
+
+    def chunked_loss_backward(self) -> None:
+        """``model.loss: chunked`` backward: the gradients' buffers (the head input's in the matmul dtype, the
+        weight's in fp32), then per chunk the logits recomputed and turned into ``softmax - onehot`` in place,
+        cast to the matmul dtype under autocast, and their shares added in (under autocast a half [V, d] product
+        first); the weight gradient waits in autograd's input buffer for the embedding's, as the full head's."""
+        p, led, N, h, V, c = self.p, self.led, self.N, self.h, self.V, self.c
+        C = min(p.loss_chunk, N)
+        if p.amp:
+            led.alloc("tmp.w16", 2 * V * h, "half_weights")
+        led.alloc("g.lnf16", c * N * h)
+        led.alloc("wte.buffer", 4 * V * h, "temporaries" if self._grads_exist else "grads")
+        self._chunk_logits(C)
+        if p.amp:
+            led.alloc("chunk.g16", c * C * V, "logits")
+            led.free("chunk.logits")
+            led.alloc("tmp.gwte16", c * V * h)
+            led.free("tmp.gwte16", "chunk.g16")
+            led.alloc("g.lnf", 4 * N * h)
+            led.free("g.lnf16")
+        else:
+            led.free("chunk.logits")
+            led.rename("g.lnf16", "g.lnf")
+        led.free("tmp.w16", "lmh.in16", "lnf.out", "labels.shift", "loss.lse", "loss.bias")
 
     def _branch_grad(self, name: str, dropout_mask: str) -> str:
         """The residual gradient entering a branch: cast to the branch's dtype (fp32: the same tensor), then

@@ -94,3 +94,44 @@ def test_causal_kernels_count_the_scores_a_causal_mask_keeps():
     causal = flops_per_token("gpt2", t, fused_attention=True, causal_skip=True)
     attention = n_layer * 14 * t * d  # forward 4Td + backward 8Td + the fused recompute 2Td per layer and token
     assert causal == pytest.approx(full - attention * (1 - kept))
+
+
+@pytest.mark.parametrize("pad_vocab_to,chunk", [(None, 12), (64, 4096)])
+def test_chunked_loss_flops_match_torch_counter(pad_vocab_to, chunk):
+    """model.loss: chunked re-runs each chunk's logits in backward: 2 * d * vocab more FLOPs per position, counted
+    by torch's counter through the loss's autograd.Function (chunks that do not divide the positions, and one
+    chunk). Breaks if the recompute were left out of the executed FLOPs, or counted for the full loss."""
+    from transformers import GPT2LMHeadModel
+    from labutils import loss_chunks
+    from labutils.models import pad_vocabulary
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(gpt2_config("gpt2", 0.0, attn_implementation="eager"))
+    vocab = pad_vocabulary(model, pad_vocab_to)
+    model.loss_type = "ForCausalLM"
+    loss_chunks.install(model, chunk)
+    model.train()
+    ids = torch.randint(0, 50257, (1, 32))
+    with FlopCounterMode(display=False) as counter:
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+        out.loss.backward()
+    assert out.logits is None
+    counted = counter.get_total_flops() / 32
+    modelled = flops_per_token("gpt2", 32, vocab=vocab, head_recompute=True)
+    assert abs(modelled / counted - 1) < 0.001, (modelled, counted)
+    assert abs(flops_per_token("gpt2", 32, vocab=vocab) / counted - 1) > 0.05  # without the recompute: off
+
+
+def test_account_flops_counts_the_recompute_only_for_the_chunked_loss():
+    from labutils.flops import account_flops
+    from labutils.train import RunResult
+
+    executed = {}
+    for loss in ("full", "chunked"):
+        cfg = lu.load_config(None, {"model.name": "gpt2", "model.loss": loss, "data.seq_length": 64}, mode="full")
+        res = RunResult(config=cfg.to_dict(), env={}, tokens_per_step=64, target_tokens=[63], step_times=[1.0],
+                        tokens_per_second=64.0)
+        account_flops(res, cfg, 64, torch.device("cpu"), 1)
+        executed[loss] = res.executed_flops_per_step
+        assert res.model_flops_per_step == pytest.approx(model_flops_per_token("gpt2", 64) * 63)
+    assert executed["chunked"] - executed["full"] == pytest.approx(64 * 2 * 768 * 50257)
