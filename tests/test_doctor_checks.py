@@ -15,6 +15,8 @@ import torch
 
 from labutils import device as dev
 from labutils import doctor
+from labutils import doctor_checks as dc
+from labutils import doctor_speed as ds
 from labutils.train import RunResult
 from tests import fake_cuda
 
@@ -25,7 +27,7 @@ CPU = torch.device("cpu")
 
 
 def rows(check, *args) -> dict:
-    c = doctor.Checks(verbose=False)
+    c = dc.Checks(verbose=False)
     check(c, *args)
     return {r["name"]: r for r in c.rows}
 
@@ -58,55 +60,55 @@ CUDA0 = torch.device("cuda", 0)
 
 # ------------------------------------------------------------------------------------------- device functions
 def test_memory_counters_fail_when_the_cpu_answers_a_cuda_counter(monkeypatch):
-    assert status(doctor.check_memory_counters, CPU) == "pass"
+    assert status(dc.check_memory_counters, CPU) == "pass"
     monkeypatch.setattr(dev, "allocated", lambda device=None: 0)
-    assert status(doctor.check_memory_counters, CPU) == "fail"
+    assert status(dc.check_memory_counters, CPU) == "fail"
 
 
 def test_memory_counters_fail_on_a_gpu_that_cannot_hold_a_tensor(gpu):
     """The pretend GPU has no kernels: allocating the 64 MiB probe fails (NotImplementedError on the CPU build,
     "Found no NVIDIA driver" on the CUDA build), so the check does."""
-    assert status(doctor.check_memory_counters, CUDA0) == "fail"
+    assert status(dc.check_memory_counters, CUDA0) == "fail"
 
 
 def test_mem_info_fails_when_the_driver_total_is_not_the_device_total(gpu, monkeypatch):
-    assert status(doctor.check_mem_info, CUDA0) == "pass"
+    assert status(dc.check_mem_info, CUDA0) == "pass"
     free, total = gpu._mem_get_info(0)
     monkeypatch.setattr(torch.cuda._cudart, "cudaMemGetInfo", lambda d: (free, total - 1))  # one byte off
-    r = rows(doctor.check_mem_info, CUDA0)["device: mem_info / total / stats"]
+    r = rows(dc.check_mem_info, CUDA0)["device: mem_info / total / stats"]
     assert r["status"] == "fail" and "!=" in r["detail"]
-    assert not doctor.mem_info_verdict(total + 1, total, total, {"allocated_bytes.all.current": 0})[0]  # free > total
+    assert not dc.mem_info_verdict(total + 1, total, total, {"allocated_bytes.all.current": 0})[0]  # free > total
 
 
 def test_mem_info_fails_when_the_cpu_reports_a_total(monkeypatch):
-    assert status(doctor.check_mem_info, CPU) == "pass"
+    assert status(dc.check_mem_info, CPU) == "pass"
     monkeypatch.setattr(dev, "total_memory", lambda device=None: 8 * GiB)
-    assert status(doctor.check_mem_info, CPU) == "fail"
+    assert status(dc.check_mem_info, CPU) == "fail"
 
 
 def test_cap_fails_when_the_driver_ignores_the_fraction(gpu, monkeypatch):
-    assert status(doctor.check_cap, CUDA0) == "pass"
+    assert status(dc.check_cap, CUDA0) == "pass"
     monkeypatch.setattr(torch._C, "_cuda_setMemoryFraction", lambda fraction, device: None)
-    assert status(doctor.check_cap, CUDA0) == "fail"
+    assert status(dc.check_cap, CUDA0) == "fail"
 
 
 def test_cap_fails_on_cpu_when_the_budget_is_not_handed_on(monkeypatch):
-    assert status(doctor.check_cap, CPU) == "pass"
+    assert status(dc.check_cap, CPU) == "pass"
     monkeypatch.setattr(dev, "memory_cap", lambda budget, device=None: contextlib.nullcontext())
-    assert status(doctor.check_cap, CPU) == "fail"
+    assert status(dc.check_cap, CPU) == "fail"
 
 
 @pytest.mark.parametrize("broken", [{"mem_info_fails": True}, {"outside": 0}, {"outside": 5 * GiB}])
 def test_outside_allocator_fails_on_a_driver_that_cannot_measure_it(monkeypatch, broken):
     """A driver that cannot answer cudaMemGetInfo leaves only the documented default: not a measurement."""
     pretend(monkeypatch, "t4", **broken)
-    assert status(doctor.check_outside_allocator, CUDA0) == "fail"
-    assert status(doctor.check_outside_allocator, CUDA0, "after training", True, 0) == "fail"
+    assert status(dc.check_outside_allocator, CUDA0) == "fail"
+    assert status(dc.check_outside_allocator, CUDA0, "after training", True, 0) == "fail"
 
 
 def test_outside_allocator_passes_on_a_working_driver(gpu):
-    assert status(doctor.check_outside_allocator, CUDA0) == "pass"
-    assert status(doctor.check_outside_allocator, CUDA0, "after training", True, 300 * MiB) == "pass"
+    assert status(dc.check_outside_allocator, CUDA0) == "pass"
+    assert status(dc.check_outside_allocator, CUDA0, "after training", True, 300 * MiB) == "pass"
 
 
 def test_outside_allocator_after_training_lowers_the_budgets_cap_as_training_does(gpu):
@@ -116,10 +118,10 @@ def test_outside_allocator_after_training_lowers_the_budgets_cap_as_training_doe
     dev.card_budget(8, CUDA0)
     before = gpu.fraction
     gpu.profile.outside += 72 * MiB
-    assert status(doctor.check_outside_allocator, CUDA0, "after training", True, 0) == "pass"
+    assert status(dc.check_outside_allocator, CUDA0, "after training", True, 0) == "pass"
     assert (before - gpu.fraction) * gpu.profile.total == pytest.approx(72 * MiB, abs=2)
     assert dev.current_budget()["outside_after_first_step_bytes"] == gpu.profile.outside
-    assert rows(doctor.check_outside_allocator, CUDA0, "after training", True, 0)["after training"]["value"] \
+    assert rows(dc.check_outside_allocator, CUDA0, "after training", True, 0)["after training"]["value"] \
         == pytest.approx(gpu.profile.outside / GiB)
 
 
@@ -151,18 +153,18 @@ def test_run_doctor_prints_the_budget_line_of_setup_and_the_cli(gpu, monkeypatch
 
 
 def test_outside_allocator_fails_when_the_cpu_reports_outside_memory(monkeypatch):
-    assert status(doctor.check_outside_allocator, CPU) == "pass"
+    assert status(dc.check_outside_allocator, CPU) == "pass"
     monkeypatch.setattr(dev, "outside_allocator_bytes", lambda device=None, refresh=False: (GiB // 2, "x"))
-    assert status(doctor.check_outside_allocator, CPU) == "fail"
+    assert status(dc.check_outside_allocator, CPU) == "fail"
 
 
 def test_support_fails_when_labutils_and_torch_disagree_on_bf16(monkeypatch):
     pretend(monkeypatch, "t4")  # 7.5: no BF16, no TF32
-    assert status(doctor.check_support_facts, CUDA0) == "pass"
+    assert status(dc.check_support_facts, CUDA0) == "pass"
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
-    assert status(doctor.check_support_facts, CUDA0) == "fail"
-    assert not doctor.support_verdict((8, 0), True, False, True)[0]   # TF32 denied on an Ampere card
-    assert not doctor.support_verdict((7, 5), False, True, False)[0]  # TF32 claimed before Ampere
+    assert status(dc.check_support_facts, CUDA0) == "fail"
+    assert not dc.support_verdict((8, 0), True, False, True)[0]   # TF32 denied on an Ampere card
+    assert not dc.support_verdict((7, 5), False, True, False)[0]  # TF32 claimed before Ampere
 
 
 @pytest.mark.parametrize("profile", ["t4", "h100"])
@@ -177,24 +179,29 @@ def test_capability_and_torch_bf16_come_from_the_device_module(monkeypatch, prof
 
 
 def test_doctor_calls_torch_cuda_only_in_lab04s_check(root):
-    """labutils/device.py is the one place for device calls; doctor.py's only raw torch.cuda calls are the ones
-    lab 04 teaches, in check_lab04_calls. Breaks on a torch.cuda call anywhere else in doctor.py (its own
-    list_gpu_processes wrapper, get_device_capability, is_bf16_supported as before this test)."""
+    """labutils/device.py is the one place for device calls; the doctor's only raw torch.cuda calls (doctor.py and
+    the modules it is split into, doctor_*.py) are the ones lab 04 teaches, in check_lab04_calls. Breaks on a
+    torch.cuda call anywhere else in them (its own list_gpu_processes wrapper, get_device_capability,
+    is_bf16_supported as before this test)."""
     import ast
 
-    tree = ast.parse((root / "labutils" / "doctor.py").read_text(encoding="utf-8"))
-    lab04 = next(f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "check_lab04_calls")
-    allowed = {id(n) for n in ast.walk(lab04)}
-    raw = [(n.lineno, ast.unparse(n.func)) for n in ast.walk(tree) if isinstance(n, ast.Call)
-           and ast.unparse(n.func).startswith("torch.cuda.") and id(n) not in allowed]
+    files = sorted((root / "labutils").glob("doctor*.py"))
+    assert {p.name for p in files} >= {"doctor.py", "doctor_checks.py", "doctor_speed.py"}
+    raw = []
+    for path in files:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        allowed = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "check_lab04_calls"
+                   for n in ast.walk(f)}
+        raw += [(path.name, n.lineno, ast.unparse(n.func)) for n in ast.walk(tree) if isinstance(n, ast.Call)
+                and ast.unparse(n.func).startswith("torch.cuda.") and id(n) not in allowed]
     assert not raw, raw
-    assert not hasattr(doctor, "gpu_processes")  # the device module's guarded one is used
+    assert not hasattr(doctor, "gpu_processes") and not hasattr(dc, "gpu_processes")  # the device module's is used
 
 
 def test_support_fails_when_the_cpu_has_gpu_facts(monkeypatch):
-    assert status(doctor.check_support_facts, CPU) == "pass"
+    assert status(dc.check_support_facts, CPU) == "pass"
     monkeypatch.setattr(dev, "facts", lambda device=None: {"compute_capability": "8.0"})
-    assert status(doctor.check_support_facts, CPU) == "fail"
+    assert status(dc.check_support_facts, CPU) == "fail"
 
 
 def test_lab04_calls_report_nvml_refusing_as_unavailable_not_fail(gpu, monkeypatch):
@@ -204,20 +211,20 @@ def test_lab04_calls_report_nvml_refusing_as_unavailable_not_fail(gpu, monkeypat
     def refuse(device=None):
         raise NVMLError_NotSupported("Not Supported")
     monkeypatch.setattr(torch.cuda, "list_gpu_processes", refuse)
-    r = rows(doctor.check_lab04_calls, CUDA0)["torch.cuda calls of lab 04"]
+    r = rows(dc.check_lab04_calls, CUDA0)["torch.cuda calls of lab 04"]
     assert r["status"] == "pass" and "unavailable" in r["detail"] and "NVMLError_NotSupported" in r["detail"]
 
 
 def test_lab04_calls_fail_when_mem_get_info_disagrees_with_the_device(gpu, monkeypatch):
-    assert status(doctor.check_lab04_calls, CUDA0) == "pass"
+    assert status(dc.check_lab04_calls, CUDA0) == "pass"
     free, total = gpu._mem_get_info(0)
     monkeypatch.setattr(torch.cuda._cudart, "cudaMemGetInfo", lambda d: (free, total + MiB))
-    assert status(doctor.check_lab04_calls, CUDA0) == "fail"
-    assert not doctor.lab04_verdict(1, 2, 2, [0, -1])  # a negative counter
+    assert status(dc.check_lab04_calls, CUDA0) == "fail"
+    assert not dc.lab04_verdict(1, 2, 2, [0, -1])  # a negative counter
 
 
 def test_lab04_calls_are_skipped_on_cpu():
-    assert status(doctor.check_lab04_calls, CPU) == "skip"
+    assert status(dc.check_lab04_calls, CPU) == "skip"
 
 
 # ----------------------------------------------------------------------------------------------- TF32 switch
@@ -225,7 +232,7 @@ def test_tf32_flags_check_fails_with_a_new_api_only_switch(monkeypatch):
     """The switch before issue 20 set only fp32_precision: torch's legacy readers then raised."""
     from labutils import env as lenv
 
-    assert status(doctor.check_tf32_flags, CPU) == "pass"
+    assert status(dc.check_tf32_flags, CPU) == "pass"
     if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
         pytest.skip("torch < 2.9 has only the legacy API: nothing to mix")
 
@@ -239,13 +246,13 @@ def test_tf32_flags_check_fails_with_a_new_api_only_switch(monkeypatch):
         finally:
             m.fp32_precision, conv.fp32_precision = saved
     monkeypatch.setattr(lenv, "matmul_precision", new_api_only)
-    r = rows(doctor.check_tf32_flags, CPU)["tf32 switch: legacy + new flags agree"]
+    r = rows(dc.check_tf32_flags, CPU)["tf32 switch: legacy + new flags agree"]
     assert r["status"] == "fail" and "RuntimeError" in r["detail"]
 
 
 # ------------------------------------------------------------------------------------------------- training
 def _train_rows(*precisions):
-    return rows(doctor.check_training, CPU, precisions or ("fp16",))
+    return rows(dc.check_training, CPU, precisions or ("fp16",))
 
 
 def test_fp16_fails_when_the_scaler_skips_every_step(monkeypatch):
@@ -282,10 +289,10 @@ def test_training_fails_when_the_optimizer_writes_nan(monkeypatch):
 def test_fp16_verdict_fails_when_most_steps_were_skipped():
     def res(skipped):
         return RunResult(config={}, env={}, losses=[3.0] * 6, loss_scales=[2.0**16] * 6, skipped=skipped)
-    assert doctor.train_verdict("fp16", res([0]), 6)[0]            # the first step calibrates the scale: fine
-    assert doctor.train_verdict("fp16", res([0, 1, 2]), 6)[0]
-    assert not doctor.train_verdict("fp16", res([0, 1, 2, 4]), 6)[0]  # most steps skipped: not training
-    assert not doctor.train_verdict("fp32", RunResult(config={}, env={}, losses=[3.0, float("nan"), 3.0]), 3)[0]
+    assert dc.train_verdict("fp16", res([0]), 6)[0]            # the first step calibrates the scale: fine
+    assert dc.train_verdict("fp16", res([0, 1, 2]), 6)[0]
+    assert not dc.train_verdict("fp16", res([0, 1, 2, 4]), 6)[0]  # most steps skipped: not training
+    assert not dc.train_verdict("fp32", RunResult(config={}, env={}, losses=[3.0, float("nan"), 3.0]), 3)[0]
 
 
 # ------------------------------------------------------------------------------------------ cap + OOM recovery
@@ -296,12 +303,12 @@ def test_oom_check_fails_when_the_budget_never_refuses(monkeypatch):
         def __init__(self, device=None, cpu_budget_bytes=None, **kw):
             super().__init__(device, **kw)
     monkeypatch.setattr(tr, "MemoryTracker", NoBudget)
-    r = rows(doctor.check_cap_and_oom, CPU)["cap + OOM recovery"]
+    r = rows(dc.check_cap_and_oom, CPU)["cap + OOM recovery"]
     assert r["status"] == "fail" and "not refused" in r["detail"]
 
 
 def test_oom_verdict_needs_the_oom_inside_training_and_memory_back():
-    v = doctor.oom_recovery_verdict
+    v = dc.oom_recovery_verdict
     ok = dict(capped_status="oom", capped_peak=900, step_start=600, base=100, after_oom=100, rerun_status="ok",
               after_rerun=100)
     assert v(**ok)[0]
@@ -317,7 +324,7 @@ def test_oom_verdict_needs_the_oom_inside_training_and_memory_back():
 def session():
     from labutils import checkpoint_measure as cm
 
-    cfg = doctor._cfg("tiny", **{"data.seq_length": 64})
+    cfg = dc.small_config("tiny", **{"data.seq_length": 64})
     with cm.loaded(cfg, CPU) as s:
         yield s.model, cm.one_batch(s.dataset, 2, 0, CPU)
 
@@ -325,31 +332,31 @@ def session():
 def test_snapshot_fails_when_nothing_is_recorded(session, monkeypatch):
     from labutils import profiling
 
-    assert status(doctor.check_snapshot, CPU, session) == "pass"
+    assert status(dc.check_snapshot, CPU, session) == "pass"
     monkeypatch.setattr(profiling.CPUTraceRecorder, "snapshot", lambda self: {"segments": [], "device_traces": [[]]})
-    assert status(doctor.check_snapshot, CPU, session) == "fail"
-    assert not doctor.snapshot_verdict({"events": 9, "peak_bytes": 0, "top_at_peak": [{"site": "(no stack)"}]})[0]
+    assert status(dc.check_snapshot, CPU, session) == "fail"
+    assert not dc.snapshot_verdict({"events": 9, "peak_bytes": 0, "top_at_peak": [{"site": "(no stack)"}]})[0]
 
 
 def test_profiler_fails_when_ranges_are_not_recorded(session, monkeypatch):
-    assert status(doctor.check_profiler, CPU, session) == "pass"
+    assert status(dc.check_profiler, CPU, session) == "pass"
     monkeypatch.setattr(torch.profiler, "record_function", lambda name: contextlib.nullcontext())
-    assert status(doctor.check_profiler, CPU, session) == "fail"
+    assert status(dc.check_profiler, CPU, session) == "fail"
 
 
 def test_profiler_verdict_on_cuda_needs_device_time_and_backward_at_least_forward():
     def r(f, b):
         return [{"range": "forward", "device time (ms)": f}, {"range": "backward", "device time (ms)": b}]
-    assert doctor.profiler_verdict(r(1.0, 2.0), cuda=True)
-    assert not doctor.profiler_verdict(r(2.0, 1.0), cuda=True)
-    assert not doctor.profiler_verdict(r(None, None), cuda=True)
-    assert not doctor.profiler_verdict(r(1.0, 2.0), cuda=False)  # device time on a CPU run
+    assert dc.profiler_verdict(r(1.0, 2.0), cuda=True)
+    assert not dc.profiler_verdict(r(2.0, 1.0), cuda=True)
+    assert not dc.profiler_verdict(r(None, None), cuda=True)
+    assert not dc.profiler_verdict(r(1.0, 2.0), cuda=False)  # device time on a CPU run
 
 
 def test_checkpointing_fails_when_recompute_does_not_restore_the_rng(monkeypatch):
     """The recompute must draw the forward's dropout masks: with the RNG state not restored it draws others."""
     monkeypatch.setattr(torch, "set_rng_state", lambda state: None)
-    r = rows(doctor.check_checkpointing, CPU)
+    r = rows(dc.check_checkpointing, CPU)
     assert r["checkpointing grads: full (dropout 0.1)"]["status"] == "fail"
 
 
@@ -358,45 +365,45 @@ def test_estimator_fails_when_it_estimates_another_batch(monkeypatch):
 
     plan = est.plan_from_config
     monkeypatch.setattr(est, "plan_from_config", lambda cfg, device="cuda", **o: plan(cfg, device=device, **{**o, "micro": 16}))
-    assert status(doctor.check_estimator, CPU) == "fail"
+    assert status(dc.check_estimator, CPU) == "fail"
 
 
 # ------------------------------------------------------------------------------------------------ empty caches
 def test_empty_caches_frees_pinned_memory_on_the_pretend_gpu(gpu, monkeypatch):
     torch.cuda.init()  # host_memory_stats answers {} before CUDA is initialised (the doctor's first checks do it)
     gpu.host_pinned = MiB  # what an offload variant leaves in the caching host allocator
-    assert status(doctor.check_empty_caches, CUDA0) == "pass" and gpu.host_pinned == 0
+    assert status(dc.check_empty_caches, CUDA0) == "pass" and gpu.host_pinned == 0
     gpu.host_pinned = MiB
     monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: None)  # a torch whose host cache is never emptied
-    assert status(doctor.check_empty_caches, CUDA0) == "fail"
+    assert status(dc.check_empty_caches, CUDA0) == "fail"
 
 
 def test_empty_caches_fails_when_nothing_could_be_pinned(gpu):
     """Nothing pinned and no pinned allocation possible (a CPU build cannot pin): nothing was tested."""
     torch.cuda.init()
-    assert status(doctor.check_empty_caches, CUDA0) == "fail"
+    assert status(dc.check_empty_caches, CUDA0) == "fail"
 
 
 def test_empty_caches_is_skipped_with_the_reason_on_torch_without_host_memory_stats(gpu, monkeypatch):
     """torch 2.6 (the floor) has no torch.cuda.host_memory_stats: not judged, never a fail (regenerate runs on)."""
     gpu.host_pinned = MiB
     monkeypatch.delattr(torch.cuda, "host_memory_stats")
-    r = rows(doctor.check_empty_caches, CUDA0)["device: empty caches (device + pinned host)"]
+    r = rows(dc.check_empty_caches, CUDA0)["device: empty caches (device + pinned host)"]
     assert r["status"] == "skip" and "host_memory_stats" in r["detail"]
 
 
 def test_empty_caches_fails_when_the_cpu_reports_pinned_memory(monkeypatch):
     monkeypatch.setattr(dev, "cuda_available", lambda: False)  # the CPU machine, also on a GPU machine
-    assert status(doctor.check_empty_caches, CPU) == "pass"
+    assert status(dc.check_empty_caches, CPU) == "pass"
     monkeypatch.setattr(dev, "pinned_host_bytes", lambda: 0)
-    assert status(doctor.check_empty_caches, CPU) == "fail"
+    assert status(dc.check_empty_caches, CPU) == "fail"
 
 
 # ------------------------------------------------------------------------------------------------------ matmul
 def test_matmul_fails_on_a_wrong_product(monkeypatch):
-    assert {r["status"] for r in rows(doctor.check_matmul, CPU).values()} == {"pass"}
+    assert {r["status"] for r in rows(ds.check_matmul, CPU).values()} == {"pass"}
     monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: torch.zeros(a.shape[0], b.shape[1], dtype=a.dtype))
-    assert {r["status"] for r in rows(doctor.check_matmul, CPU).values()} == {"fail"}
+    assert {r["status"] for r in rows(ds.check_matmul, CPU).values()} == {"fail"}
 
 
 @pytest.mark.parametrize("name,label,floor", [
@@ -405,11 +412,11 @@ def test_matmul_fails_on_a_wrong_product(monkeypatch):
     ("NVIDIA GeForce RTX 3090", "fp16", 1.5), ("Tesla T4", "fp16", 1.5), ("Some Future GPU", "tf32", None),
     ("Some Future GPU", "bf16", 1.5)])
 def test_matmul_speed_floor_follows_the_datasheets(name, label, floor):
-    assert doctor._matmul_speed_floor(label, name, (9, 0))[0] == floor
+    assert ds._matmul_speed_floor(label, name, (9, 0))[0] == floor
 
 
 def test_matmul_verdict_fails_tf32_that_is_not_faster_or_not_engaged():
-    v = doctor.matmul_verdict
+    v = ds.matmul_verdict
     assert v("tf32", 300.0, 5e-4, 50.0, 1.5, "datasheet", cuda=True)[0]
     assert not v("tf32", 55.0, 5e-4, 50.0, 1.5, "datasheet", cuda=True)[0]   # only 1.1x on an H100: TF32 off
     assert not v("tf32", 300.0, 1e-7, 50.0, 1.5, "datasheet", cuda=True)[0]  # FP32-sized error: not engaged
@@ -426,7 +433,7 @@ def _fast_file() -> dict:
     """configs/fast_config.yaml read with yaml itself: the oracle for the batch and warm-up the doctor runs."""
     import yaml
 
-    with open(doctor.FAST_CONFIG) as f:
+    with open(ds.FAST_CONFIG) as f:
         return yaml.safe_load(f)["train"]
 
 
@@ -434,18 +441,18 @@ def _fast_file() -> dict:
                                   "NVIDIA A100 80GB PCIe"])
 def test_mfu_verdict_holds_h100_and_a100_to_45_percent(name):
     """Issue 21's goal: >= 45 % MFU on an H100/A100. A verdict passing everything, or a goal set lower, fails."""
-    assert not doctor.mfu_verdict(0.12, name, "bf16")[0]   # the issue's estimate of today's fast path
-    assert not doctor.mfu_verdict(0.449, name, "bf16")[0]
-    ok, detail = doctor.mfu_verdict(0.45, name, "bf16")
+    assert not ds.mfu_verdict(0.12, name, "bf16")[0]   # the issue's estimate of today's fast path
+    assert not ds.mfu_verdict(0.449, name, "bf16")[0]
+    ok, detail = ds.mfu_verdict(0.45, name, "bf16")
     assert ok and "45 %" in detail and "45.0 %" in detail
-    assert doctor.mfu_verdict(0.52, name, "bf16")[0]
+    assert ds.mfu_verdict(0.52, name, "bf16")[0]
 
 
 @pytest.mark.parametrize("name,precision", [("NVIDIA GeForce RTX 4090", "bf16"), ("NVIDIA GeForce RTX 3070", "bf16"),
                                             ("Tesla T4", "fp16"), ("NVIDIA L4", "bf16")])
 def test_mfu_verdict_does_not_judge_cards_without_a_goal(name, precision):
     """Other cards: the MFU is printed, "no goal for this card", not a fail (a low number there is no fault)."""
-    ok, detail = doctor.mfu_verdict(0.10, name, precision)
+    ok, detail = ds.mfu_verdict(0.10, name, precision)
     assert ok and "no goal for this card" in detail and "10.0 %" in detail
 
 
@@ -455,23 +462,23 @@ def test_mfu_verdict_does_not_judge_a_capped_or_refitted_run(reasons):
     """The goal is for the config as written on the whole card (issue 21 row 11: speed rows run without the cap):
     under a budget or at a lowered micro-batch the MFU is shown with the reason, not judged. Breaks if a capped
     run is held to 45 % (as before), or if the reason or the measured MFU is left out."""
-    ok, detail = doctor.mfu_verdict(0.12, "NVIDIA H100 80GB HBM3", "bf16", not_judged=reasons)
+    ok, detail = ds.mfu_verdict(0.12, "NVIDIA H100 80GB HBM3", "bf16", not_judged=reasons)
     assert ok and "not judged" in detail and "12.0 %" in detail and reasons[0] in detail
-    ok, detail = doctor.mfu_verdict(None, "NVIDIA H100 80GB HBM3", "bf16", status="oom", not_judged=reasons)
+    ok, detail = ds.mfu_verdict(None, "NVIDIA H100 80GB HBM3", "bf16", status="oom", not_judged=reasons)
     assert not ok  # not training is a failure under a cap too
 
 
 def test_mfu_verdict_without_a_peak_or_a_trained_run():
     """An unknown card has no MFU (not judged, with labutils.peaks' reason); a run that did not train fails."""
-    ok, detail = doctor.mfu_verdict(None, "Some Future GPU", "bf16")
+    ok, detail = ds.mfu_verdict(None, "Some Future GPU", "bf16")
     assert ok and "not judged" in detail and "not in labutils' peak table" in detail
-    assert not doctor.mfu_verdict(None, "NVIDIA H100 80GB HBM3", "bf16", status="oom", error="CUDA out of memory")[0]
-    assert not doctor.mfu_verdict(0.6, "NVIDIA H100 80GB HBM3", "bf16", status="diverged")[0]
+    assert not ds.mfu_verdict(None, "NVIDIA H100 80GB HBM3", "bf16", status="oom", error="CUDA out of memory")[0]
+    assert not ds.mfu_verdict(0.6, "NVIDIA H100 80GB HBM3", "bf16", status="diverged")[0]
 
 
 def test_fast_path_is_skipped_on_cpu_with_the_reason():
     """No GPU: skipped (never passed), since CPU timing judges no speed."""
-    r = rows(doctor.check_fast_path, CPU)[FAST]
+    r = rows(ds.check_fast_path, CPU)[FAST]
     assert r["status"] == "skip" and "no CUDA GPU" in r["detail"]
 
 
@@ -482,7 +489,7 @@ def test_fast_path_on_a_pretend_h100_fails_where_real_kernels_are_needed(monkeyp
     # pulls it in): fake_cuda.install provides the driver entry it imports on a CUDA torch
     # (_cuda_getCurrentRawStream); without it the detail is that ImportError and this test fails
     pretend(monkeypatch, "h100")
-    r = rows(doctor.check_fast_path, CUDA0)[FAST]
+    r = rows(ds.check_fast_path, CUDA0)[FAST]
     assert r["status"] == "fail" and r["value"] is None
     assert "NotImplementedError" in r["detail"] or "NVIDIA driver" in r["detail"], r["detail"]
 
@@ -510,7 +517,7 @@ def test_fast_path_plumbing_on_a_pretend_h100(gpu, monkeypatch, mfu, want):
     steps (5 before), or lets a missed goal stop the notebooks."""
     seen = []
     monkeypatch.setattr(tr, "run", _fake_run(seen, mfu))
-    r = rows(doctor.check_fast_path, CUDA0)[FAST]
+    r = rows(ds.check_fast_path, CUDA0)[FAST]
     assert r["status"] == want and r["value"] == pytest.approx(100 * mfu) and "goal >= 45 %" in r["detail"]
     assert r.get("gates_regenerate", True) is (want == "pass")
     f, t = _fast_file(), seen[0].train
@@ -524,7 +531,7 @@ def test_fast_path_that_does_not_train_fails_and_stops_regenerate(gpu, monkeypat
     """Not training at all (OOM at the fitted micro-batch) is no speed finding: the row fails and, unlike a
     missed MFU goal, keeps stopping `regenerate`. Breaks if every fast-path failure is made non-gating."""
     monkeypatch.setattr(tr, "run", _fake_run([], None, status="oom"))
-    r = rows(doctor.check_fast_path, CUDA0)[FAST]
+    r = rows(ds.check_fast_path, CUDA0)[FAST]
     assert r["status"] == "fail" and "did not train" in r["detail"] and r.get("gates_regenerate", True) is True
 
 
@@ -536,7 +543,7 @@ def test_fast_path_under_a_memory_budget_is_not_judged(monkeypatch):
     monkeypatch.setenv("LAB_GPU_MEMORY_GB", "8")
     seen = []
     monkeypatch.setattr(tr, "run", _fake_run(seen, 0.30))
-    r = rows(doctor.check_fast_path, CUDA0)[FAST]
+    r = rows(ds.check_fast_path, CUDA0)[FAST]
     assert r["status"] == "pass" and r["value"] == pytest.approx(30.0), r["detail"]
     assert "not judged" in r["detail"] and "memory budget" in r["detail"] and "lowered" in r["detail"]
     assert seen[0].train.micro_batch_size < _fast_file()["micro_batch_size"]
@@ -548,7 +555,7 @@ def test_fast_path_fits_the_micro_batch_on_a_pretend_8gb_card(monkeypatch):
     pretend(monkeypatch, "rtx3070-8gb")
     seen = []
     monkeypatch.setattr(tr, "run", _fake_run(seen, 0.2))
-    r = rows(doctor.check_fast_path, CUDA0)[FAST]
+    r = rows(ds.check_fast_path, CUDA0)[FAST]
     f, t = _fast_file(), seen[0].train
     assert t.micro_batch_size < f["micro_batch_size"]
     assert t.micro_batch_size * t.accumulation_steps == f["micro_batch_size"] * f["accumulation_steps"]
