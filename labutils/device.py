@@ -60,8 +60,61 @@ def detect_mode() -> tuple[str, str]:
     if smoke_requested():
         return "smoke", "LAB_SMOKE=1"
     if not cuda_available():
+        unusable = unusable_gpu()
+        if unusable:  # the driver sees a GPU that this torch cannot use: never a quiet CPU run
+            return "smoke", unusable["message"] + "; running the tiny smoke configuration on the CPU"
         return "smoke", "no CUDA GPU found: running the tiny smoke configuration on the CPU"
     return "full", "CUDA GPU found"
+
+
+# How long nvidia-smi may take to answer (it can take a second or two on a large machine without persistence mode)
+NVIDIA_SMI_TIMEOUT_S = 5.0
+NVIDIA_SMI_QUERY = ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]
+
+
+def driver_gpus() -> list[dict] | None:
+    """The GPUs the NVIDIA driver sees, as ``nvidia-smi --query-gpu=name,driver_version --format=csv,noheader``
+    lists them (one "name, driver" line each): ``[{"name", "driver"}]``, independent of torch. None when nvidia-smi
+    is absent, fails (no driver loaded), lists nothing or does not answer within :data:`NVIDIA_SMI_TIMEOUT_S`.
+    Asked once per process (cached)."""
+    if "driver_gpus" not in _state:
+        try:
+            out = subprocess.run(NVIDIA_SMI_QUERY, capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S)
+            lines = out.stdout.splitlines() if out.returncode == 0 else []
+        except (OSError, subprocess.SubprocessError):  # not installed, not executable, or too slow
+            lines = []
+        gpus = [{"name": name.strip(), "driver": driver.strip()}
+                for name, sep, driver in (line.rpartition(",") for line in lines) if sep and name.strip()]
+        _state["driver_gpus"] = gpus or None
+    return _state["driver_gpus"]
+
+
+def unusable_gpu() -> dict | None:
+    """None unless the NVIDIA driver sees a GPU (:func:`driver_gpus`) while ``torch.cuda.is_available()`` is False:
+    then ``{"gpus", "driver", "torch_cuda", "fix", "message"}``, the message naming the GPU, the driver's version,
+    torch's CUDA version (``torch.version.cuda``; None on a CPU-only build) and the fix. pip's default torch is a
+    CUDA 13 build: on a driver too old for it, torch sees no GPU and the labs would quietly run on the CPU."""
+    if cuda_available():
+        return None
+    gpus = driver_gpus()
+    if not gpus:
+        return None
+    driver, built = gpus[0]["driver"], torch.version.cuda
+    if built is None:
+        fix = ("this torch is a CPU-only build: install a CUDA build of torch (the selector on "
+               "https://pytorch.org/get-started/locally/ gives the command)")
+    else:
+        fix = (f"a torch built for CUDA {built} needs a driver that supports CUDA {built}: update the NVIDIA driver "
+               f"(nvidia-smi's header shows the newest CUDA version driver {driver} supports), or install a torch "
+               f"built for that CUDA version or older (https://pytorch.org/get-started/locally/)")
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if hidden is not None and hidden.strip() in ("", "-1"):
+        fix = f"CUDA_VISIBLE_DEVICES={hidden!r} hides every GPU from torch: unset it; otherwise {fix}"
+    names = ", ".join(g["name"] for g in gpus)
+    message = (f"WARNING: the NVIDIA driver {driver} sees {names}, but this torch {torch.__version__} "
+               f"(CUDA {built or 'none: a CPU-only build'}) cannot use it (torch.cuda.is_available() is False). "
+               f"Fix: {fix}")
+    return {"gpus": gpus, "driver": driver, "torch_cuda": built, "fix": fix, "message": message}
 
 
 def default_device() -> torch.device:
@@ -461,12 +514,9 @@ def name(device=None) -> str:
 
 
 def driver_version() -> str | None:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=5)
-        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
-    except (OSError, subprocess.SubprocessError):
-        return None
+    """The NVIDIA driver's version as nvidia-smi reports it (:func:`driver_gpus`), or None."""
+    gpus = driver_gpus()
+    return gpus[0]["driver"] if gpus else None
 
 
 def facts(device=None) -> dict | None:
