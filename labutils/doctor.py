@@ -1,22 +1,26 @@
 """``python -m labutils doctor [--json PATH]``: the first thing to run on a new machine.
 
-It runs every CUDA path the labs rely on, briefly, and prints a pass/fail table with numbers: the device
-module's functions and the raw ``torch.cuda`` calls lab 04 shows; one short training step per precision the
-card supports (GPT-2 small); the memory cap and recovery from an out-of-memory error; an allocator snapshot
-recorded, dumped and read back by the course's own parser; a profiler run with CUDA activity; every
-checkpointing variant's gradients against no checkpointing *with dropout on*; the memory estimator against
-measured peaks; matmul TFLOP/s per precision; configs/fast_config.yaml for a few steps, its MFU next to the goal.
-Exit code 1 if anything failed; the summary line gives the total time. ``regenerate`` runs it first and stops on
-any failure except a missed MFU goal (the row says ``"gates_regenerate": False``): the labs do not need the
-fast path's speed.
+It runs every CUDA path the labs rely on, briefly, and prints a pass/fail table with numbers: whether torch can use
+the GPU the NVIDIA driver sees; the device module's functions and the raw ``torch.cuda`` calls lab 04 shows; one
+short training step per precision the card supports (GPT-2 small); the memory cap and recovery from an
+out-of-memory error; an allocator snapshot recorded, dumped and read back by the course's own parser; a profiler
+run with CUDA activity; every checkpointing variant's gradients against no checkpointing *with dropout on*; the
+memory estimator against measured peaks; matmul TFLOP/s per precision; configs/fast_config.yaml for a few steps,
+its MFU printed (never judged: issue 28, the MFU goal is the benchmark's). Exit code 1 if anything failed; the
+summary line gives the checks' time and, apart, the fast path's compile time. ``regenerate`` runs it first and
+stops on a failure (a row marked ``"gates_regenerate": False`` does not stop it).
 
 Without a GPU it says so, runs the CPU equivalents that exist (tiny model), and exits 0: the GPU checks are
-listed as skipped, never as passed.
+listed as skipped, never as passed. If the driver sees a GPU that torch cannot use, that row fails (exit 1).
 
-Every check can fail on a broken machine. One function per check (``check_*``); where the verdict needs a GPU,
-it is a small function of the measured numbers (``*_verdict``) so a test can hand it broken numbers. What
-fails each (tests/test_doctor_checks.py breaks each on purpose):
+The checks live in :mod:`labutils.doctor_checks` (correctness), :mod:`labutils.doctor_formats` (BF16 / TF32)
+and :mod:`labutils.doctor_speed` (speed); this module runs them and reports. Every check can fail on a broken machine. One function per check (``check_*``);
+where the verdict needs a GPU, it is a small function of the measured numbers (``*_verdict``) so a test can hand
+it broken numbers. What fails each (tests/test_doctor_checks.py breaks each on purpose):
 
+  driver: torch can use its GPU     nvidia-smi lists a GPU while torch.cuda.is_available() is False (a torch
+                                    built for a newer CUDA than the driver, a CPU-only torch, hidden devices):
+                                    the row names the driver's version, torch's CUDA version and the fix
   device: memory counters           a 64 MiB tensor not seen by memory_allocated / peak / reserved; on CPU, a
                                     CUDA-only counter answering a number
   device: mem_info / total / stats  cudaMemGetInfo's total != get_device_properties().total_memory (exactly),
@@ -24,8 +28,10 @@ fails each (tests/test_doctor_checks.py breaks each on purpose):
   device: cap set / restore         the driver ignoring set_per_process_memory_fraction; a nested larger cap
                                     raising the smaller one; the cap not restored
   device: outside-allocator memory  cudaMemGetInfo unanswerable (only the default is known), 0 or >= 4 GiB
-  device: bf16 / tf32 support       labutils' answer differs from torch.cuda.is_bf16_supported(including_
-                                    emulation=False) or from NVIDIA's Ampere (8.0) line for TF32
+  device: bf16 / tf32 support       labutils claims BF16 and a real bfloat16 matmul on the device does not run
+                                    or is not bfloat16-precise; labutils' TF32 answer differs from what the TF32
+                                    switch does to a real fp32 matmul (TF32-sized error or not); strict fp32 not
+                                    strict with the switch off
   torch.cuda calls of lab 04        a counter < 0, free > total, total != the device's total memory (NVML
                                     refusing list_gpu_processes, as in WSL, is reported "unavailable", no fail)
   tf32 switch: legacy + new flags   a TF32 reader raising ("mix of the legacy and new APIs") or disagreeing
@@ -34,7 +40,7 @@ fails each (tests/test_doctor_checks.py breaks each on purpose):
   outside-allocator after training  as above, measured again after lazily loaded kernels
   cap + OOM recovery                a training step under a cap too small for it not refused, refused before
                                     training started, memory not back to baseline, no successful run after
-  snapshot record -> dump -> parse  no events recorded, or the top holder has no stack
+  snapshot record -> dump -> parse  no events recorded, or no allocation with a stack (recorded without frames)
   profiler ranges                   forward/backward ranges missing; on CUDA no device time, backward < forward
   checkpointing grads: <variant>    gradients differ from no checkpointing (e.g. the RNG state not restored
                                     for the recompute: other dropout masks)
@@ -44,10 +50,10 @@ fails each (tests/test_doctor_checks.py breaks each on purpose):
   matmul TFLOP/s <format>           a wrong product (vs float64); TF32 not engaged (fp32-sized error); on CUDA
                                     TF32 / FP16 / BF16 not faster than FP32 by what the card's datasheet promises
   fast path MFU (fast_config.yaml)  the fast config not training (OOM even at the fitted micro-batch, a
-                                    non-finite loss); on an A100/H100/H200, uncapped at the config's own
-                                    micro-batch, an MFU below 45 % over >= claims.MIN_TIMED_STEPS timed steps
-                                    (not gating regenerate). Not judged, MFU shown: other cards, a memory
-                                    budget active (LAB_GPU_MEMORY_GB), a lowered micro-batch; CPU: skipped
+                                    non-finite loss). Its MFU over >= claims.MIN_TIMED_STEPS timed steps (and the
+                                    ratio to the reference, where labutils.bench provides it) is printed, never
+                                    judged: no card fails for speed. Skipped with the reason: CPU; no Triton for
+                                    torch.compile (native Windows)
 """
 from __future__ import annotations
 
@@ -56,14 +62,41 @@ import time
 import torch
 
 from . import device as dev
-from .doctor_checks import (Checks, check_cap_and_oom, check_checkpointing, check_device_functions,  # noqa: F401
-                            check_empty_caches, check_estimator, check_outside_allocator, check_profiler,
-                            check_snapshot, check_tf32_flags, check_training, small_config)
+from .doctor_checks import (Checks, check_cap, check_cap_and_oom, check_checkpointing,  # noqa: F401
+                            check_empty_caches, check_estimator, check_lab04_calls, check_mem_info,
+                            check_memory_counters, check_outside_allocator, check_profiler, check_snapshot,
+                            check_training, expect, small_config)
+from .doctor_formats import check_support_facts, check_tf32_flags  # noqa: F401
 from .doctor_speed import check_fast_path, check_matmul  # noqa: F401
 
 
+def check_device_functions(c: Checks, device: torch.device) -> None:
+    """Every function of labutils.device, and the raw torch.cuda calls lab 04 teaches, answer sensibly."""
+    check_memory_counters(c, device)
+    check_mem_info(c, device)
+    check_cap(c, device)
+    check_outside_allocator(c, device)
+    check_support_facts(c, device)
+    check_lab04_calls(c, device)
+
+
+def check_driver(c: Checks) -> None:
+    """The GPU the NVIDIA driver sees (nvidia-smi) is one torch can use (:func:`labutils.device.unusable_gpu`)."""
+    with c.check("driver: torch can use its GPU") as row:
+        unusable = dev.unusable_gpu()
+        if unusable:
+            expect(row, False, unusable["message"])
+        elif dev.cuda_available():
+            expect(row, True, f"torch {torch.__version__} (CUDA {torch.version.cuda}) uses {dev.name()}; "
+                              f"driver {dev.driver_version() or 'unknown (nvidia-smi not found)'}")
+        else:
+            expect(row, True, "no NVIDIA GPU seen by the driver (nvidia-smi absent or listing none): a CPU machine")
+
+
 def run_doctor(device=None, verbose: bool = True) -> dict:
-    """All checks on ``device`` (default: the GPU if there is one). Returns ``{"checks": [...], "env": {...}}``."""
+    """All checks on ``device`` (default: the GPU if there is one). Returns ``{"checks": [...], "summary",
+    "seconds", "checks_seconds", "compile_seconds", "env"}``: ``compile_seconds`` is what torch.compile took (the
+    fast path's compiling steps), apart from the checks' own time."""
     from .env import environment, seed_everything
     from .memory import release
 
@@ -73,6 +106,9 @@ def run_doctor(device=None, verbose: bool = True) -> dict:
     if verbose:
         if device.type == "cuda":
             print(f"labutils doctor on {dev.name(device)} (torch {torch.__version__}, CUDA {torch.version.cuda})")
+        elif dev.unusable_gpu():
+            print(f"labutils doctor: {dev.unusable_gpu()['message']}\nThe GPU checks are skipped; the CPU "
+                  "equivalents run on the tiny model.", flush=True)
         else:
             print("labutils doctor: no CUDA GPU found. The GPU checks are skipped; the CPU equivalents run on the "
                   "tiny model. Run this again on the GPU machine you will use.")
@@ -81,6 +117,7 @@ def run_doctor(device=None, verbose: bool = True) -> dict:
     if budget and verbose:
         print("  " + dev.budget_line(budget))
     outside_at_start = dev.outside_allocator_bytes(device)[0]
+    check_driver(c)
     check_device_functions(c, device)
     check_tf32_flags(c, device)
     check_training(c, device)
@@ -103,12 +140,18 @@ def run_doctor(device=None, verbose: bool = True) -> dict:
     release()
     counts = {k: sum(r["status"] == k for r in c.rows) for k in ("pass", "fail", "skip")}
     seconds = round(time.perf_counter() - start, 1)
+    compile_seconds = round(sum(r.get("compile_seconds") or 0.0 for r in c.rows), 1)
+    checks_seconds = round(seconds - compile_seconds, 1)
     if verbose:
         quiet = [r["name"] for r in c.failed if r.get("gates_regenerate") is False]
-        print(f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped in {seconds:.0f} s"
+        compiled = (f", compiling the fast path {compile_seconds:.0f} s apart" if any(
+            r.get("compile_seconds") is not None for r in c.rows) else "")
+        print(f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped: checks {checks_seconds:.0f} s"
+              + compiled + f" ({seconds:.0f} s in all)"
               + ("" if device.type == "cuda" else " (no GPU: CPU checks only)")
               + (f"; {len(quiet)} of the failures ({', '.join(quiet)}) do not stop `regenerate`" if quiet else ""))
-    return {"checks": c.rows, "summary": counts, "seconds": seconds, "env": environment(device)}
+    return {"checks": c.rows, "summary": counts, "seconds": seconds, "checks_seconds": checks_seconds,
+            "compile_seconds": compile_seconds, "env": environment(device)}
 
 
 def cli_doctor(args) -> int:

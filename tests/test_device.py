@@ -421,7 +421,7 @@ def exercise_device_module(monkeypatch, tmp_path, profile: str) -> None:
         assert ok_bf16 == ok_tf32 == (gpu.profile.major >= 8) and gpu.profile.name in why + why_tf
         assert dev.name() == gpu.profile.name and dev.pin_memory_default("cuda")
         assert lu.bf16_supported()[0] == ok_bf16
-        assert dev.capability() == (gpu.profile.major, gpu.profile.minor) and dev.torch_bf16_native() == ok_bf16
+        assert dev.capability() == (gpu.profile.major, gpu.profile.minor)
         env = lenv.environment()
         assert env["gpu"]["compute_capability"] == f"{gpu.profile.major}.{gpu.profile.minor}"
         assert dev.set_cap_fraction(1.5) == 1.0 and dev.card_budget(None) is None
@@ -536,6 +536,25 @@ def test_no_warning_where_torch_uses_the_gpu_or_no_driver_sees_one(gpu, monkeypa
     assert dev.unusable_gpu() is None and dev.detect_mode()[1].startswith("no CUDA GPU found")
 
 
+def exercise_compile_support(monkeypatch) -> None:
+    """No Triton (native Windows): torch.compile cannot compile for a CUDA GPU; the CPU needs none."""
+    import importlib.util
+
+    assert dev.compile_support("cpu")[0]
+    with monkeypatch.context() as m:
+        fake_cuda.install(m, "rtx3070-8gb")
+        real = importlib.util.find_spec
+        m.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+        ok, why = dev.compile_support("cuda")
+        assert not ok and "Triton" in why and "Windows" in why
+        m.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "triton" else real(name, *a))
+        assert dev.compile_support("cuda") == (True, "Triton is installed")
+
+
+def test_compile_support_names_a_missing_triton(monkeypatch):
+    exercise_compile_support(monkeypatch)
+
+
 def test_setup_says_so_loudly(monkeypatch, tmp_path, capsys):
     """Each notebook's setup cell: the warning on stderr (Jupyter shows it in red), the mode line pointing at it."""
     fake_cuda.no_gpu(monkeypatch)
@@ -568,6 +587,7 @@ def test_device_module_fully_covered(monkeypatch, tmp_path):
             assert "default" in dev.outside_allocator_bytes()[1]
         dev.is_oom(RuntimeError("x")), dev.is_oom(torch.OutOfMemoryError("x"))
         test_driver_gpus_are_read_from_nvidia_smi(monkeypatch, tmp_path / "probe")
+        exercise_compile_support(monkeypatch)
         from test_card_budget import exercise_card_budget  # the card budget's lines (h2's tests)
         exercise_card_budget(monkeypatch)
         for raw in ("8", "x", ""):

@@ -143,7 +143,7 @@ def test_doctor_device_checks_on_a_pretend_gpu(monkeypatch, profile, budget):
     build raises NotImplementedError, pip's default CUDA build without a driver a RuntimeError). Skipped on a
     real GPU, where `python -m labutils doctor` runs these checks on the card."""
     from labutils import device as dev
-    from labutils import doctor_checks as dc
+    from labutils import doctor
     from tests import fake_cuda
 
     monkeypatch.setattr(dev, "_state", {})
@@ -155,7 +155,7 @@ def test_doctor_device_checks_on_a_pretend_gpu(monkeypatch, profile, budget):
     assert failure is not None  # the pretend driver has no kernels on either build
     dev.card_budget(dev.budget_from_env())
     c = dc.Checks(verbose=False)
-    dc.check_device_functions(c, dev.resolve("cuda"))
+    doctor.check_device_functions(c, dev.resolve("cuda"))
     status = {r["name"]: (r["status"], r["detail"]) for r in c.rows}
     counters = status.pop("device: memory counters")  # needs real kernels
     assert counters[0] == "fail" and counters[1].startswith(f"{failure.__name__}:"), counters

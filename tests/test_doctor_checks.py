@@ -16,6 +16,7 @@ import torch
 from labutils import device as dev
 from labutils import doctor
 from labutils import doctor_checks as dc
+from labutils import doctor_formats as df
 from labutils import doctor_speed as ds
 from labutils.train import RunResult
 from tests import fake_cuda
@@ -158,24 +159,51 @@ def test_outside_allocator_fails_when_the_cpu_reports_outside_memory(monkeypatch
     assert status(dc.check_outside_allocator, CPU) == "fail"
 
 
-def test_support_fails_when_labutils_and_torch_disagree_on_bf16(monkeypatch):
-    pretend(monkeypatch, "t4")  # 7.5: no BF16, no TF32
-    assert status(dc.check_support_facts, CUDA0) == "pass"
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
-    assert status(dc.check_support_facts, CUDA0) == "fail"
-    assert not dc.support_verdict((8, 0), True, False, True)[0]   # TF32 denied on an Ampere card
-    assert not dc.support_verdict((7, 5), False, True, False)[0]  # TF32 claimed before Ampere
+def test_support_runs_real_ops_and_fails_when_labutils_claims_what_the_device_does_not_do(monkeypatch):
+    """On this machine (the CPU) the check runs a real bfloat16 matmul and an fp32 matmul inside the TF32 switch.
+    Breaks the check, one at a time: labutils claiming TF32 (the switch changes nothing on the CPU: fp32-sized
+    error); labutils claiming BF16 while the "bf16" op really computes in fp32 (a broken autocast / dtype path)."""
+    assert status(df.check_support_facts, CPU) == "pass"
+    with monkeypatch.context() as m:
+        m.setattr(dev, "tf32_support", lambda device=None: (True, "claimed"))
+        r = rows(df.check_support_facts, CPU)["device: bf16 / tf32 support, facts"]
+        assert r["status"] == "fail" and "tf32 claimed but the switch did not change" in r["detail"]
+    with monkeypatch.context() as m:
+        m.setattr(dev, "bf16_support", lambda device=None: (True, "claimed"))
+        real_to = torch.Tensor.to
+        m.setattr(torch.Tensor, "to", lambda self, *a, **k: real_to(self, *[x for x in a if x is not torch.bfloat16],
+                                                                      **k))
+        r = rows(df.check_support_facts, CPU)["device: bf16 / tf32 support, facts"]
+        assert r["status"] == "fail" and "is not bfloat16's" in r["detail"]
+
+
+def test_support_verdict_on_gpu_numbers():
+    """What an Ampere+ card and a T4 measure (errors of a 256 x 256 product vs float64: bf16 ~3e-3, TF32 ~3e-4,
+    fp32 ~1e-7), against what labutils says."""
+    v = df.support_verdict
+    ampere = {"bf16_error": 3e-3, "bf16_why": "", "tf32_error": 3e-4, "fp32_error": 1e-7}
+    turing = {"bf16_error": 3e-3, "bf16_why": "", "tf32_error": 1e-7, "fp32_error": 1e-7}  # TF32 switch: no effect
+    assert v(True, True, ampere)[0] and v(False, False, turing)[0]
+    assert not v(True, False, ampere)[0]                                  # TF32 denied where it engaged
+    assert not v(False, True, turing)[0]                                  # TF32 claimed where nothing changed
+    assert not v(True, True, {**ampere, "bf16_error": None, "bf16_why": "no kernel"})[0]
+    assert not v(True, True, {**ampere, "fp32_error": 3e-4})[0]            # TF32 left on after the switch
+
+
+def test_support_check_needs_real_kernels_on_the_pretend_gpu(monkeypatch):
+    """A pretend GPU cannot run the ops: the row fails with what creating a CUDA tensor raises on this build."""
+    gpu = pretend(monkeypatch, "t4")
+    r = rows(df.check_support_facts, CUDA0)["device: bf16 / tf32 support, facts"]
+    assert r["status"] == "fail" and r["detail"].startswith(gpu.kernel_failure().__name__)
 
 
 @pytest.mark.parametrize("profile", ["t4", "h100"])
-def test_capability_and_torch_bf16_come_from_the_device_module(monkeypatch, profile):
-    """doctor asks labutils.device for the compute capability and for torch's own BF16 answer (no torch.cuda call
-    of its own outside lab 04's check). Oracle: the pretend card's stated capability (fake_cuda.PROFILES) and
-    NVIDIA's Ampere (8.0) line for native BF16. Breaks if the helpers answer another device or emulated BF16."""
+def test_capability_comes_from_the_device_module(monkeypatch, profile):
+    """doctor asks labutils.device for the compute capability (no torch.cuda call of its own outside lab 04's
+    check). Oracle: the pretend card's stated capability (fake_cuda.PROFILES)."""
     gpu = pretend(monkeypatch, profile)
     assert dev.capability(CUDA0) == (gpu.profile.major, gpu.profile.minor)
-    assert dev.torch_bf16_native(CUDA0) is (gpu.profile.major >= 8)
-    assert dev.capability(CPU) is None and dev.torch_bf16_native(CPU) is False
+    assert dev.capability(CPU) is None
 
 
 def test_doctor_calls_torch_cuda_only_in_lab04s_check(root):
@@ -199,9 +227,9 @@ def test_doctor_calls_torch_cuda_only_in_lab04s_check(root):
 
 
 def test_support_fails_when_the_cpu_has_gpu_facts(monkeypatch):
-    assert status(dc.check_support_facts, CPU) == "pass"
+    assert status(df.check_support_facts, CPU) == "pass"
     monkeypatch.setattr(dev, "facts", lambda device=None: {"compute_capability": "8.0"})
-    assert status(dc.check_support_facts, CPU) == "fail"
+    assert status(df.check_support_facts, CPU) == "fail"
 
 
 def test_lab04_calls_report_nvml_refusing_as_unavailable_not_fail(gpu, monkeypatch):
@@ -232,7 +260,7 @@ def test_tf32_flags_check_fails_with_a_new_api_only_switch(monkeypatch):
     """The switch before issue 20 set only fp32_precision: torch's legacy readers then raised."""
     from labutils import env as lenv
 
-    assert status(dc.check_tf32_flags, CPU) == "pass"
+    assert status(df.check_tf32_flags, CPU) == "pass"
     if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
         pytest.skip("torch < 2.9 has only the legacy API: nothing to mix")
 
@@ -246,7 +274,7 @@ def test_tf32_flags_check_fails_with_a_new_api_only_switch(monkeypatch):
         finally:
             m.fp32_precision, conv.fp32_precision = saved
     monkeypatch.setattr(lenv, "matmul_precision", new_api_only)
-    r = rows(dc.check_tf32_flags, CPU)["tf32 switch: legacy + new flags agree"]
+    r = rows(df.check_tf32_flags, CPU)["tf32 switch: legacy + new flags agree"]
     assert r["status"] == "fail" and "RuntimeError" in r["detail"]
 
 
@@ -335,7 +363,15 @@ def test_snapshot_fails_when_nothing_is_recorded(session, monkeypatch):
     assert status(dc.check_snapshot, CPU, session) == "pass"
     monkeypatch.setattr(profiling.CPUTraceRecorder, "snapshot", lambda self: {"segments": [], "device_traces": [[]]})
     assert status(dc.check_snapshot, CPU, session) == "fail"
-    assert not dc.snapshot_verdict({"events": 9, "peak_bytes": 0, "top_at_peak": [{"site": "(no stack)"}]})[0]
+
+    # a snapshot recorded without stacks, through the course's own parser: every site is "no Python frames"
+    from labutils.profiling import trace_summary
+    trace = [{"action": "alloc", "addr": i, "size": 100 + i, "frames": [], "time_us": i} for i in range(3)]
+    summary = trace_summary({"device_traces": [trace]}, top=10)
+    assert summary["events"] == 3 and not dc.snapshot_verdict(summary)[0]
+    with_stack = trace + [{"action": "alloc", "addr": 9, "size": 1, "time_us": 9,
+                           "frames": [{"filename": "/lab/model.py", "line": 3, "name": "forward"}]}]
+    assert dc.snapshot_verdict(trace_summary({"device_traces": [with_stack]}, top=10))[0]
 
 
 def test_profiler_fails_when_ranges_are_not_recorded(session, monkeypatch):
