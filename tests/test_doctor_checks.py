@@ -48,6 +48,9 @@ def pretend(monkeypatch, profile="h100", **overrides):
         pytest.skip("a real CUDA GPU is present: `python -m labutils doctor` runs this branch on it")
     monkeypatch.setattr(dev, "_state", {})
     monkeypatch.delenv("LAB_GPU_MEMORY_GB", raising=False)
+    # a GPU machine with pip's torch has Triton (this CPU-only one has not): the fast path's compile can run there
+    # (tests/test_device.py tests dev.compile_support itself; the no-Triton skip has its own test below)
+    monkeypatch.setattr(dev, "compile_support", lambda device=None: (True, "Triton is installed (pretend)"))
     return fake_cuda.install(monkeypatch, profile, **overrides)
 
 
@@ -473,41 +476,26 @@ def _fast_file() -> dict:
         return yaml.safe_load(f)["train"]
 
 
-@pytest.mark.parametrize("name", ["NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-40GB",
-                                  "NVIDIA A100 80GB PCIe"])
-def test_mfu_verdict_holds_h100_and_a100_to_45_percent(name):
-    """Issue 21's goal: >= 45 % MFU on an H100/A100. A verdict passing everything, or a goal set lower, fails."""
-    assert not ds.mfu_verdict(0.12, name, "bf16")[0]   # the issue's estimate of today's fast path
-    assert not ds.mfu_verdict(0.449, name, "bf16")[0]
-    ok, detail = ds.mfu_verdict(0.45, name, "bf16")
-    assert ok and "45 %" in detail and "45.0 %" in detail
-    assert ds.mfu_verdict(0.52, name, "bf16")[0]
+@pytest.mark.parametrize("name,precision", [("NVIDIA H100 80GB HBM3", "bf16"), ("NVIDIA A100-SXM4-40GB", "bf16"),
+                                            ("NVIDIA GeForce RTX 3070", "bf16"), ("Tesla T4", "fp16")])
+@pytest.mark.parametrize("mfu", [0.12, 0.30, 0.52])
+def test_mfu_is_shown_never_judged(name, precision, mfu):
+    """Issue 28: a health check fails no card for the project's own speed. A trained fast config passes at any MFU
+    on any card (12 % on an H100 failed before), the MFU printed and the benchmark named as where the goal lives."""
+    ok, detail = ds.mfu_verdict(mfu, name, precision)
+    assert ok and f"{100 * mfu:.1f} %" in detail and "not judged" in detail and "labutils bench" in detail
 
 
-@pytest.mark.parametrize("name,precision", [("NVIDIA GeForce RTX 4090", "bf16"), ("NVIDIA GeForce RTX 3070", "bf16"),
-                                            ("Tesla T4", "fp16"), ("NVIDIA L4", "bf16")])
-def test_mfu_verdict_does_not_judge_cards_without_a_goal(name, precision):
-    """Other cards: the MFU is printed, "no goal for this card", not a fail (a low number there is no fault)."""
-    ok, detail = ds.mfu_verdict(0.10, name, precision)
-    assert ok and "no goal for this card" in detail and "10.0 %" in detail
-
-
-@pytest.mark.parametrize("reasons", [["a memory budget is active (behaving like a 8 GB card)"],
-                                     ["the micro-batch was lowered to fit"]])
-def test_mfu_verdict_does_not_judge_a_capped_or_refitted_run(reasons):
-    """The goal is for the config as written on the whole card (issue 21 row 11: speed rows run without the cap):
-    under a budget or at a lowered micro-batch the MFU is shown with the reason, not judged. Breaks if a capped
-    run is held to 45 % (as before), or if the reason or the measured MFU is left out."""
-    ok, detail = ds.mfu_verdict(0.12, "NVIDIA H100 80GB HBM3", "bf16", not_judged=reasons)
-    assert ok and "not judged" in detail and "12.0 %" in detail and reasons[0] in detail
-    ok, detail = ds.mfu_verdict(None, "NVIDIA H100 80GB HBM3", "bf16", status="oom", not_judged=reasons)
-    assert not ok  # not training is a failure under a cap too
+def test_mfu_context_is_shown():
+    ok, detail = ds.mfu_verdict(0.12, "NVIDIA H100 80GB HBM3", "bf16", context=["at a micro-batch lowered to fit"])
+    assert ok and "12.0 %" in detail and "lowered" in detail
+    assert not ds.mfu_verdict(None, "NVIDIA H100 80GB HBM3", "bf16", status="oom", context=["x"])[0]
 
 
 def test_mfu_verdict_without_a_peak_or_a_trained_run():
     """An unknown card has no MFU (not judged, with labutils.peaks' reason); a run that did not train fails."""
     ok, detail = ds.mfu_verdict(None, "Some Future GPU", "bf16")
-    assert ok and "not judged" in detail and "not in labutils' peak table" in detail
+    assert ok and "no MFU" in detail and "not in labutils' peak table" in detail
     assert not ds.mfu_verdict(None, "NVIDIA H100 80GB HBM3", "bf16", status="oom", error="CUDA out of memory")[0]
     assert not ds.mfu_verdict(0.6, "NVIDIA H100 80GB HBM3", "bf16", status="diverged")[0]
 
@@ -543,19 +531,19 @@ def _fake_run(seen, mfu, status="ok"):
     return run
 
 
-@pytest.mark.parametrize("mfu,want", [(0.30, "fail"), (0.47, "pass")])
+@pytest.mark.parametrize("mfu,want", [(0.30, "pass"), (0.47, "pass")])
 def test_fast_path_plumbing_on_a_pretend_h100(gpu, monkeypatch, mfu, want):
     """On an uncapped H100 the check trains the fast config as written (micro-batch and accumulation of the file,
     BF16, compiled), the config's warm-up + at least 10 timed steps (the claims' evidence rule,
     labutils.claims.MIN_TIMED_STEPS; the compiling first step is a warm-up step), and reports the run's MFU
-    against 45 %. A missed goal fails the row but marks it as not stopping `regenerate`. Breaks if the check
-    judges another number, shrinks the batch on an 80 GB card, times the compiling step, times fewer than 10
-    steps (5 before), or lets a missed goal stop the notebooks."""
+    (shown, not judged: issue 28), with the compile time apart. Breaks if the check reports another number,
+    shrinks the batch on an 80 GB card, times the compiling step, times fewer than 10 steps (5 before), or fails
+    the row for its MFU (30 % failed before)."""
     seen = []
     monkeypatch.setattr(tr, "run", _fake_run(seen, mfu))
     r = rows(ds.check_fast_path, CUDA0)[FAST]
-    assert r["status"] == want and r["value"] == pytest.approx(100 * mfu) and "goal >= 45 %" in r["detail"]
-    assert r.get("gates_regenerate", True) is (want == "pass")
+    assert r["status"] == want and r["value"] == pytest.approx(100 * mfu) and "not judged" in r["detail"]
+    assert r.get("gates_regenerate", True) is True and "reference_ratio" in r and "compile_seconds" in r
     f, t = _fast_file(), seen[0].train
     assert (t.micro_batch_size, t.accumulation_steps) == (f["micro_batch_size"], f["accumulation_steps"])
     assert t.precision == "bf16" and t.compile and f["timing_warmup_steps"] >= 1
@@ -595,4 +583,40 @@ def test_fast_path_fits_the_micro_batch_on_a_pretend_8gb_card(monkeypatch):
     f, t = _fast_file(), seen[0].train
     assert t.micro_batch_size < f["micro_batch_size"]
     assert t.micro_batch_size * t.accumulation_steps == f["micro_batch_size"] * f["accumulation_steps"]
-    assert r["status"] == "pass" and "no goal for this card" in r["detail"] and "effective batch" in r["detail"]
+    assert r["status"] == "pass" and "not judged" in r["detail"] and "effective batch" in r["detail"]
+
+
+def test_fast_path_without_triton_is_skipped_with_the_reason(gpu, monkeypatch):
+    """Native Windows: no Triton, so the fast config's compile would raise and its row (never "ok") block
+    `regenerate`. Skipped with the reason instead; the run is never attempted. Breaks if the row fails or trains."""
+    seen = []
+    monkeypatch.setattr(tr, "run", _fake_run(seen, 0.4))
+    monkeypatch.setattr(dev, "compile_support", lambda device=None: (False, "Triton is not installed here (Windows)"))
+    r = rows(ds.check_fast_path, CUDA0)[FAST]
+    assert r["status"] == "skip" and "Triton" in r["detail"] and "train.compile" in r["detail"] and not seen
+
+
+def test_doctor_exits_0_on_a_card_that_misses_the_mfu_goal(gpu, monkeypatch, capsys):
+    """Issue 28's acceptance, under the pretend H100: every other check passes (stubbed: each has its own tests
+    above; the pretend GPU has no kernels) and the fast path trains at 30 % MFU, below the old 45 % goal:
+    `python -m labutils doctor` exits 0, the MFU printed, and the summary prints the compile time apart from the
+    checks' time. Before, the row failed and the doctor exited 1."""
+    import labutils.checkpoint_measure as cm
+    from labutils import cli
+
+    for name in [n for n in vars(doctor) if n.startswith("check_") and n not in ("check_fast_path", "check_driver")]:
+        monkeypatch.setattr(doctor, name, lambda *a, **k: None)
+    monkeypatch.setattr(cm, "loaded", lambda cfg, device: contextlib.nullcontext(
+        type("S", (), {"model": None, "dataset": None})))
+    monkeypatch.setattr(cm, "one_batch", lambda *a: None)
+    monkeypatch.setattr(dev, "compile_support", lambda device=None: (True, "Triton is installed"))
+
+    def trained(cfg, device=None, **kw):
+        res = _fake_run([], 0.30)(cfg, device, **kw)
+        res.compile_seconds = 42.0
+        return res
+    monkeypatch.setattr(tr, "run", trained)
+    assert cli.main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "MFU 30.0 %" in out and "not judged" in out
+    assert "0 failed" in out and "compiling the fast path 42 s apart" in out
