@@ -243,6 +243,7 @@ def gpu_processes(device=None) -> tuple[list[tuple[int, int]] | None, str]:
     (None, why) when it cannot tell: nvidia-ml-py missing, NVML refusing (WSL, some containers: they raise, or
     report no memory per process), or an empty list while this process holds a CUDA context (it is on the GPU, so
     the list is not the GPU's). ([], ...) on the CPU, or before this process made a context."""
+    held = torch.cuda.is_initialized()  # this process held a CUDA context before this call (resolving makes one)
     if not is_cuda(device):
         return [], "no GPU"
     try:
@@ -253,7 +254,7 @@ def gpu_processes(device=None) -> tuple[list[tuple[int, int]] | None, str]:
              for m in re.finditer(r"process\s+(\d+) uses\s+([0-9.]+) MB GPU memory", text)]
     if not procs and "no processes are running" not in text:
         return None, (text.strip().splitlines() or ["NVML gave no answer"])[-1][:100]
-    if not procs and torch.cuda.is_initialized():  # this process holds a context, so NVML's empty list is wrong
+    if not procs and held:  # this process holds a context, so an empty list is not this GPU's
         return None, ("NVML lists no process although this one holds a CUDA context (a container or WSL hides "
                       "them): unknown")
     return procs, "NVML (torch.cuda.list_gpu_processes)"

@@ -18,7 +18,7 @@ and :mod:`labutils.doctor_speed` (speed); this module runs them and reports. Eve
 where the verdict needs a GPU, it is a small function of the measured numbers (``*_verdict``) so a test can hand
 it broken numbers. What fails each (tests/test_doctor_checks.py breaks each on purpose):
 
-  driver: torch can use its GPU     nvidia-smi lists a GPU while torch.cuda.is_available() is False (a torch
+  driver: torch can use its GPU     nvidia-smi lists a GPU that torch cannot use (``is_available()`` False: a torch
                                     built for a newer CUDA than the driver, a CPU-only torch, hidden devices):
                                     the row names the driver's version, torch's CUDA version and the fix
   device: memory counters           a 64 MiB tensor not seen by memory_allocated / peak / reserved; on CPU, a
