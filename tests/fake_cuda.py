@@ -30,7 +30,6 @@ test session (``LAB_PRETEND_GPU=<profile>``, see tests/conftest.py).
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -124,7 +123,7 @@ class FakeGPU:
     segments: dict = field(default_factory=dict)   # address -> [Block, ...] in address order
     small_segments: set = field(default_factory=set)  # addresses of the small pool's segments
     workspaces: dict = field(default_factory=dict)  # (thread, stream) -> address of its cuBLAS workspace
-    _addr: itertools.count = field(default_factory=lambda: itertools.count(0x7F0000000000, 2**30))
+    next_address: int = 0x7F0000000000  # segments are laid out one after another, never overlapping
 
     # ------------------------------------------------------------------ what a program does on the GPU
     def limit(self) -> int | None:
@@ -175,7 +174,7 @@ class FakeGPU:
                         f"{self.profile.total} bytes. " + (f"{limit} bytes allowed; " if limit is not None else "")
                         + f"Of the allocated memory {self.allocated} bytes is allocated by PyTorch, and "
                         f"{self.reserved - self.allocated} bytes is reserved by PyTorch but unallocated.")
-            seg = next(self._addr)
+            seg, self.next_address = self.next_address, self.next_address + seg_size
             block = Block(seg, 0, seg_size)
             self.segments[seg] = [block]
             if small:
