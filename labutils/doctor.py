@@ -147,7 +147,7 @@ def run_doctor(device=None, verbose: bool = True) -> dict:
         compiled = (f", compiling the fast path {compile_seconds:.0f} s apart" if any(
             r.get("compile_seconds") is not None for r in c.rows) else "")
         print(f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped: checks {checks_seconds:.0f} s"
-              + compiled + f" ({seconds:.0f} s in all)"
+              + compiled + f", {seconds:.0f} s in all"
               + ("" if device.type == "cuda" else " (no GPU: CPU checks only)")
               + (f"; {len(quiet)} of the failures ({', '.join(quiet)}) do not stop `regenerate`" if quiet else ""))
     return {"checks": c.rows, "summary": counts, "seconds": seconds, "checks_seconds": checks_seconds,
