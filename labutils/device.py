@@ -10,12 +10,12 @@ Memory budget ("behave like a G-GB card"): a student's G GB card gives torch les
 GeForce reports 7.78 GiB: :mod:`labutils.cards`, from real out-of-memory messages), and of that the CUDA
 context, library handles and lazily loaded kernels live outside PyTorch's caching allocator (cuBLAS workspaces,
 one per thread and stream, do not: aten/src/ATen/cuda/CublasHandlePool.cpp takes them from the caching
-allocator, so they count against the cap like tensors). :func:`card_budget` caps the allocator at the card table's total minus what
-lives outside it on *this* GPU, measured with ``cudaMemGetInfo`` (:func:`outside_allocator_bytes`): this GPU's
-context, not the emulated card's (an H100's is larger than a GeForce's; :func:`budget_line` says so);
-:func:`follow_outside` measures again after the first training step (lazily loaded kernels arrive then) and lowers
-the cap by what was added (never raises it). Memory that other processes hold
-on the GPU (a second notebook kernel left open) is not part of the student's card: it is named
+allocator, so they count against the cap like tensors). :func:`card_budget` caps the allocator at the card
+table's total minus what lives outside it on *this* GPU, measured with ``cudaMemGetInfo``
+(:func:`outside_allocator_bytes`): this GPU's context, not the emulated card's (an H100's is larger than a
+GeForce's; :func:`budget_line` says so); :func:`follow_outside` measures again after the first training step
+(lazily loaded kernels arrive then) and lowers the cap by what was added (never raises it). Memory that other
+processes hold on the GPU (a second notebook kernel left open) is not part of the student's card: it is named
 (:func:`other_processes`, NVML through ``torch.cuda.list_gpu_processes``, which WSL and some containers refuse)
 and reported in the budget's notice rather than silently shrinking the cap.
 
@@ -281,9 +281,9 @@ def outside_allocator_bytes(device=None, refresh: bool = False) -> tuple[int, st
     kernels), and how that number was obtained. Measured once per process, after the context exists and
     cuBLAS has run: (total - free) - reserved - what other processes hold (when NVML can list them; when it
     cannot, or its list is not comparable: this pid missing from it, or more than is used, their memory counts too
-    and the budget's notice says so). Kernels that load later (CUDA's lazy
-    module loading: attention, fused optimizers) add more during the
-    first training step: ``refresh=True`` measures again (:func:`follow_outside` does, after that step)."""
+    and the budget's notice says so). Kernels that load later (CUDA's lazy module loading: attention, fused
+    optimizers) add more during the first training step: ``refresh=True`` measures again (:func:`follow_outside`
+    does, after that step)."""
     if not is_cuda(device):
         return 0, "no CUDA context on the CPU"
     i = _index(device)
@@ -372,8 +372,8 @@ def card_budget(gb: float | None, device=None) -> dict | None:
 
 def follow_outside(device=None) -> dict | None:
     """After the first training step: measure what lives outside the allocator again and, if it grew (lazily
-    loaded kernels), lower the budget's cap by as much. Never raises the
-    cap. Returns the budget (None without one, or on CPU)."""
+    loaded kernels), lower the budget's cap by as much. Never raises the cap. Returns the budget (None without
+    one, or on CPU)."""
     budget = _state.get("budget")
     if budget is None or not is_cuda(device):
         return None

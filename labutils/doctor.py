@@ -13,10 +13,11 @@ stops on a failure (a row marked ``"gates_regenerate": False`` does not stop it)
 Without a GPU it says so, runs the CPU equivalents that exist (tiny model), and exits 0: the GPU checks are
 listed as skipped, never as passed. If the driver sees a GPU that torch cannot use, that row fails (exit 1).
 
-The checks live in :mod:`labutils.doctor_checks` (correctness), :mod:`labutils.doctor_formats` (BF16 / TF32)
-and :mod:`labutils.doctor_speed` (speed); this module runs them and reports. Every check can fail on a broken machine. One function per check (``check_*``);
-where the verdict needs a GPU, it is a small function of the measured numbers (``*_verdict``) so a test can hand
-it broken numbers. What fails each (tests/test_doctor_checks.py breaks each on purpose):
+The checks live in :mod:`labutils.doctor_checks` (correctness), :mod:`labutils.doctor_formats` (BF16 / TF32) and
+:mod:`labutils.doctor_speed` (speed); this module runs them and reports. Every check can fail on a broken machine.
+One function per check (``check_*``); where the verdict needs a GPU, it is a small function of the measured
+numbers (``*_verdict``) so a test can hand it broken numbers. What fails each (tests/test_doctor_checks.py breaks
+each on purpose):
 
   driver: torch can use its GPU     nvidia-smi lists a GPU that torch cannot use (``is_available()`` False: a torch
                                     built for a newer CUDA than the driver, a CPU-only torch, hidden devices):
@@ -146,7 +147,8 @@ def run_doctor(device=None, verbose: bool = True) -> dict:
         quiet = [r["name"] for r in c.failed if r.get("gates_regenerate") is False]
         compiled = (f", compiling the fast path {compile_seconds:.0f} s apart" if any(
             r.get("compile_seconds") is not None for r in c.rows) else "")
-        print(f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped: checks {checks_seconds:.0f} s"
+        print(f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped: "
+              f"checks {checks_seconds:.0f} s"
               + compiled + f", {seconds:.0f} s in all"
               + ("" if device.type == "cuda" else " (no GPU: CPU checks only)")
               + (f"; {len(quiet)} of the failures ({', '.join(quiet)}) do not stop `regenerate`" if quiet else ""))

@@ -274,7 +274,8 @@ class FakeGPU:
             self.trace = []
 
     def _snapshot(self, *args):
-        segments = [{"address": a, "total_size": sum(b.size for b in blocks), "is_large": a not in self.small_segments, "allocated_size": sum(b.size for b in blocks if b.allocated),
+        segments = [{"address": a, "total_size": sum(b.size for b in blocks), "is_large": a not in self.small_segments,
+                     "allocated_size": sum(b.size for b in blocks if b.allocated),
                      "blocks": [{"address": a + b.offset, "size": b.size,
                                  "state": "active_allocated" if b.allocated else "inactive"} for b in blocks]}
                     for a, blocks in self.segments.items()]

@@ -492,7 +492,8 @@ def test_device_module_end_to_end(monkeypatch, tmp_path, profile):
 def test_driver_gpus_are_read_from_nvidia_smi(monkeypatch, tmp_path):
     """Two GPUs, as nvidia-smi prints them; the driver's version from the first. Breaks if the probe asks another
     query (the pretend nvidia-smi refuses it) or splits a name."""
-    pretend_nvidia_smi(tmp_path, monkeypatch, lines=("NVIDIA H100 80GB HBM3, 570.86.15", "NVIDIA A100-SXM4-80GB, 570.86.15"))
+    pretend_nvidia_smi(tmp_path, monkeypatch,
+                       lines=("NVIDIA H100 80GB HBM3, 570.86.15", "NVIDIA A100-SXM4-80GB, 570.86.15"))
     assert dev.driver_gpus() == [{"name": "NVIDIA H100 80GB HBM3", "driver": "570.86.15"},
                                  {"name": "NVIDIA A100-SXM4-80GB", "driver": "570.86.15"}]
     assert dev.driver_version() == "570.86.15"

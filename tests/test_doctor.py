@@ -148,11 +148,11 @@ def test_full_regenerate_stops_on_any_other_doctor_failure(monkeypatch, tmp_path
 @pytest.mark.parametrize("profile", ["rtx3070-8gb", "t4", "h100"])
 def test_doctor_device_checks_on_a_pretend_gpu(monkeypatch, profile, budget):
     """The CUDA branch of the doctor's device checks (cap set/restore in bytes, outside-allocator memory, caches,
-    lab 04's raw torch.cuda calls) runs on the pretend GPU, with and without an 8 GiB budget. Only the checks
-    that need a real CUDA tensor (a 64 MiB allocation; the bf16 / tf32 ops) cannot: the pretend driver has no
-    kernels, and those rows must fail with what creating a real CUDA tensor raises on this torch build (asked of torch, not assumed: the CPU
-    build raises NotImplementedError, pip's default CUDA build without a driver a RuntimeError). Skipped on a
-    real GPU, where `python -m labutils doctor` runs these checks on the card."""
+    lab 04's raw torch.cuda calls) runs on the pretend GPU, with and without an 8 GiB budget. Only the checks that
+    need a real CUDA tensor (a 64 MiB allocation; the bf16 / tf32 ops) cannot: the pretend driver has no kernels,
+    and those rows must fail with what creating a real CUDA tensor raises on this torch build (asked of torch, not
+    assumed: the CPU build raises NotImplementedError, pip's default CUDA build without a driver a RuntimeError).
+    Skipped on a real GPU, where `python -m labutils doctor` runs these checks on the card."""
     from labutils import device as dev
     from labutils import doctor
     from tests import fake_cuda
