@@ -3,7 +3,9 @@
 Oracles: the totals torch printed on real cards in public out-of-memory messages (written out here and in
 tests/fake_cuda.py's profiles, each with its issue), torch's own fraction-to-bytes rule (c10/cuda/
 CUDACachingAllocator.cpp, ``allowed_memory_maximum = static_cast<size_t>(fraction * device_total)``: the
-pretend GPU enforces ``int(fraction * total)``), and the pretend GPU's own ground truth (``profile.outside``: what
+pretend GPU enforces ``int(fraction * total)`` on *reserved* memory, with the allocator's rounding, pools,
+caching and cuBLAS workspaces as that file and aten/src/ATen/cuda/CublasHandlePool.cpp have them; see the section
+"torch's allocator rules" below), and the pretend GPU's own ground truth (``profile.outside``: what
 its driver reports as used outside the allocator, which the implementation has to measure through
 ``cudaMemGetInfo``).
 """
@@ -377,10 +379,13 @@ def test_small_blocks_share_a_segment_and_freed_blocks_stay_reserved(monkeypatch
     big = gpu.alloc(100 * MiB)
     gpu.free(big)
     assert _counters() == (0, 102 * MiB)
-    gpu.alloc(50 * MiB)  # best fit in the cached 100 MiB block, split: no new segment
+    half = gpu.alloc(50 * MiB)  # best fit in the cached 100 MiB block, split: no new segment
     assert _counters() == (50 * MiB, 102 * MiB)
     torch.cuda.empty_cache()  # only wholly free segments go back: the 2 MiB one
     assert _counters() == (50 * MiB, 100 * MiB)
+    gpu.free(half)  # merged with its free neighbour again (try_merge_blocks): 80 MiB fits without a new segment
+    gpu.alloc(80 * MiB)
+    assert _counters() == (80 * MiB, 100 * MiB)
 
 
 def test_the_cap_limits_reserved_memory_and_cached_blocks_are_released_first(monkeypatch):
