@@ -40,6 +40,9 @@ Tools (commands and what they share):
   bench               `python -m labutils bench`: the one loop against a bare loop
   distributed         the same loop under accelerate (DDP, FSDP, DeepSpeed ZeRO); ZeRO memory per GPU
   doctor              `python -m labutils doctor`: every GPU path of the course, checked in minutes
+  doctor_checks       the doctor's correctness checks: device functions, training, OOM, snapshots, estimator
+  doctor_formats      the doctor's BF16 / TF32 checks: real ops on the device against labutils' answers
+  doctor_speed        the doctor's speed checks: matmul TFLOP/s per format, the fast path's MFU (never a fail)
   notebook_runner     runs one notebook in a kernel, safely: timeouts, Ctrl-C, the failing line
   report              Markdown from result files: the results page and the README's tables
   regenerate          `python -m labutils regenerate`: re-run the notebooks, render results and README

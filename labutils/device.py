@@ -8,12 +8,14 @@ several ``torch.cuda`` functions refuse it.
 
 Memory budget ("behave like a G-GB card"): a student's G GB card gives torch less than G GiB (an "8 GB"
 GeForce reports 7.78 GiB: :mod:`labutils.cards`, from real out-of-memory messages), and of that the CUDA
-context, cuBLAS workspaces (one per thread: the autograd thread gets its own) and lazily loaded kernels live
-outside PyTorch's caching allocator. :func:`card_budget` caps the allocator at the card table's total minus what
-lives outside it on this GPU, measured with ``cudaMemGetInfo`` (:func:`outside_allocator_bytes`);
-:func:`follow_outside` measures again after the first training step (the kernels and the backward thread's
-workspace arrive then) and lowers the cap by what was added (never raises it). Memory that other processes hold
-on the GPU (a second notebook kernel left open) is not part of the student's card: it is named
+context, library handles and lazily loaded kernels live outside PyTorch's caching allocator (cuBLAS workspaces,
+one per thread and stream, do not: aten/src/ATen/cuda/CublasHandlePool.cpp takes them from the caching
+allocator, so they count against the cap like tensors). :func:`card_budget` caps the allocator at the card
+table's total minus what lives outside it on *this* GPU, measured with ``cudaMemGetInfo``
+(:func:`outside_allocator_bytes`): this GPU's context, not the emulated card's (an H100's is larger than a
+GeForce's; :func:`budget_line` says so); :func:`follow_outside` measures again after the first training step
+(lazily loaded kernels arrive then) and lowers the cap by what was added (never raises it). Memory that other
+processes hold on the GPU (a second notebook kernel left open) is not part of the student's card: it is named
 (:func:`other_processes`, NVML through ``torch.cuda.list_gpu_processes``, which WSL and some containers refuse)
 and reported in the budget's notice rather than silently shrinking the cap.
 
@@ -26,6 +28,7 @@ API versions (the floor in pyproject.toml is torch 2.6): ``torch.OutOfMemoryErro
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import re
 import subprocess
@@ -38,7 +41,7 @@ GiB = 2**30
 # Memory outside the caching allocator (CUDA context, cuBLAS/cuDNN handles and kernels) when it cannot be
 # measured: within the 0.3-0.8 GiB range seen on consumer and datacentre cards with recent drivers.
 DEFAULT_OUTSIDE_ALLOCATOR_BYTES = GiB // 2
-# One process's share outside the allocator stays well under this (context + cuBLAS workspaces + kernels, about
+# One process's share outside the allocator stays well under this (context + library handles + kernels, about
 # 0.3-1 GiB): more, measured with cudaMemGetInfo, means other processes hold memory on the GPU.
 ONE_PROCESS_OUTSIDE_MAX_BYTES = int(1.5 * GiB)
 _state: dict = {}  # outside-allocator measurement, cap we set (torch < 2.8 cannot read it back)
@@ -60,8 +63,61 @@ def detect_mode() -> tuple[str, str]:
     if smoke_requested():
         return "smoke", "LAB_SMOKE=1"
     if not cuda_available():
+        unusable = unusable_gpu()
+        if unusable:  # the driver sees a GPU that this torch cannot use: never a quiet CPU run
+            return "smoke", unusable["message"] + "; running the tiny smoke configuration on the CPU"
         return "smoke", "no CUDA GPU found: running the tiny smoke configuration on the CPU"
     return "full", "CUDA GPU found"
+
+
+# How long nvidia-smi may take to answer (it can take a second or two on a large machine without persistence mode)
+NVIDIA_SMI_TIMEOUT_S = 5.0
+NVIDIA_SMI_QUERY = ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]
+
+
+def driver_gpus() -> list[dict] | None:
+    """The GPUs the NVIDIA driver sees, as ``nvidia-smi --query-gpu=name,driver_version --format=csv,noheader``
+    lists them (one "name, driver" line each): ``[{"name", "driver"}]``, independent of torch. None when nvidia-smi
+    is absent, fails (no driver loaded), lists nothing or does not answer within :data:`NVIDIA_SMI_TIMEOUT_S`.
+    Asked once per process (cached)."""
+    if "driver_gpus" not in _state:
+        try:
+            out = subprocess.run(NVIDIA_SMI_QUERY, capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S)
+            lines = out.stdout.splitlines() if out.returncode == 0 else []
+        except (OSError, subprocess.SubprocessError):  # not installed, not executable, or too slow
+            lines = []
+        gpus = [{"name": name.strip(), "driver": driver.strip()}
+                for name, sep, driver in (line.rpartition(",") for line in lines) if sep and name.strip()]
+        _state["driver_gpus"] = gpus or None
+    return _state["driver_gpus"]
+
+
+def unusable_gpu() -> dict | None:
+    """None unless the NVIDIA driver sees a GPU (:func:`driver_gpus`) while ``torch.cuda.is_available()`` is False:
+    then ``{"gpus", "driver", "torch_cuda", "fix", "message"}``, the message naming the GPU, the driver's version,
+    torch's CUDA version (``torch.version.cuda``; None on a CPU-only build) and the fix. pip's default torch is a
+    CUDA 13 build: on a driver too old for it, torch sees no GPU and the labs would quietly run on the CPU."""
+    if cuda_available():
+        return None
+    gpus = driver_gpus()
+    if not gpus:
+        return None
+    driver, built = gpus[0]["driver"], torch.version.cuda
+    if built is None:
+        fix = ("this torch is a CPU-only build: install a CUDA build of torch (the selector on "
+               "https://pytorch.org/get-started/locally/ gives the command)")
+    else:
+        fix = (f"a torch built for CUDA {built} needs a driver that supports CUDA {built}: update the NVIDIA driver "
+               f"(nvidia-smi's header shows the newest CUDA version driver {driver} supports), or install a torch "
+               f"built for that CUDA version or older (https://pytorch.org/get-started/locally/)")
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if hidden is not None and hidden.strip() in ("", "-1"):
+        fix = f"CUDA_VISIBLE_DEVICES={hidden!r} hides every GPU from torch: unset it; otherwise {fix}"
+    names = ", ".join(g["name"] for g in gpus)
+    message = (f"WARNING: the NVIDIA driver {driver} sees {names}, but this torch {torch.__version__} "
+               f"(CUDA {built or 'none: a CPU-only build'}) cannot use it (torch.cuda.is_available() is False). "
+               f"Fix: {fix}")
+    return {"gpus": gpus, "driver": driver, "torch_cuda": built, "fix": fix, "message": message}
 
 
 def default_device() -> torch.device:
@@ -184,8 +240,10 @@ def cap_bytes(device=None) -> int | None:
 
 def gpu_processes(device=None) -> tuple[list[tuple[int, int]] | None, str]:
     """([(pid, bytes)], how) of the processes using this GPU, as NVML lists them (``torch.cuda.list_gpu_processes``);
-    (None, why) when it cannot tell: nvidia-ml-py missing, or NVML refusing (WSL, some containers: they raise,
-    or report no memory per process). ([], ...) on the CPU."""
+    (None, why) when it cannot tell: nvidia-ml-py missing, NVML refusing (WSL, some containers: they raise, or
+    report no memory per process), or an empty list while this process holds a CUDA context (it is on the GPU, so
+    the list is not the GPU's). ([], ...) on the CPU, or before this process made a context."""
+    held = torch.cuda.is_initialized()  # this process held a CUDA context before this call (resolving makes one)
     if not is_cuda(device):
         return [], "no GPU"
     try:
@@ -196,6 +254,9 @@ def gpu_processes(device=None) -> tuple[list[tuple[int, int]] | None, str]:
              for m in re.finditer(r"process\s+(\d+) uses\s+([0-9.]+) MB GPU memory", text)]
     if not procs and "no processes are running" not in text:
         return None, (text.strip().splitlines() or ["NVML gave no answer"])[-1][:100]
+    if not procs and held:  # this process holds a context, so an empty list is not this GPU's
+        return None, ("NVML lists no process although this one holds a CUDA context (a container or WSL hides "
+                      "them): unknown")
     return procs, "NVML (torch.cuda.list_gpu_processes)"
 
 
@@ -220,9 +281,9 @@ def outside_allocator_bytes(device=None, refresh: bool = False) -> tuple[int, st
     kernels), and how that number was obtained. Measured once per process, after the context exists and
     cuBLAS has run: (total - free) - reserved - what other processes hold (when NVML can list them; when it
     cannot, or its list is not comparable: this pid missing from it, or more than is used, their memory counts too
-    and the budget's notice says so). Kernels that load later (CUDA's lazy
-    module loading: attention, fused optimizers) and the autograd thread's cuBLAS workspace add more during the
-    first training step: ``refresh=True`` measures again (:func:`follow_outside` does, after that step)."""
+    and the budget's notice says so). Kernels that load later (CUDA's lazy module loading: attention, fused
+    optimizers) add more during the first training step: ``refresh=True`` measures again (:func:`follow_outside`
+    does, after that step)."""
     if not is_cuda(device):
         return 0, "no CUDA context on the CPU"
     i = _index(device)
@@ -311,8 +372,8 @@ def card_budget(gb: float | None, device=None) -> dict | None:
 
 def follow_outside(device=None) -> dict | None:
     """After the first training step: measure what lives outside the allocator again and, if it grew (lazily
-    loaded kernels, the autograd thread's cuBLAS workspace), lower the budget's cap by as much. Never raises the
-    cap. Returns the budget (None without one, or on CPU)."""
+    loaded kernels), lower the budget's cap by as much. Never raises the cap. Returns the budget (None without
+    one, or on CPU)."""
     budget = _state.get("budget")
     if budget is None or not is_cuda(device):
         return None
@@ -332,8 +393,9 @@ def budget_line(info: dict) -> str:
     line = (f"memory budget: behaving like a {info['card_gib']:g} GB card, which gives torch "
             f"{info['card_total_bytes'] / GiB:.2f} GiB ({info['rule']}); allocator capped at "
             f"{info['allocator_cap_bytes'] / GiB:.2f} GiB, because {info['outside_allocator_bytes'] / GiB:.2f} GiB "
-            f"live outside it (CUDA context, libraries; {info['how']}); measured again after the first training "
-            f"step")
+            f"live outside it on this GPU (its CUDA context and kernels; {info['how']}): this GPU's share, not the "
+            f"emulated card's, whose context is its own size (a datacentre GPU's is larger than a GeForce's, so the "
+            f"cap is a little lower than on the real card); measured again after the first training step")
     return line + ("\n" + info["notice"] if info.get("notice") else "")
 
 
@@ -461,12 +523,9 @@ def name(device=None) -> str:
 
 
 def driver_version() -> str | None:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=5)
-        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
-    except (OSError, subprocess.SubprocessError):
-        return None
+    """The NVIDIA driver's version as nvidia-smi reports it (:func:`driver_gpus`), or None."""
+    gpus = driver_gpus()
+    return gpus[0]["driver"] if gpus else None
 
 
 def facts(device=None) -> dict | None:
@@ -483,6 +542,17 @@ def facts(device=None) -> dict | None:
             "outside_allocator_bytes": budget["outside_allocator_bytes"] if budget else None}
 
 
+def compile_support(device=None) -> tuple[bool, str]:
+    """Whether ``torch.compile`` (inductor) can compile for this device, and why not: on a CUDA GPU inductor writes
+    Triton kernels, and native Windows has no Triton (the fast path's compile raises there). The CPU needs none."""
+    if not is_cuda(device):
+        return True, "CPU: inductor generates C++, no Triton needed"
+    if importlib.util.find_spec("triton") is None:
+        return False, ("torch.compile on a CUDA GPU generates Triton kernels and Triton is not installed here "
+                       "(native Windows has no Triton build): use Linux or WSL2, where pip's torch brings Triton")
+    return True, "Triton is installed"
+
+
 def pin_memory_default(device_type: str) -> bool:
     """Whether host copies for ``device_type`` should be pinned (only with a GPU: pinning needs its driver)."""
     return device_type == "cuda" and cuda_available()
@@ -492,9 +562,3 @@ def capability(device=None) -> tuple[int, int] | None:
     """The GPU's compute capability (major, minor) as torch reports it; None on the CPU."""
     device = resolve(device)
     return tuple(torch.cuda.get_device_capability(device.index)) if device.type == "cuda" else None
-
-
-def torch_bf16_native(device=None) -> bool:
-    """torch's own answer to "native BF16 here?" (``torch.cuda.is_bf16_supported(including_emulation=False)``),
-    the outside answer :func:`bf16_support` is checked against by ``doctor``; False on the CPU."""
-    return resolve(device).type == "cuda" and bool(torch.cuda.is_bf16_supported(including_emulation=False))

@@ -1,22 +1,27 @@
 """``python -m labutils doctor [--json PATH]``: the first thing to run on a new machine.
 
-It runs every CUDA path the labs rely on, briefly, and prints a pass/fail table with numbers: the device
-module's functions and the raw ``torch.cuda`` calls lab 04 shows; one short training step per precision the
-card supports (GPT-2 small); the memory cap and recovery from an out-of-memory error; an allocator snapshot
-recorded, dumped and read back by the course's own parser; a profiler run with CUDA activity; every
-checkpointing variant's gradients against no checkpointing *with dropout on*; the memory estimator against
-measured peaks; matmul TFLOP/s per precision; configs/fast_config.yaml for a few steps, its MFU next to the goal.
-Exit code 1 if anything failed; the summary line gives the total time. ``regenerate`` runs it first and stops on
-any failure except a missed MFU goal (the row says ``"gates_regenerate": False``): the labs do not need the
-fast path's speed.
+It runs every CUDA path the labs rely on, briefly, and prints a pass/fail table with numbers: whether torch can use
+the GPU the NVIDIA driver sees; the device module's functions and the raw ``torch.cuda`` calls lab 04 shows; one
+short training step per precision the card supports (GPT-2 small); the memory cap and recovery from an
+out-of-memory error; an allocator snapshot recorded, dumped and read back by the course's own parser; a profiler
+run with CUDA activity; every checkpointing variant's gradients against no checkpointing *with dropout on*; the
+memory estimator against measured peaks; matmul TFLOP/s per precision; configs/fast_config.yaml for a few steps,
+its MFU printed (never judged: issue 28, the MFU goal is the benchmark's). Exit code 1 if anything failed; the
+summary line gives the checks' time and, apart, the fast path's compile time. ``regenerate`` runs it first and
+stops on a failure (a row marked ``"gates_regenerate": False`` does not stop it).
 
 Without a GPU it says so, runs the CPU equivalents that exist (tiny model), and exits 0: the GPU checks are
-listed as skipped, never as passed.
+listed as skipped, never as passed. If the driver sees a GPU that torch cannot use, that row fails (exit 1).
 
-Every check can fail on a broken machine. One function per check (``check_*``); where the verdict needs a GPU,
-it is a small function of the measured numbers (``*_verdict``) so a test can hand it broken numbers. What
-fails each (tests/test_doctor_checks.py breaks each on purpose):
+The checks live in :mod:`labutils.doctor_checks` (correctness), :mod:`labutils.doctor_formats` (BF16 / TF32) and
+:mod:`labutils.doctor_speed` (speed); this module runs them and reports. Every check can fail on a broken machine.
+One function per check (``check_*``); where the verdict needs a GPU, it is a small function of the measured
+numbers (``*_verdict``) so a test can hand it broken numbers. What fails each (tests/test_doctor_checks.py breaks
+each on purpose):
 
+  driver: torch can use its GPU     nvidia-smi lists a GPU that torch cannot use (``is_available()`` False: a torch
+                                    built for a newer CUDA than the driver, a CPU-only torch, hidden devices):
+                                    the row names the driver's version, torch's CUDA version and the fix
   device: memory counters           a 64 MiB tensor not seen by memory_allocated / peak / reserved; on CPU, a
                                     CUDA-only counter answering a number
   device: mem_info / total / stats  cudaMemGetInfo's total != get_device_properties().total_memory (exactly),
@@ -24,8 +29,10 @@ fails each (tests/test_doctor_checks.py breaks each on purpose):
   device: cap set / restore         the driver ignoring set_per_process_memory_fraction; a nested larger cap
                                     raising the smaller one; the cap not restored
   device: outside-allocator memory  cudaMemGetInfo unanswerable (only the default is known), 0 or >= 4 GiB
-  device: bf16 / tf32 support       labutils' answer differs from torch.cuda.is_bf16_supported(including_
-                                    emulation=False) or from NVIDIA's Ampere (8.0) line for TF32
+  device: bf16 / tf32 support       labutils claims BF16 and a real bfloat16 matmul on the device does not run
+                                    or is not bfloat16-precise; labutils' TF32 answer differs from what the TF32
+                                    switch does to a real fp32 matmul (TF32-sized error or not); strict fp32 not
+                                    strict with the switch off
   torch.cuda calls of lab 04        a counter < 0, free > total, total != the device's total memory (NVML
                                     refusing list_gpu_processes, as in WSL, is reported "unavailable", no fail)
   tf32 switch: legacy + new flags   a TF32 reader raising ("mix of the legacy and new APIs") or disagreeing
@@ -34,7 +41,7 @@ fails each (tests/test_doctor_checks.py breaks each on purpose):
   outside-allocator after training  as above, measured again after lazily loaded kernels
   cap + OOM recovery                a training step under a cap too small for it not refused, refused before
                                     training started, memory not back to baseline, no successful run after
-  snapshot record -> dump -> parse  no events recorded, or the top holder has no stack
+  snapshot record -> dump -> parse  no events recorded, or no allocation with a stack (recorded without frames)
   profiler ranges                   forward/backward ranges missing; on CUDA no device time, backward < forward
   checkpointing grads: <variant>    gradients differ from no checkpointing (e.g. the RNG state not restored
                                     for the recompute: other dropout masks)
@@ -44,211 +51,24 @@ fails each (tests/test_doctor_checks.py breaks each on purpose):
   matmul TFLOP/s <format>           a wrong product (vs float64); TF32 not engaged (fp32-sized error); on CUDA
                                     TF32 / FP16 / BF16 not faster than FP32 by what the card's datasheet promises
   fast path MFU (fast_config.yaml)  the fast config not training (OOM even at the fitted micro-batch, a
-                                    non-finite loss); on an A100/H100/H200, uncapped at the config's own
-                                    micro-batch, an MFU below 45 % over >= claims.MIN_TIMED_STEPS timed steps
-                                    (not gating regenerate). Not judged, MFU shown: other cards, a memory
-                                    budget active (LAB_GPU_MEMORY_GB), a lowered micro-batch; CPU: skipped
+                                    non-finite loss). Its MFU over >= claims.MIN_TIMED_STEPS timed steps (and the
+                                    ratio to the reference, where labutils.bench provides it) is printed, never
+                                    judged: no card fails for speed. Skipped with the reason: CPU; no Triton for
+                                    torch.compile (native Windows)
 """
 from __future__ import annotations
 
-import contextlib
-import math
-import os
-import pickle
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 from . import device as dev
-from .claims import MIN_TIMED_STEPS
-
-MiB, GiB = 2**20, 2**30
-ESTIMATOR_TOLERANCE_PCT = 10.0   # the estimator's goal: within 10 % of the measured CUDA peak
-GRAD_TOLERANCE = 1e-5            # checkpointing variants: largest relative gradient difference (fp32, TF32 off)
-
-
-class Checks:
-    """Collects one row per check: name, status (pass | fail | skip), value, detail, seconds."""
-
-    def __init__(self, verbose: bool = True):
-        self.rows: list[dict] = []
-        self.verbose = verbose
-
-    @contextlib.contextmanager
-    def check(self, name: str):
-        """``with checks.check("name") as row: ... row["value"] = ...``; an exception fails the check (the run
-        goes on); ``row["status"] = "fail"`` or ``"skip"`` set inside also counts."""
-        row = {"name": name, "status": "pass", "value": None, "detail": ""}
-        start = time.perf_counter()
-        try:
-            yield row
-        except KeyboardInterrupt:
-            raise
-        except Exception as exc:  # a check that raises has failed; the doctor goes on to the next one
-            text = str(exc).strip().splitlines()
-            row.update(status="fail", detail=f"{type(exc).__name__}: {text[0][:200] if text else ''}")
-        row["seconds"] = round(time.perf_counter() - start, 3)
-        self.rows.append(row)
-        if self.verbose:
-            print(f"  {row['status']:<4}  {name:<44} {_fmt(row['value']):>14}  {row['detail']}", flush=True)
-
-    def skip(self, name: str, why: str) -> None:
-        self.rows.append({"name": name, "status": "skip", "value": None, "detail": why, "seconds": 0.0})
-        if self.verbose:
-            print(f"  skip  {name:<44} {'':>14}  {why}", flush=True)
-
-    @property
-    def failed(self) -> list[dict]:
-        return [r for r in self.rows if r["status"] == "fail"]
-
-
-def _fmt(v) -> str:
-    if v is None:
-        return ""
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
-
-
-def _expect(row: dict, ok: bool, detail: str) -> None:
-    row["detail"] = detail
-    if not ok:
-        row["status"] = "fail"
-
-
-def _cfg(name: str, **over):
-    from .config import load_config
-
-    base = {"model.name": name, "model.pretrained": "false", "data.num_samples": 32, "data.seq_length": 128,
-            "data.pack": True, "train.steps": 3, "train.micro_batch_size": 2, "train.warmup_steps": 0,
-            "train.timing_warmup_steps": 1}
-    return load_config(None, overrides={**base, **over}, mode="full")
-
-
-# ----------------------------------------------------------------------------------------------------- the checks
-def check_memory_counters(c: Checks, device: torch.device) -> None:
-    """A 64 MiB tensor moves memory_allocated, the peak and reserved (a pretend GPU cannot hold one: it fails
-    there with NotImplementedError). CPU: there are no allocator counters (the CPU tracker counts)."""
-    cuda = device.type == "cuda"
-    with c.check("device: memory counters") as row:
-        dev.synchronize(device)
-        dev.reset_peak(device)
-        a, p, r = dev.allocated(device), dev.peak_allocated(device), dev.reserved(device)
-        if cuda:
-            x = torch.empty(64 * MiB, dtype=torch.uint8, device=device)
-            a2, p2 = dev.allocated(device), dev.peak_allocated(device)
-            del x
-            _expect(row, a2 - a >= 64 * MiB and p2 >= a2 and dev.reserved(device) >= a2 and p >= a and r >= a,
-                    f"64 MiB tensor seen: allocated +{(a2 - a) / MiB:.0f} MiB, peak {p2 / MiB:.0f} MiB")
-            row["value"] = (a2 - a) / MiB
-        else:
-            _expect(row, a is None and p is None and r is None, "CPU: no allocator counters (the CPU tracker counts)")
-
-
-def mem_info_verdict(free: int, driver_total: int, device_total: int, stats: dict) -> tuple[bool, str]:
-    """cudaMemGetInfo's total is the device's totalGlobalMem: the same number, to the byte."""
-    ok = 0 < free <= driver_total and driver_total == device_total and "allocated_bytes.all.current" in stats
-    detail = f"free {free / GiB:.2f} of {driver_total / GiB:.2f} GiB"
-    if driver_total != device_total:
-        detail += f"; cudaMemGetInfo total {driver_total} B != device total {device_total} B"
-    return ok, detail
-
-
-def check_mem_info(c: Checks, device: torch.device) -> None:
-    with c.check("device: mem_info / total / stats") as row:
-        info, total, stats = dev.mem_info(device), dev.total_memory(device), dev.memory_stats(device)
-        if device.type == "cuda":
-            ok, detail = mem_info_verdict(info[0], info[1], total, stats)
-            _expect(row, ok, detail)
-            row["value"] = info[1] / GiB
-        else:
-            _expect(row, info is None and total is None and stats == {}, "CPU: none of these exist")
-
-
-def check_cap(c: Checks, device: torch.device) -> None:
-    """The cap is set as asked, a larger cap inside never raises it, and the one before comes back."""
-    with c.check("device: cap set / restore / never raised") as row:
-        if device.type == "cuda":
-            before = dev.get_cap_fraction(device)
-            total = dev.total_memory(device)
-            with dev.memory_cap(total // 2, device):
-                inside = dev.get_cap_fraction(device)
-                with dev.memory_cap(total, device):  # a larger cap inside must not raise the smaller one
-                    nested = dev.get_cap_fraction(device)
-            after = dev.get_cap_fraction(device)
-            same = lambda x, y: abs(x - y) * total <= 2  # noqa: E731  (the allocator stores whole bytes)
-            _expect(row, same(inside, min(before, total // 2 / total)) and same(nested, inside) and same(after, before),
-                    f"fraction {before:.3f} -> {inside:.3f} (nested {nested:.3f}) -> {after:.3f}")
-        else:
-            with dev.memory_cap(123, device) as cpu_budget:
-                _expect(row, cpu_budget == 123, "CPU: the budget is handed to the CPU tracker")
-
-
-def outside_verdict(outside: int, how: str) -> tuple[bool, str]:
-    """Memory outside the allocator is measured (not the documented default), above 0 (the CUDA context alone
-    takes hundreds of MiB) and below 4 GiB."""
-    measured = not how.startswith("default")
-    return measured and 0 < outside < 4 * GiB, how
-
-
-def check_outside_allocator(c: Checks, device: torch.device, name: str = "device: outside-allocator memory",
-                            refresh: bool = False, at_start: int | None = None) -> None:
-    with c.check(name) as row:
-        # after training, the budget follows what grew outside the allocator, as train() does after step 0
-        # (follow_outside measures again and lowers the cap); without a budget, only the measurement again
-        followed = refresh and dev.follow_outside(device) is not None
-        outside, how = dev.outside_allocator_bytes(device, refresh=refresh and not followed)
-        row["value"] = outside / GiB
-        if device.type == "cuda":
-            ok, detail = outside_verdict(outside, how)
-            if at_start is not None:
-                detail += f"; {at_start / GiB:.2f} GiB at the start (what the budget subtracts); value = GiB now"
-            _expect(row, ok, detail)
-        else:
-            _expect(row, outside == 0, how)
-
-
-def support_verdict(capability: tuple[int, int], bf16: bool, tf32: bool, torch_bf16: bool) -> tuple[bool, str]:
-    """BF16 as torch itself answers it (``is_bf16_supported(including_emulation=False)``); TF32 from NVIDIA's
-    Ampere (compute capability 8.0) on."""
-    want_tf32 = capability[0] >= 8
-    ok = bf16 == torch_bf16 and tf32 == want_tf32
-    return ok, (f"bf16: {bf16} (torch: {torch_bf16}); tf32: {tf32} (Ampere or newer: {want_tf32})")
-
-
-def check_support_facts(c: Checks, device: torch.device) -> None:
-    with c.check("device: bf16 / tf32 support, facts") as row:
-        bf, _ = dev.bf16_support(device)
-        tf, _ = dev.tf32_support(device)
-        facts = dev.facts(device)
-        if device.type == "cuda":
-            ok, detail = support_verdict(dev.capability(device), bf, tf, dev.torch_bf16_native(device))
-            _expect(row, ok and facts is not None, f"{dev.name(device)}; {detail}")
-        else:
-            _expect(row, facts is None and isinstance(bf, bool) and tf is False, f"CPU; bf16: {bf}; tf32: {tf}")
-        row["value"] = facts["compute_capability"] if facts else None
-
-
-def lab04_verdict(free: int, total: int, device_total: int, counters: list) -> bool:
-    return 0 < free <= total == device_total and all(v >= 0 for v in counters)
-
-
-def check_lab04_calls(c: Checks, device: torch.device) -> None:
-    if device.type != "cuda":
-        c.skip("torch.cuda calls of lab 04", "no CUDA GPU")
-        return
-    with c.check("torch.cuda calls of lab 04") as row:
-        free, total = torch.cuda.mem_get_info()
-        vals = [torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), torch.cuda.max_memory_allocated(),
-                torch.cuda.memory_stats().get("num_alloc_retries", 0), torch.cuda.current_device()]
-        # lab 04's torch.cuda.list_gpu_processes(), through the device module's guard: NVML refuses in WSL and
-        # some containers, which is no fault of this machine's CUDA
-        procs, how = dev.gpu_processes(device)
-        listed = f"list_gpu_processes: {len(procs)} process(es)" if procs is not None else f"list_gpu_processes unavailable ({how})"
-        _expect(row, lab04_verdict(free, total, torch.cuda.get_device_properties(device.index).total_memory, vals),
-                f"mem_get_info, memory_allocated/reserved, max_memory_allocated, memory_stats; {listed}")
+from .doctor_checks import (Checks, check_cap, check_cap_and_oom, check_checkpointing,  # noqa: F401
+                            check_empty_caches, check_estimator, check_lab04_calls, check_mem_info,
+                            check_memory_counters, check_outside_allocator, check_profiler, check_snapshot,
+                            check_training, expect, small_config)
+from .doctor_formats import check_support_facts, check_tf32_flags  # noqa: F401
+from .doctor_speed import check_fast_path, check_matmul  # noqa: F401
 
 
 def check_device_functions(c: Checks, device: torch.device) -> None:
@@ -261,455 +81,23 @@ def check_device_functions(c: Checks, device: torch.device) -> None:
     check_lab04_calls(c, device)
 
 
-def tf32_flags(tf32: bool) -> dict:
-    """Every TF32 reader of torch, legacy and new (where this torch has it), inside ``matmul_precision(tf32)``."""
-    from .env import matmul_precision
-
-    b = torch.backends
-    readers = {"cuda.matmul.allow_tf32": lambda: b.cuda.matmul.allow_tf32,
-               "get_float32_matmul_precision": torch.get_float32_matmul_precision,
-               "cudnn.allow_tf32": lambda: b.cudnn.allow_tf32}
-    if hasattr(b.cuda.matmul, "fp32_precision"):
-        readers["cuda.matmul.fp32_precision"] = lambda: b.cuda.matmul.fp32_precision
-    with matmul_precision(tf32):
-        out = {}
-        for k, read in readers.items():
-            try:
-                out[k] = read()
-            except RuntimeError as exc:
-                out[k] = f"RuntimeError: {str(exc)[:100]}"
-    return out
-
-
-def tf32_flags_verdict(flags: dict, tf32: bool) -> tuple[bool, str]:
-    want = {"cuda.matmul.allow_tf32": tf32, "get_float32_matmul_precision": "high" if tf32 else "highest",
-            "cudnn.allow_tf32": tf32, "cuda.matmul.fp32_precision": "tf32" if tf32 else "ieee"}
-    wrong = {k: v for k, v in flags.items() if v != want[k]}
-    return not wrong, ("all agree" if not wrong else "; ".join(f"{k} = {v!r}" for k, v in wrong.items()))
-
-
-def check_tf32_flags(c: Checks, device: torch.device) -> None:
-    """Inside the course's TF32 switch, students and libraries read the legacy flags: they must agree."""
-    with c.check("tf32 switch: legacy + new flags agree") as row:
-        results = [tf32_flags_verdict(tf32_flags(on), on) for on in (True, False)]
-        _expect(row, all(ok for ok, _ in results), f"on: {results[0][1]}; off: {results[1][1]}")
-
-
-FP16_STEPS = 6  # enough steps that a scaler skipping most of them is not just calibrating its initial scale
-
-
-def train_verdict(precision: str, res, steps: int) -> tuple[bool, str]:
-    """A run trains: status ok, every step's loss finite. fp16: the GradScaler is there (a scale per step) and
-    skipped at most half of the steps (its first steps may overflow at the initial scale of 65536)."""
-    ok = res.ok and len(res.losses) == steps and all(math.isfinite(x) for x in res.losses)
-    detail = "status " + res.status + ", losses " + ", ".join(f"{x:.3f}" for x in res.losses)
-    if precision == "fp16":
-        scaled = len(res.loss_scales) == steps
-        few_skips = 2 * len(res.skipped) <= steps
-        ok = ok and scaled and few_skips
-        detail += (f", skipped {len(res.skipped)} of {steps}" + ("" if few_skips else " (more than half)")
-                   + ("" if scaled else "; no GradScaler"))
-    return ok, detail + (f"; {res.error}" if res.error else "")
-
-
-def check_training(c: Checks, device: torch.device, only: tuple[str, ...] | None = None) -> None:
-    """One short run per precision this device supports (``only``: those of them): finite losses, the fp16
-    scaler working."""
-    from .train import run
-
-    name = "gpt2" if device.type == "cuda" else "tiny"
-    precisions = ["fp32", "fp16", "bf16"] + (["tf32"] if dev.tf32_support(device)[0] else [])
-    if device.type == "cuda" and not dev.bf16_support(device)[0]:
-        precisions.remove("bf16")
-        c.skip("train step bf16", dev.bf16_support(device)[1])
-    if device.type != "cuda":
-        c.skip("train step tf32", dev.tf32_support(device)[1])
-    for precision in [p for p in precisions if only is None or p in only]:
-        with c.check(f"train step {precision}") as row:
-            steps = FP16_STEPS if precision == "fp16" else 3
-            res = run(_cfg(name, **{"train.precision": precision, "train.steps": steps}), device, progress=False,
-                      verbose=False)
-            ok, detail = train_verdict(precision, res, steps)
-            row["value"] = res.peak_memory_bytes / MiB if res.peak_memory_bytes else None
-            _expect(row, ok, f"{name}: {detail}; value = peak MiB")
-
-
-def oom_recovery_verdict(capped_status: str, capped_peak: int | None, step_start: int, base: int | None,
-                         after_oom: int | None, rerun_status: str, after_rerun: int | None) -> tuple[bool, str]:
-    """A training run under a cap too small for it is refused by an out-of-memory error raised *during training*
-    (its peak went above what was held when training started), the memory comes back to where it was, and the
-    same run then trains. ``base``/``after_*``: allocated bytes (None on CPU: no allocator to read)."""
-    problems = []
-    if capped_status != "oom":
-        problems.append(f"the capped run was not refused (status {capped_status})")
-    elif capped_peak is None or capped_peak <= step_start:
-        problems.append("the out-of-memory error came before training started")
-    if base is not None and after_oom != base:
-        problems.append(f"after the OOM {((after_oom or 0) - base) / MiB:+.1f} MiB stayed allocated")
-    if rerun_status != "ok":
-        problems.append(f"the run after the OOM did not train (status {rerun_status})")
-    if base is not None and after_rerun != base:
-        problems.append(f"after the rerun {((after_rerun or 0) - base) / MiB:+.1f} MiB stayed allocated")
-    return not problems, "; ".join(problems) or (
-        "OOM raised inside a training step, caught; memory back to baseline; the next run trained"
-        + ("" if base is not None else " (CPU: simulated budget, no allocator to read)"))
-
-
-def check_cap_and_oom(c: Checks, device: torch.device) -> None:
-    """Run a real training step under a cap too small for it, catch the error, get the memory back, train again."""
-    from .memory import release
-    from .train import run
-
-    cuda = device.type == "cuda"
-    cfg = _cfg("gpt2" if cuda else "tiny", **{"train.steps": 2})
-    with c.check("cap + OOM recovery") as row:
-        release()
-        base = dev.allocated(device)
-        fits = run(cfg, device, progress=False, verbose=False)
-        start, peak = fits.memory["start_bytes"], fits.peak_memory_bytes
-        cap = start + (peak - start) // 2  # the model and data fit, half of what the step adds does not
-        if cuda:
-            with dev.memory_cap(cap, device):
-                capped = run(cfg, device, progress=False, verbose=False)
+def check_driver(c: Checks) -> None:
+    """The GPU the NVIDIA driver sees (nvidia-smi) is one torch can use (:func:`labutils.device.unusable_gpu`)."""
+    with c.check("driver: torch can use its GPU") as row:
+        unusable = dev.unusable_gpu()
+        if unusable:
+            expect(row, False, unusable["message"])
+        elif dev.cuda_available():
+            expect(row, True, f"torch {torch.__version__} (CUDA {torch.version.cuda}) uses {dev.name()}; "
+                              f"driver {dev.driver_version() or 'unknown (nvidia-smi not found)'}")
         else:
-            capped = run(cfg, device, progress=False, verbose=False, cpu_budget_bytes=cap)
-        release()
-        after_oom = dev.allocated(device)
-        rerun = run(cfg, device, progress=False, verbose=False)
-        release()
-        after_rerun = dev.allocated(device)
-        ok, detail = oom_recovery_verdict(capped.status, capped.peak_memory_bytes, start, base, after_oom,
-                                          rerun.status, after_rerun)
-        row["value"] = cap / MiB
-        _expect(row, ok and fits.ok, f"cap {cap / MiB:.0f} MiB (peak {peak / MiB:.0f}): {detail}; value = cap MiB")
-
-
-def _tiny_step(model, batch):
-    model(**batch, use_cache=False).loss.backward()
-
-
-def snapshot_verdict(summary: dict) -> tuple[bool, str]:
-    top = summary["top_at_peak"][0]["site"] if summary["top_at_peak"] else "(none)"
-    return summary["events"] > 0 and top not in ("(no stack)", "(none)"), \
-        f"peak {summary['peak_bytes'] / MiB:.1f} MiB; top holder: {top}"
-
-
-def check_snapshot(c: Checks, device: torch.device, session) -> None:
-    """Record allocator events over a step, dump them, read the dump back with the course's parser."""
-    from .profiling import CPUTraceRecorder, trace_summary
-
-    with c.check("snapshot record -> dump -> parse") as row:
-        model, batch = session
-        if device.type == "cuda":
-            dev.record_history(True)
-            try:
-                start = dev.allocated(device)
-                _tiny_step(model, batch)
-                model.zero_grad(set_to_none=True)
-                with tempfile.TemporaryDirectory() as tmp:
-                    path = Path(tmp) / "snapshot.pickle"
-                    dev.dump_snapshot(path)
-                    with open(path, "rb") as f:
-                        snap = pickle.load(f)
-            finally:
-                dev.record_history(False)
-        else:
-            with CPUTraceRecorder(model) as rec:
-                _tiny_step(model, batch)
-            model.zero_grad(set_to_none=True)
-            snap, start = rec.snapshot(), rec.start_bytes
-        s = trace_summary(snap, start_bytes=start, top=3)
-        row["value"] = s["events"]
-        _expect(row, *snapshot_verdict(s))
-
-
-def profiler_verdict(rows: list[dict], cuda: bool) -> bool:
-    """The two ranges, in order; on CUDA with device time, backward (about twice forward's matmuls) >= forward;
-    on CPU no device time at all."""
-    if [r["range"] for r in rows] != ["forward", "backward"]:
-        return False
-    if cuda:
-        fwd, bwd = (r["device time (ms)"] for r in rows)
-        return fwd is not None and bwd is not None and 0 < fwd <= bwd
-    return all(r["device time (ms)"] is None for r in rows)
-
-
-def check_profiler(c: Checks, device: torch.device, session) -> None:
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from .profiling import range_times
-
-    with c.check("profiler ranges") as row:
-        model, batch = session
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        os.environ.setdefault("KINETO_LOG_LEVEL", "10")
-        with profile(activities=activities) as prof:
-            with record_function("forward"):
-                loss = model(**batch, use_cache=False).loss
-            with record_function("backward"):
-                loss.backward()
-        model.zero_grad(set_to_none=True)
-        rows = range_times(prof.events(), ("forward", "backward"))
-        _expect(row, profiler_verdict(rows, device.type == "cuda"),
-                "; ".join(f"{r['range']}: cpu {r['cpu time (ms)']:.1f} ms, device "
-                          f"{_fmt(r['device time (ms)']) or '-'} ms" for r in rows) or "no forward/backward range")
-
-
-def check_checkpointing(c: Checks, device: torch.device) -> None:
-    """Every checkpointing variant gives the gradients of no checkpointing, with dropout on."""
-    from . import checkpoint_measure as cm
-    from . import checkpointing as ck
-    from .env import matmul_precision
-    from .memory import release
-
-    cfg = _cfg("gpt2" if device.type == "cuda" else "tiny", **{"model.dropout": 0.1, "data.seq_length": 64})
-    variants = [ck.full(), ck.every_n(2), ck.segments(2)]
-    for feature, make in (("selective", ck.selective), ("offload", ck.offload),
-                          ("offload", ck.checkpoint_offload)):
-        if ck.available(feature)[0]:
-            variants.append(make())
-    with cm.loaded(cfg, device) as s, matmul_precision(False):
-        batch = cm.one_batch(s.dataset, 2, cfg.train.seed, device)
-
-        def grads(v):
-            torch.manual_seed(1234)  # the same dropout masks for every variant
-            return cm.step_grads(s.model, batch, v)
-
-        ref = grads(None)
-        for v in variants:
-            with c.check(f"checkpointing grads: {v.name} (dropout 0.1)") as row:
-                d = cm.max_rel_diff(grads(v), ref)
-                row["value"] = d
-                _expect(row, d <= GRAD_TOLERANCE, f"max relative difference vs no checkpointing (limit {GRAD_TOLERANCE:g})")
-    release()
-
-
-def check_estimator(c: Checks, device: torch.device) -> None:
-    from . import estimate as est
-    from .train import run
-
-    name = "gpt2" if device.type == "cuda" else "tiny"
-    cases = [("fp32", False, 2), ("fp16", True, 4)] if device.type == "cuda" else [("fp32", False, 2)]
-    for precision, ckpt, micro in cases:
-        with c.check(f"estimator vs measured: {name} {precision}{' ckpt' if ckpt else ''} b{micro}") as row:
-            cfg = _cfg(name, **{"train.precision": precision, "train.gradient_checkpointing": ckpt,
-                                "train.micro_batch_size": micro, "train.steps": 2})
-            res = run(cfg, device, progress=False, verbose=False)
-            e = est.estimate_memory(cfg, device=device.type)
-            cmp = est.compare(e, res.peak_memory_bytes, res.memory.get("start_bytes"), device.type)
-            row["value"] = cmp["error_pct"]
-            _expect(row, res.ok and cmp["error_pct"] is not None and abs(cmp["error_pct"]) <= ESTIMATOR_TOLERANCE_PCT,
-                    f"{cmp['basis']}: estimated {cmp['estimated_bytes'] / MiB:.1f} MiB, measured "
-                    f"{(cmp['measured_bytes'] or 0) / MiB:.1f} MiB; value = error %")
-
-
-def empty_caches_verdict(before: int | None, after: int | None) -> tuple[str, str]:
-    """("pass" | "fail" | "skip", detail): pinned host memory was held, and empty_caches gave all of it back."""
-    if before is None:
-        return "skip", (f"torch {torch.__version__} has no torch.cuda.host_memory_stats (torch >= 2.7): pinned "
-                        "host memory cannot be read, so freeing it is not judged")
-    if before <= 0:
-        return "fail", "no pinned host memory was held before emptying: nothing was tested"
-    return ("pass" if after == 0 else "fail"), f"pinned host bytes {before} -> {after}"
-
-
-def check_empty_caches(c: Checks, device: torch.device) -> None:
-    """After the offload variants (save_on_cpu pins host memory), empty_caches frees the pinned host cache too."""
-    with c.check("device: empty caches (device + pinned host)") as row:
-        if device.type != "cuda":
-            dev.empty_caches(device)
-            # without CUDA there is no pinned host allocator (a CPU run on a GPU machine has one: not judged)
-            _expect(row, dev.pinned_host_bytes() is None or dev.cuda_available(), "CPU: no pinned host allocator")
-            return
-        if dev.pinned_host_bytes() == 0:  # hold some: a freed pinned block stays in the caching host allocator
-            buf = torch.empty(MiB, dtype=torch.uint8, pin_memory=True)
-            del buf
-        before = dev.pinned_host_bytes()
-        dev.empty_caches(device)
-        status, detail = empty_caches_verdict(before, dev.pinned_host_bytes())
-        row["status"], row["detail"] = status, detail
-
-
-def _matmul_speed_floor(label: str, gpu_name: str, capability: tuple[int, int]) -> tuple[float | None, str]:
-    """How much faster than strict FP32 ``label`` must be on this card (None: not judged), and why: the ratio
-    of the datasheets' dense peaks (labutils.peaks). Where that ratio is about 2 or more (L4 TF32: 1.98;
-    datacentre TF32, every tensor-core FP16/BF16), at least 1.5x; GeForce Ampere/Ada/Blackwell run TF32 at the FP32 rate
-    (whitepapers), so there only "not slower" (0.9x) is asked."""
-    from .peaks import peak_tflops
-
-    fp32, other = peak_tflops(gpu_name, "fp32"), peak_tflops(gpu_name, label)
-    if fp32 and other:
-        ratio = other / fp32
-        return (1.5 if ratio >= 1.9 else 0.9), f"datasheet {label}/fp32 = {ratio:.1f}x"
-    if label in ("fp16", "bf16") and capability[0] >= (8 if label == "bf16" else 7):
-        return 1.5, f"{label} tensor cores (compute capability {capability[0]}.{capability[1]})"
-    return None, "card not in the peaks table: speed not judged"
-
-
-def matmul_verdict(label: str, tflops: float, rel_error: float, fp32_tflops: float | None,
-                   floor: float | None, why: str, cuda: bool) -> tuple[bool, str]:
-    """The product is right (vs float64) to what the format allows; TF32 really engaged (its 10-bit mantissa
-    shows) and FP32 strict; on CUDA, faster than strict FP32 by ``floor``. CPU timing judges no speed."""
-    limit = {"fp32": 1e-5, "tf32": 5e-3, "fp16": 5e-3, "bf16": 3e-2}[label]
-    ok = tflops > 0 and rel_error <= limit
-    detail = f"relative error vs float64 {rel_error:.1e} (limit {limit:g})"
-    if label == "tf32" and rel_error <= 1e-5:
-        ok, detail = False, detail + "; an FP32-sized error: TF32 not engaged"
-    if not cuda:
-        return ok, detail + "; CPU timing: speed not judged"
-    if label != "fp32" and floor is not None and fp32_tflops:
-        fast = tflops >= floor * fp32_tflops
-        ok = ok and fast
-        detail += f"; {tflops / fp32_tflops:.2f}x fp32 (needs >= {floor:g}x: {why})"
-    elif label != "fp32":
-        detail += f"; {why}"
-    return ok, detail
-
-
-def check_matmul(c: Checks, device: torch.device) -> None:
-    cuda = device.type == "cuda"
-    n = 4096 if cuda else 512
-    formats = [("fp32", torch.float32, False), ("bf16", torch.bfloat16, False)]
-    if cuda:
-        formats = [("fp32", torch.float32, False), ("fp16", torch.float16, False)]
-        if dev.tf32_support(device)[0]:
-            formats.insert(1, ("tf32", torch.float32, True))
-        if dev.bf16_support(device)[0]:
-            formats.append(("bf16", torch.bfloat16, False))
-        capability = dev.capability(device)
-    fp32_tflops = None
-    for label, dtype, tf32 in formats:
-        with c.check(f"matmul TFLOP/s {label} ({n}x{n})") as row:
-            tflops, err = _matmul_measure(n, dtype, tf32, device)
-            row["value"] = tflops
-            floor, why = _matmul_speed_floor(label, dev.name(device), capability) if cuda else (None, "")
-            _expect(row, *matmul_verdict(label, tflops, err, fp32_tflops, floor, why, cuda))
-            if label == "fp32":
-                fp32_tflops = tflops
-
-
-def _matmul_measure(n: int, dtype: torch.dtype, tf32: bool, device: torch.device) -> tuple[float, float]:
-    """(TFLOP/s of an n x n matmul, relative error of a 256 x 256 block of the product vs float64)."""
-    from .env import matmul_precision
-
-    with matmul_precision(tf32):
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
-        for _ in range(2):
-            a @ b
-        dev.synchronize(device)
-        reps, start = 5, time.perf_counter()
-        for _ in range(reps):
-            a @ b
-        dev.synchronize(device)
-        tflops = 2 * n**3 * reps / (time.perf_counter() - start) / 1e12
-        m = 256
-        x, y = a[:m], b[:, :m]
-        ref = x.double() @ y.double()
-        err = float((x @ y).double().sub(ref).norm() / ref.norm())
-    return tflops, err
-
-
-# ------------------------------------------------------------------------------------------ the fast path's MFU
-MFU_GOAL = 0.45  # issue 21: build-nanogpt reaches about 50 % on an A100 for GPT-2 small; the fast path must reach 45 %
-# The cards the goal is set for: A100 and H100 (issue 21), and the H200 (the H100's GH100 chip with the same
-# datasheet peaks and more memory bandwidth). Others: the MFU is printed, not judged.
-MFU_GOAL_CARDS = ("a100", "h100", "h200")
-FAST_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "fast_config.yaml"
-
-
-def mfu_goal(gpu_name: str | None, precision: str) -> float | None:
-    """The MFU goal on this card in this precision, or None (no goal): 45 % on a card of MFU_GOAL_CARDS whose
-    dense peak labutils.peaks knows."""
-    from .peaks import normalise, peak_tflops
-
-    if not gpu_name or peak_tflops(gpu_name, precision) is None:
-        return None
-    return MFU_GOAL if normalise(gpu_name).split(" ")[0] in MFU_GOAL_CARDS else None
-
-
-def mfu_verdict(mfu: float | None, gpu_name: str | None, precision: str = "bf16", status: str = "ok",
-                error: str | None = None, not_judged: list[str] | tuple[str, ...] = ()) -> tuple[bool, str]:
-    """The fast config trained (status ok); on a card with a goal (:func:`mfu_goal`) its MFU reached it. Elsewhere
-    the MFU is shown and not judged (no goal for this card), or there is none (the card's peak is unknown).
-    ``not_judged``: why this run cannot be held to the goal although the card has one (a memory budget is active,
-    the micro-batch was lowered to fit): the goal is for the config as written on the whole card (issue 21: speed
-    rows run without the cap), so the MFU is shown with those reasons and not judged."""
-    from .peaks import peak_info
-
-    if status != "ok":
-        return False, f"the fast config did not train: status {status}" + (f" ({error})" if error else "")
-    if mfu is None:
-        return True, f"no MFU: {peak_info(gpu_name, precision)[1]}; not judged"
-    goal = mfu_goal(gpu_name, precision)
-    if goal is None:
-        return True, f"MFU {100 * mfu:.1f} % ({precision}); no goal for this card: not judged"
-    if not_judged:
-        return True, (f"MFU {100 * mfu:.1f} % ({precision}); not judged against the {100 * goal:.0f} % goal: "
-                      + "; ".join(not_judged) + " (the goal holds for the config as written, without a cap)")
-    return mfu >= goal, f"MFU {100 * mfu:.1f} % ({precision}), goal >= {100 * goal:.0f} % on {gpu_name}"
-
-
-def fast_path_config(device: torch.device):
-    """configs/fast_config.yaml for the doctor: the config's warm-up steps (compile included) + MIN_TIMED_STEPS
-    timed ones (the claims' evidence rule, labutils.claims: the MFU verdict rests on as many timed steps as any
-    timed claim), random weights (no download: MFU does not depend on them), FP16 where the card has no BF16, and
-    the largest micro-batch the estimator fits on this card, as ``python -m labutils run`` picks it. Returns
-    (config, the line saying what the fit changed or None)."""
-    from .advise import default_budget_bytes, fit_micro_batch
-    from .config import load_config
-
-    base = load_config(FAST_CONFIG, mode="full")
-    t = base.train
-    steps = t.timing_warmup_steps + MIN_TIMED_STEPS
-    over = {"train.steps": steps, "model.pretrained": "false",
-            "data.num_samples": min(base.data.num_samples, steps * t.micro_batch_size * t.accumulation_steps)}
-    if t.precision == "bf16" and not dev.bf16_support(device)[0]:
-        over["train.precision"] = "fp16"
-    return fit_micro_batch(load_config(FAST_CONFIG, overrides=over, mode="full"), default_budget_bytes()[0])
-
-
-def check_fast_path(c: Checks, device: torch.device) -> None:
-    """configs/fast_config.yaml trained for a few steps; MFU over the timed steps next to the goal. The compiling
-    steps are the config's timing warm-up: ``train.run`` leaves them out of the step time the MFU uses."""
-    name = "fast path MFU (fast_config.yaml)"
-    if device.type != "cuda":
-        c.skip(name, "no CUDA GPU: MFU is measured against a GPU's peak (CPU timing judges no speed)")
-        return
-    if not FAST_CONFIG.is_file():
-        c.skip(name, f"{FAST_CONFIG} not found (an installed labutils without the repository's configs/)")
-        return
-    from .train import run
-
-    with c.check(name) as row:
-        cfg, fitted = fast_path_config(device)
-        t = cfg.train
-        budget = dev.current_budget()  # set by run_doctor from LAB_GPU_MEMORY_GB, or by the fit just above
-        why_not = ([f"a memory budget is active (behaving like a {budget['card_gib']:g} GB card)"] if budget else []) \
-            + (["the micro-batch was lowered to fit"] if fitted else [])
-        res = run(cfg, device, progress=False, verbose=False)
-        ok, detail = mfu_verdict(res.mfu, dev.name(device), t.precision, res.status, res.error, why_not)
-        row["value"] = None if res.mfu is None else 100 * res.mfu
-        # A missed goal is a real finding (doctor fails), but the labs do not need the fast path's speed: it does
-        # not stop `regenerate`. A fast config that does not train at all still does.
-        if not ok and res.status == "ok":
-            row["gates_regenerate"] = False
-        parts = [detail, f"{t.micro_batch_size} x {t.accumulation_steps} x T{cfg.data.seq_length}"]
-        warm = res.step_times[:t.timing_warmup_steps]
-        if res.step_time_seconds:
-            parts.append(f"{len(res.step_times) - len(warm)} timed steps, {res.step_time_seconds * 1e3:.0f} ms/step")
-        compile_s = getattr(res, "compile_seconds", None)  # RunResult.compile_seconds where train.py reports it
-        if compile_s is not None:
-            parts.append(f"compile {compile_s:.1f} s, not timed")
-        elif warm:
-            parts.append(f"{len(warm)} warm-up steps (compile included) {sum(warm):.1f} s, not timed")
-        parts += [fitted] if fitted else []
-        detail = "; ".join(parts) + "; value = MFU %"
-        _expect(row, ok, detail)
+            expect(row, True, "no NVIDIA GPU seen by the driver (nvidia-smi absent or listing none): a CPU machine")
 
 
 def run_doctor(device=None, verbose: bool = True) -> dict:
-    """All checks on ``device`` (default: the GPU if there is one). Returns ``{"checks": [...], "env": {...}}``."""
+    """All checks on ``device`` (default: the GPU if there is one). Returns ``{"checks": [...], "summary",
+    "seconds", "checks_seconds", "compile_seconds", "env"}``: ``compile_seconds`` is what torch.compile took (the
+    fast path's compiling steps), apart from the checks' own time."""
     from .env import environment, seed_everything
     from .memory import release
 
@@ -719,6 +107,9 @@ def run_doctor(device=None, verbose: bool = True) -> dict:
     if verbose:
         if device.type == "cuda":
             print(f"labutils doctor on {dev.name(device)} (torch {torch.__version__}, CUDA {torch.version.cuda})")
+        elif dev.unusable_gpu():
+            print(f"labutils doctor: {dev.unusable_gpu()['message']}\nThe GPU checks are skipped; the CPU "
+                  "equivalents run on the tiny model.", flush=True)
         else:
             print("labutils doctor: no CUDA GPU found. The GPU checks are skipped; the CPU equivalents run on the "
                   "tiny model. Run this again on the GPU machine you will use.")
@@ -727,6 +118,7 @@ def run_doctor(device=None, verbose: bool = True) -> dict:
     if budget and verbose:
         print("  " + dev.budget_line(budget))
     outside_at_start = dev.outside_allocator_bytes(device)[0]
+    check_driver(c)
     check_device_functions(c, device)
     check_tf32_flags(c, device)
     check_training(c, device)
@@ -735,7 +127,7 @@ def run_doctor(device=None, verbose: bool = True) -> dict:
                                 at_start=outside_at_start)
     check_cap_and_oom(c, device)
     from . import checkpoint_measure as cm
-    cfg = _cfg("gpt2" if device.type == "cuda" else "tiny", **{"data.seq_length": 64})
+    cfg = small_config("gpt2" if device.type == "cuda" else "tiny", **{"data.seq_length": 64})
     with cm.loaded(cfg, device) as s:
         session = (s.model, cm.one_batch(s.dataset, 2, 0, device))
         check_snapshot(c, device, session)
@@ -749,12 +141,19 @@ def run_doctor(device=None, verbose: bool = True) -> dict:
     release()
     counts = {k: sum(r["status"] == k for r in c.rows) for k in ("pass", "fail", "skip")}
     seconds = round(time.perf_counter() - start, 1)
+    compile_seconds = round(sum(r.get("compile_seconds") or 0.0 for r in c.rows), 1)
+    checks_seconds = round(seconds - compile_seconds, 1)
     if verbose:
         quiet = [r["name"] for r in c.failed if r.get("gates_regenerate") is False]
-        print(f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped in {seconds:.0f} s"
+        compiled = (f", compiling the fast path {compile_seconds:.0f} s apart" if any(
+            r.get("compile_seconds") is not None for r in c.rows) else "")
+        print(f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped: "
+              f"checks {checks_seconds:.0f} s"
+              + compiled + f", {seconds:.0f} s in all"
               + ("" if device.type == "cuda" else " (no GPU: CPU checks only)")
               + (f"; {len(quiet)} of the failures ({', '.join(quiet)}) do not stop `regenerate`" if quiet else ""))
-    return {"checks": c.rows, "summary": counts, "seconds": seconds, "env": environment(device)}
+    return {"checks": c.rows, "summary": counts, "seconds": seconds, "checks_seconds": checks_seconds,
+            "compile_seconds": compile_seconds, "env": environment(device)}
 
 
 def cli_doctor(args) -> int:

@@ -6,8 +6,10 @@ import os
 import datetime as _dt
 import platform
 import random
+import sys
 
 import numpy as np
+
 import torch
 
 from . import device
@@ -156,6 +158,9 @@ def setup(seed: int = 42, verbose: bool = True) -> dict:
     hub = hub_reachable()  # before anything imports transformers: sets HF_HUB_OFFLINE when unreachable
     info = environment(dev, mode)
     if verbose:
+        if reason.startswith("WARNING"):  # a GPU the driver sees and torch cannot use (device.unusable_gpu): loudly
+            print(reason, file=sys.stderr, flush=True)
+            reason = "see the WARNING above: this is not your GPU"
         print(f"mode: {mode} ({reason})")
         if dev.type == "cuda":
             g = info["gpu"]

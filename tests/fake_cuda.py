@@ -8,9 +8,15 @@ and the per-device default generators. What stays real: ``torch.cuda.is_availabl
 fraction range and type checks of ``set_per_process_memory_fraction``, ``memory_stats`` flattening,
 ``mem_get_info``, ``_record_memory_history`` / ``_snapshot`` / ``_dump_snapshot``.
 
-Tensors cannot live on the pretend GPU (a CPU build has no CUDA kernels). The pretend allocator has counters
-instead: ``gpu.alloc(n, frames)`` / ``gpu.free(addr)`` move them as a real allocation would, raise
-``torch.OutOfMemoryError`` past the memory fraction, and record trace events for snapshots.
+Tensors cannot live on the pretend GPU (a CPU build has no CUDA kernels). The pretend allocator follows torch's
+caching allocator instead: ``gpu.alloc(n, frames)`` / ``gpu.free(addr)`` / ``empty_cache`` move its counters by
+the rules of c10/cuda/CUDACachingAllocator.cpp (``DeviceCachingAllocator``), each cited where it is written
+(:class:`CachingAllocator`): requests rounded to 512 B blocks, a small pool of 2 MiB segments, 20 MiB segments
+for 1-10 MiB requests, larger ones rounded to 2 MiB; freed blocks stay reserved (cached) until ``empty_cache``
+or an allocation that would not fit otherwise; the memory fraction caps *reserved* memory, and a fraction of 1.0
+is no cap. cuBLAS workspaces come from the same allocator (``gpu.cublas_workspace()``,
+aten/src/ATen/cuda/CublasHandlePool.cpp ``getNewWorkspace``), not from outside it. Trace events are recorded
+for snapshots.
 
 Both torch builds: on the CPU build the ``_cuda_*`` entry points are missing (added here); on pip's default CUDA
 build without a driver they exist and raise ("Found no NVIDIA driver"), and are replaced the same way. What a real
@@ -24,7 +30,6 @@ test session (``LAB_PRETEND_GPU=<profile>``, see tests/conftest.py).
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -58,58 +63,181 @@ PROFILES = {
 }
 
 
+# The caching allocator's constants, c10/cuda/CUDACachingAllocator.cpp (and c10/core/AllocatorConfig.h in recent
+# torch, where they moved), written out here rather than computed from labutils:
+K_MIN_BLOCK_SIZE = 512           # kMinBlockSize: "all sizes are rounded to at least 512 bytes" (round_size)
+K_SMALL_SIZE = 2**20             # kSmallSize: "largest 'small' allocation is 1 MiB" (get_pool: <= goes small)
+K_SMALL_BUFFER = 2 * 2**20       # kSmallBuffer: "'small' allocations are packed in 2 MiB blocks"
+K_LARGE_BUFFER = 20 * 2**20      # kLargeBuffer: "'large' allocations may be packed in 20 MiB blocks"
+K_MIN_LARGE_ALLOC = 10 * 2**20   # kMinLargeAlloc: "allocations between 1 and 10 MiB may use kLargeBuffer"
+K_ROUND_LARGE = 2 * 2**20        # kRoundLarge: "round up large allocations to 2 MiB"
+
+
+def round_size(nbytes: int) -> int:
+    """``DeviceCachingAllocator::round_size`` (roundup_power2_divisions unset, the default): at least
+    kMinBlockSize, else the next multiple of it."""
+    return K_MIN_BLOCK_SIZE if nbytes < K_MIN_BLOCK_SIZE else -(-nbytes // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
+
+
+def allocation_size(size: int) -> int:
+    """``get_allocation_size``: the segment cudaMalloc'd for a rounded request that no cached block holds."""
+    if size <= K_SMALL_SIZE:
+        return K_SMALL_BUFFER
+    if size < K_MIN_LARGE_ALLOC:
+        return K_LARGE_BUFFER
+    return -(-size // K_ROUND_LARGE) * K_ROUND_LARGE
+
+
+def cublas_workspace_bytes(major: int) -> int:
+    """aten/src/ATen/cuda/CublasHandlePool.cpp ``parseChosenWorkspaceSize`` without CUBLAS_WORKSPACE_CONFIG:
+    ":4096:2:16:8" (2 x 4096 KiB + 8 x 16 KiB), 32 MiB on Hopper (9.x) and Blackwell (10.x and on)."""
+    return 32 * 2**20 if major >= 9 else 2 * 4096 * 1024 + 8 * 16 * 1024
+
+
+@dataclass
+class Block:
+    segment: int     # the segment's address
+    offset: int
+    size: int
+    allocated: bool = False
+
+
 @dataclass
 class FakeGPU:
     profile: Profile
     allocated: int = 0
     peak: int = 0
     reserved: int = 0
+    peak_reserved: int = 0
     fraction: float = 1.0
     fraction_calls: list = field(default_factory=list)
     host_pinned: int = 0
     host_empty_calls: int = 0
     empty_cache_calls: int = 0
     sync_calls: int = 0
+    alloc_retries: int = 0
+    ooms: int = 0
     recording: dict | None = None
     trace: list = field(default_factory=list)
-    live: dict = field(default_factory=dict)
-    _addr: itertools.count = field(default_factory=lambda: itertools.count(0x7F0000000000, 512))
+    live: dict = field(default_factory=dict)       # address -> Block handed out
+    segments: dict = field(default_factory=dict)   # address -> [Block, ...] in address order
+    small_segments: set = field(default_factory=set)  # addresses of the small pool's segments
+    workspaces: dict = field(default_factory=dict)  # (thread, stream) -> address of its cuBLAS workspace
+    next_address: int = 0x7F0000000000  # segments are laid out one after another, never overlapping
 
     # ------------------------------------------------------------------ what a program does on the GPU
+    def limit(self) -> int | None:
+        """``setMemoryFraction``: ``allowed_memory_maximum = static_cast<size_t>(fraction * totalGlobalMem)``, and
+        none at all for a fraction of 1.0 (recent torch: ``std::nullopt`` unless ``fraction < 1.0``)."""
+        return int(self.fraction * self.profile.total) if self.fraction < 1.0 else None
+
+    def _segment_fits(self, nbytes: int) -> bool:
+        """``alloc_block``: refused when ``total_allocated_memory + size > allowed_memory_maximum`` (reserved memory,
+        cached blocks included, against the cap); otherwise cudaMalloc, which fails when the card itself is full
+        (what the driver holds outside the allocator counts there)."""
+        limit = self.limit()
+        if limit is not None and self.reserved + nbytes > limit:
+            return False
+        return self.reserved + nbytes + self.profile.outside <= self.profile.total
+
+    def _free_block(self, size: int, small: bool) -> Block | None:
+        """``get_free_block``: the smallest cached free block of the request's pool that holds it (best fit)."""
+        fits = [b for seg, blocks in self.segments.items() for b in blocks
+                if not b.allocated and b.size >= size and (seg in self.small_segments) == small]
+        return min(fits, key=lambda b: (b.size, b.segment, b.offset), default=None)
+
+    def release_cached(self) -> int:
+        """``release_cached_blocks``: every segment with no block in use goes back to the driver (``emptyCache``,
+        and ``malloc``'s last retry before an out-of-memory error). Returns the bytes released."""
+        freed = [a for a, blocks in self.segments.items() if not any(b.allocated for b in blocks)]
+        released = sum(sum(b.size for b in self.segments.pop(a)) for a in freed)
+        self.small_segments.difference_update(freed)
+        self.reserved -= released
+        return released
+
     def alloc(self, nbytes: int, frames=None) -> int:
-        limit = int(self.fraction * self.profile.total)
-        if self.allocated + nbytes > limit:
-            raise torch.OutOfMemoryError(
-                f"CUDA out of memory. Tried to allocate {nbytes} bytes. GPU 0 has a total capacity of "
-                f"{self.profile.total} bytes; this process has {self.allocated} allocated (fraction {self.fraction})")
-        addr = next(self._addr)
-        self.live[addr] = nbytes
-        self.allocated += nbytes
+        """``DeviceCachingAllocator::malloc``: round the request, reuse a cached block of its pool, else take a new
+        segment (retrying once after releasing every unused cached segment), split off what is left
+        (``should_split``), count the *block's* size as allocated (``alloc_found_block``)."""
+        size = round_size(nbytes)
+        small = size <= K_SMALL_SIZE  # get_pool
+        block = self._free_block(size, small)
+        if block is None:
+            seg_size = allocation_size(size)
+            if not self._segment_fits(seg_size):
+                self.alloc_retries += 1
+                if not (self.release_cached() and self._segment_fits(seg_size)):
+                    self.ooms += 1
+                    limit = self.limit()
+                    raise torch.OutOfMemoryError(
+                        f"CUDA out of memory. Tried to allocate {seg_size} bytes. GPU 0 has a total capacity of "
+                        f"{self.profile.total} bytes. " + (f"{limit} bytes allowed; " if limit is not None else "")
+                        + f"Of the allocated memory {self.allocated} bytes is allocated by PyTorch, and "
+                        f"{self.reserved - self.allocated} bytes is reserved by PyTorch but unallocated.")
+            seg, self.next_address = self.next_address, self.next_address + seg_size
+            block = Block(seg, 0, seg_size)
+            self.segments[seg] = [block]
+            if small:
+                self.small_segments.add(seg)
+            self.reserved += seg_size
+            self.peak_reserved = max(self.peak_reserved, self.reserved)
+        remaining = block.size - size
+        # should_split: small pool when >= kMinBlockSize is left, large pool when more than kSmallSize is left
+        if (small and remaining >= K_MIN_BLOCK_SIZE) or (not small and remaining > K_SMALL_SIZE):
+            blocks = self.segments[block.segment]
+            rest = Block(block.segment, block.offset + size, remaining)
+            blocks.insert(blocks.index(block) + 1, rest)
+            block.size = size
+        block.allocated = True
+        addr = block.segment + block.offset
+        self.live[addr] = block
+        self.allocated += block.size
         self.peak = max(self.peak, self.allocated)
-        self.reserved = max(self.reserved, self.allocated)
         if self.recording is not None:
             self.trace.append({"action": "alloc", "addr": addr, "size": nbytes, "stream": 0,
                                "frames": list(frames or []), "time_us": len(self.trace)})
         return addr
 
     def free(self, addr: int) -> None:
-        nbytes = self.live.pop(addr)
-        self.allocated -= nbytes
+        """``free`` / ``free_block``: the block goes back to its pool, merged with free neighbours
+        (``try_merge_blocks``); the segment stays reserved."""
+        block = self.live.pop(addr)
+        block.allocated = False
+        self.allocated -= block.size
+        blocks = self.segments[block.segment]
+        i = blocks.index(block)
+        for j in (i + 1, i - 1):  # the next block first, so i stays valid for the previous one
+            if 0 <= j < len(blocks) and not blocks[j].allocated:
+                a, b = sorted((blocks[i], blocks[j]), key=lambda x: x.offset)
+                a.size += b.size
+                blocks.remove(b)
+                i = blocks.index(a)
         if self.recording is not None:
-            self.trace.append({"action": "free_completed", "addr": addr, "size": nbytes, "stream": 0,
+            self.trace.append({"action": "free_completed", "addr": addr, "size": block.size, "stream": 0,
                                "frames": [], "time_us": len(self.trace)})
+
+    def cublas_workspace(self, thread: str = "main", stream: int = 0) -> int:
+        """The cuBLAS workspace a thread's handle gets on first use on a stream (CublasHandlePool.cpp
+        ``getNewWorkspace``: ``CUDACachingAllocator::get()->allocate(getChosenWorkspaceSize())``), held for the
+        process's life: inside the allocator, so it counts against the cap like any tensor."""
+        key = (thread, stream)
+        if key not in self.workspaces:
+            self.workspaces[key] = self.alloc(cublas_workspace_bytes(self.profile.major))
+        return self.workspaces[key]
 
     # ------------------------------------------------------------------------------ driver entry points
     def _stats(self, device):
         assert isinstance(device, int), f"the C layer gets an index, got {device!r}"
         def stat(cur, peak):
             return {"all": {"current": cur, "peak": peak, "allocated": peak, "freed": peak - cur}}
-        return {"allocated_bytes": stat(self.allocated, self.peak), "reserved_bytes": stat(self.reserved, self.reserved),
-                "active_bytes": stat(self.allocated, self.peak), "num_alloc_retries": 0, "num_ooms": 0}
+        return {"allocated_bytes": stat(self.allocated, self.peak),
+                "reserved_bytes": stat(self.reserved, self.peak_reserved),
+                "active_bytes": stat(self.allocated, self.peak), "num_alloc_retries": self.alloc_retries,
+                "num_ooms": self.ooms}
 
     def _reset_peak(self, device):
         assert isinstance(device, int)
-        self.peak = self.allocated
+        self.peak, self.peak_reserved = self.allocated, self.reserved
 
     def _set_fraction(self, fraction, device):
         assert isinstance(fraction, float) and isinstance(device, int)
@@ -122,7 +250,7 @@ class FakeGPU:
 
     def _empty_cache(self):
         self.empty_cache_calls += 1
-        self.reserved = self.allocated
+        self.release_cached()
 
     def _host_empty(self):
         self.host_empty_calls += 1
@@ -146,7 +274,11 @@ class FakeGPU:
             self.trace = []
 
     def _snapshot(self, *args):
-        segments = [{"address": a, "total_size": n, "allocated_size": n, "blocks": []} for a, n in self.live.items()]
+        segments = [{"address": a, "total_size": sum(b.size for b in blocks), "is_large": a not in self.small_segments,
+                     "allocated_size": sum(b.size for b in blocks if b.allocated),
+                     "blocks": [{"address": a + b.offset, "size": b.size,
+                                 "state": "active_allocated" if b.allocated else "inactive"} for b in blocks]}
+                    for a, blocks in self.segments.items()]
         return {"segments": segments, "device_traces": [list(self.trace)]}
 
     def _properties(self, index):

@@ -3,7 +3,9 @@
 Oracles: the totals torch printed on real cards in public out-of-memory messages (written out here and in
 tests/fake_cuda.py's profiles, each with its issue), torch's own fraction-to-bytes rule (c10/cuda/
 CUDACachingAllocator.cpp, ``allowed_memory_maximum = static_cast<size_t>(fraction * device_total)``: the
-pretend GPU enforces ``int(fraction * total)``), and the pretend GPU's own ground truth (``profile.outside``: what
+pretend GPU enforces ``int(fraction * total)`` on *reserved* memory, with the allocator's rounding, pools,
+caching and cuBLAS workspaces as that file and aten/src/ATen/cuda/CublasHandlePool.cpp have them; see the section
+"torch's allocator rules" below), and the pretend GPU's own ground truth (``profile.outside``: what
 its driver reports as used outside the allocator, which the implementation has to measure through
 ``cudaMemGetInfo``).
 """
@@ -125,13 +127,13 @@ def test_budget_of_the_card_itself_on_a_t4(fresh):
 
 
 def test_cap_follows_what_grows_outside_after_the_first_step(fresh):
-    """After the first step, lazily loaded kernels and the backward thread's cuBLAS workspace (32 MiB on Hopper)
-    live outside the allocator too: the cap must shrink by as much, and never grow back. Breaks if the budget
+    """After the first step, lazily loaded kernels (attention, fused optimizers: CUDA's lazy module loading) live
+    outside the allocator too: the cap must shrink by as much, and never grow back. Breaks if the budget
     keeps its first measurement, or if a later, smaller reading (or a user's lower cap) were raised."""
     gpu = fake_cuda.install(fresh, "h100")
     dev.card_budget(8)
     before = torch_limit(gpu)
-    gpu.profile.outside += 32 * MiB + 40 * MiB  # the driver now reports this much more in use
+    gpu.profile.outside += 72 * MiB  # the driver now reports this much more in use (kernel modules)
     info = dev.follow_outside()
     assert torch_limit(gpu) + gpu.profile.outside == pytest.approx(EIGHT_GB_CARD, abs=2)
     assert before - torch_limit(gpu) == pytest.approx(72 * MiB, abs=2)
@@ -262,11 +264,27 @@ def test_others_beyond_what_the_driver_uses_are_unknown(fresh):
 
 def test_no_notice_when_alone_or_unknown(fresh):
     fake_cuda.install(fresh, "t4")
+    fresh.setitem(sys.modules, "pynvml", fake_nvml([]))
+    assert not torch.cuda.is_initialized()
+    assert dev.gpu_processes()[0] == []  # asked before this process had a context: truly none
+    assert dev.other_processes()["bytes"] is None  # asked again, now holding one (the first call made it): unknown
+    fresh.delitem(sys.modules, "pynvml")
     assert dev.gpu_processes()[0] is None  # nvidia-ml-py not installed here
     assert dev.card_budget(8)["notice"] is None
-    fresh.setitem(sys.modules, "pynvml", fake_nvml([]))
-    assert dev.gpu_processes()[0] == [] and dev.other_processes()["bytes"] == 0
     assert dev.other_processes_notice() is None
+
+
+def test_an_empty_nvml_list_while_this_process_holds_a_context_is_unknown(fresh):
+    """NVML lists no process on the GPU although this process holds a CUDA context (the budget made one): the list
+    cannot describe this GPU (a container, WSL), so other processes' memory is unknown, not 0. Breaks if an empty
+    list is read as "no others" (as before)."""
+    fake_cuda.install(fresh, "t4")
+    dev.card_budget(8)
+    assert torch.cuda.is_initialized()
+    fresh.setitem(sys.modules, "pynvml", fake_nvml([]))
+    procs, how = dev.gpu_processes()
+    assert procs is None and "unknown" in how and "holds a CUDA context" in how
+    assert dev.other_processes()["bytes"] is None and dev.other_processes_notice() is None
 
 
 def test_cpu_has_no_processes_budget_or_reserved():
@@ -275,11 +293,12 @@ def test_cpu_has_no_processes_budget_or_reserved():
 
 
 def test_peak_reserved_is_the_allocators(monkeypatch):
-    """Peak reserved comes from torch's counter (``reserved_bytes.all.peak``), not peak allocated."""
+    """Peak reserved comes from torch's counter (``reserved_bytes.all.peak``), not peak allocated: a 3 MiB request
+    takes a 20 MiB segment (kLargeBuffer, for 1-10 MiB requests), which stays reserved after the free."""
     gpu = fake_cuda.install(monkeypatch, "t4")
     addr = gpu.alloc(3 * MiB)
     gpu.free(addr)
-    assert dev.peak_reserved() == 3 * MiB and dev.allocated() == 0
+    assert dev.peak_reserved() == 20 * MiB and dev.reserved() == 20 * MiB and dev.allocated() == 0
 
 
 def exercise_card_budget(monkeypatch) -> None:
@@ -297,6 +316,9 @@ def exercise_card_budget(monkeypatch) -> None:
         test_no_notice_when_alone_or_unknown(m)
     with monkeypatch.context() as m:
         m.setattr(dev, "_state", {})
+        test_an_empty_nvml_list_while_this_process_holds_a_context_is_unknown(m)
+    with monkeypatch.context() as m:
+        m.setattr(dev, "_state", {})
         test_cap_follows_what_grows_outside_after_the_first_step(m)
     for neighbour in (0, int(1.2 * GiB)):
         with monkeypatch.context() as m:
@@ -308,6 +330,140 @@ def exercise_card_budget(monkeypatch) -> None:
     with monkeypatch.context() as m:
         test_peak_reserved_is_the_allocators(m)
     test_cpu_has_no_processes_budget_or_reserved()
+
+
+# ------------------------------------------------------------------- torch's allocator rules (the pretend GPU)
+# Oracle: c10/cuda/CUDACachingAllocator.cpp, not labutils. Each number below is one of its constants or rules:
+# kMinBlockSize 512 B (round_size), kSmallSize 1 MiB (get_pool), kSmallBuffer 2 MiB and kLargeBuffer 20 MiB,
+# kMinLargeAlloc 10 MiB, kRoundLarge 2 MiB (get_allocation_size), should_split, alloc_block's
+# ``total_allocated_memory + size > allowed_memory_maximum`` (reserved memory against the cap),
+# release_cached_blocks before an out-of-memory error, setMemoryFraction (1.0: no cap), and
+# aten/src/ATen/cuda/CublasHandlePool.cpp's getNewWorkspace (the workspace comes from the caching allocator).
+def _counters():
+    torch.cuda.init()  # memory_stats answers {} before CUDA is initialised
+    s = torch.cuda.memory_stats(0)
+    return s["allocated_bytes.all.current"], s["reserved_bytes.all.current"]
+
+
+@pytest.mark.parametrize("request_bytes,block,segment", [
+    (1, 512, 2 * MiB),                                  # below kMinBlockSize: one 512 B block, a small 2 MiB segment
+    (1000, 1024, 2 * MiB),                              # rounded up to a multiple of 512 B
+    (MiB, MiB, 2 * MiB),                                # kSmallSize itself is small
+    (MiB + 1, MiB + 512, 20 * MiB),                     # 1-10 MiB: a 20 MiB segment, split
+    (10 * MiB - 512, 10 * MiB - 512, 20 * MiB),
+    (10 * MiB, 10 * MiB, 10 * MiB),                     # kMinLargeAlloc and up: its own segment, rounded to 2 MiB
+    (64 * MiB + 1, 64 * MiB + 512, 66 * MiB),           # remainder 2 MiB - 512 B > kSmallSize: split off
+])
+def test_requests_are_rounded_and_pooled_as_torch_does(monkeypatch, request_bytes, block, segment):
+    """What one request adds to allocated (its block) and reserved (its segment). Breaks if the pretend GPU counts
+    the bytes asked for (as before: allocated == reserved == request) or segments by another rule."""
+    fake_cuda.install(monkeypatch, "t4")
+    gpu = fake_cuda.pretend_gpu()
+    gpu.alloc(request_bytes)
+    assert _counters() == (block, segment)
+
+
+def test_small_blocks_share_a_segment_and_freed_blocks_stay_reserved(monkeypatch):
+    """Two 1 MiB tensors share one 2 MiB segment; freed, they stay reserved (cached) until empty_cache, and a later
+    request of the same pool reuses them without a new segment."""
+    gpu = fake_cuda.install(monkeypatch, "t4")
+    a, b = gpu.alloc(MiB), gpu.alloc(MiB)
+    assert _counters() == (2 * MiB, 2 * MiB)
+    gpu.free(a)
+    gpu.free(b)
+    assert _counters() == (0, 2 * MiB)
+    free_before = torch.cuda.mem_get_info(0)[0]
+    gpu.alloc(1000)
+    assert _counters() == (1024, 2 * MiB) and torch.cuda.mem_get_info(0)[0] == free_before
+    gpu.free(next(iter(gpu.live)))
+    big = gpu.alloc(100 * MiB)
+    gpu.free(big)
+    assert _counters() == (0, 102 * MiB)
+    half = gpu.alloc(50 * MiB)  # best fit in the cached 100 MiB block, split: no new segment
+    assert _counters() == (50 * MiB, 102 * MiB)
+    torch.cuda.empty_cache()  # only wholly free segments go back: the 2 MiB one
+    assert _counters() == (50 * MiB, 100 * MiB)
+    gpu.free(half)  # merged with its free neighbour again (try_merge_blocks): 80 MiB fits without a new segment
+    gpu.alloc(80 * MiB)
+    assert _counters() == (80 * MiB, 100 * MiB)
+
+
+def test_the_cap_limits_reserved_memory_and_cached_blocks_are_released_first(monkeypatch):
+    """Under a cap of 100 MiB: a cached 60 MiB block does not fit a 70 MiB request; 60 + 70 cached + new would pass
+    the cap, so the allocator releases the cached segment and retries (num_alloc_retries); then 70 in use + 40 new
+    passes the cap with nothing to release: out of memory although 70 + 40 < the card. Breaks if the cap counts
+    allocated instead of reserved memory, or if cached memory is never given back before failing."""
+    gpu = fake_cuda.install(monkeypatch, "t4")
+    torch.cuda.set_per_process_memory_fraction(100 * MiB / gpu.profile.total, 0)
+    gpu.free(gpu.alloc(60 * MiB))
+    gpu.alloc(70 * MiB)
+    stats = torch.cuda.memory_stats(0)
+    assert _counters() == (70 * MiB, 70 * MiB) and stats["num_alloc_retries"] == 1
+    with pytest.raises(torch.OutOfMemoryError, match="allowed"):
+        gpu.alloc(40 * MiB)
+    assert torch.cuda.memory_stats(0)["num_ooms"] == 1
+
+
+def test_a_fraction_of_one_is_no_cap(monkeypatch):
+    """setMemoryFraction(1.0) sets no limit (recent torch: std::nullopt): only the card itself, what the driver
+    holds outside the allocator included, refuses. Breaks if 1.0 were a cap at the total (the pretend driver would
+    then refuse at the total, not at total - outside)."""
+    gpu = fake_cuda.install(monkeypatch, "t4")
+    torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    assert gpu.limit() is None
+    room = gpu.profile.total - gpu.profile.outside
+    gpu.alloc(room // (2 * MiB) * 2 * MiB)
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        gpu.alloc(2 * MiB + 1)
+    assert "allowed" not in str(err.value)
+
+
+@pytest.mark.parametrize("profile,workspace", [("rtx3070-8gb", 2 * 4096 * 1024 + 8 * 16 * 1024), ("h100", 32 * MiB)])
+def test_cublas_workspaces_come_from_the_caching_allocator(monkeypatch, profile, workspace):
+    """One workspace per thread and stream (the main thread's and autograd's backward thread's), each
+    ``getChosenWorkspaceSize()`` (":4096:2:16:8" by default, 32 MiB on Hopper) taken through the caching allocator:
+    allocated and reserved, never in what cudaMemGetInfo shows outside it. Breaks if the pretend GPU kept them
+    outside (as its profiles' comments and the device module's docstring said)."""
+    gpu = fake_cuda.install(monkeypatch, profile)
+    outside_before = gpu.profile.total - torch.cuda.mem_get_info(0)[0] - _counters()[1]
+    gpu.cublas_workspace("main")
+    gpu.cublas_workspace("autograd")
+    gpu.cublas_workspace("main")  # the same handle and stream: no second workspace
+    allocated, reserved = _counters()
+    assert allocated == 2 * fake_cuda.round_size(workspace) and reserved >= allocated
+    assert gpu.profile.total - torch.cuda.mem_get_info(0)[0] - reserved == outside_before
+
+
+@pytest.mark.parametrize("request_mib", [1, 4, 64])
+@pytest.mark.parametrize("profile", list(fake_cuda.PROFILES))
+def test_what_a_program_holds_under_budget_8_by_torchs_rules(fresh, profile, request_mib):
+    """Under --gpu-memory-gb 8 a program (two cuBLAS workspaces, then tensors of one size until the allocator
+    refuses) holds, by torch's rules: reserved memory at most the cap; reserved + what lives outside the allocator
+    at most the published 7.78 GiB of an RTX 3070; and all of the cap but less than one segment of that size
+    (2 MiB for 1 MiB tensors, 20 MiB for 4 MiB ones, 64 MiB for 64 MiB ones). Breaks if the cap models 8 GiB,
+    lets cached memory pass it, or wastes more than one segment."""
+    gpu = fake_cuda.install(fresh, profile)
+    dev.card_budget(8)
+    cap = torch_limit(gpu)
+    gpu.cublas_workspace("main")
+    gpu.cublas_workspace("autograd")
+    with pytest.raises(torch.OutOfMemoryError):
+        while True:
+            gpu.alloc(request_mib * MiB)
+    allocated, reserved = _counters()
+    segment = fake_cuda.allocation_size(fake_cuda.round_size(request_mib * MiB))
+    assert allocated <= reserved <= cap
+    assert reserved + gpu.profile.outside <= int(round(PUBLISHED["RTX 3070 (8 GB)"] * GiB))
+    assert cap - reserved < segment
+    assert reserved - allocated < fake_cuda.allocation_size(fake_cuda.round_size(8 * MiB))  # workspace slack only
+
+
+def test_the_budget_line_says_the_context_subtracted_is_this_gpus(fresh):
+    """The emulated card's cap subtracts what lives outside the allocator on *this* GPU (an H100's context is
+    larger than a GeForce's): the line says so, with the number."""
+    gpu = fake_cuda.install(fresh, "h100")
+    line = dev.budget_line(dev.card_budget(8))
+    assert f"{gpu.profile.outside / GiB:.2f} GiB" in line and "this GPU" in line and "not the emulated card" in line
 
 
 # ------------------------------------------------------------------------------ failures a real card produces

@@ -345,11 +345,29 @@ def test_cli_refuses_a_bad_budget_variable(monkeypatch, root, capsys):
 
 
 # ------------------------------------------------------------------------------ the device module, end to end
-def _fake_nvidia_smi(tmp_path, monkeypatch):
-    exe = tmp_path / "nvidia-smi"
-    exe.write_text("#!/bin/sh\necho 570.86.15\n")
+def pretend_nvidia_smi(directory, monkeypatch, lines=("NVIDIA GeForce RTX 3070, 570.86.15",), code=0,
+                       sleep=0.0) -> None:
+    """An executable ``nvidia-smi`` first on PATH (in ``directory``), answering the device module's query as the real
+    one does: ``--query-gpu=name,driver_version --format=csv,noheader`` prints one "name, driver_version" line per
+    GPU (e.g. "NVIDIA GeForce RTX 3070, 570.86.15"); any other arguments exit 2. ``code`` != 0: what it does when
+    it cannot reach the driver (exit 9 with NVIDIA's message); ``sleep``: a hung driver."""
+    directory.mkdir(parents=True, exist_ok=True)
+    exe = directory / "nvidia-smi"
+    body = "\n".join(f"echo '{line}'" for line in lines)
+    if code:
+        body = ("echo 'NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. Make sure that "
+                "the latest NVIDIA driver is installed and running.'")
+    exe.write_text("#!/bin/sh\n"
+                   '[ "$*" = "--query-gpu=name,driver_version --format=csv,noheader" ] || '
+                   '{ echo "pretend nvidia-smi: unexpected arguments $*" >&2; exit 2; }\n'
+                   f"sleep {sleep}\n{body}\nexit {code}\n")
     exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("PATH", f"{directory}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(dev, "_state", {})  # the probe is asked once per process: ask this one
+
+
+def _fake_nvidia_smi(tmp_path, monkeypatch):
+    pretend_nvidia_smi(tmp_path / "driver", monkeypatch)
 
 
 def exercise_device_module(monkeypatch, tmp_path, profile: str) -> None:
@@ -363,7 +381,7 @@ def exercise_device_module(monkeypatch, tmp_path, profile: str) -> None:
         m.setenv("LAB_SMOKE", "yes")
         assert dev.detect_mode() == ("smoke", "LAB_SMOKE=1")
         m.delenv("LAB_SMOKE")
-        assert dev.detect_mode() == ("full", "CUDA GPU found")
+        assert dev.detect_mode() == ("full", "CUDA GPU found") and dev.unusable_gpu() is None
         info = lu.setup(verbose=False)
         assert info["gpu"]["driver"] == "570.86.15"
         assert dev.default_device().type == "cuda" and dev.is_cuda("cuda") and dev.resolve("cuda:0").index == 0
@@ -403,7 +421,7 @@ def exercise_device_module(monkeypatch, tmp_path, profile: str) -> None:
         assert ok_bf16 == ok_tf32 == (gpu.profile.major >= 8) and gpu.profile.name in why + why_tf
         assert dev.name() == gpu.profile.name and dev.pin_memory_default("cuda")
         assert lu.bf16_supported()[0] == ok_bf16
-        assert dev.capability() == (gpu.profile.major, gpu.profile.minor) and dev.torch_bf16_native() == ok_bf16
+        assert dev.capability() == (gpu.profile.major, gpu.profile.minor)
         env = lenv.environment()
         assert env["gpu"]["compute_capability"] == f"{gpu.profile.major}.{gpu.profile.minor}"
         assert dev.set_cap_fraction(1.5) == 1.0 and dev.card_budget(None) is None
@@ -440,13 +458,116 @@ def exercise_cpu_branches(monkeypatch, tmp_path) -> None:
     assert not dev.tf32_support("cpu")[0] and dev.name("cpu") == "CPU"
     assert dev.facts("cpu") is None and not dev.pin_memory_default("cuda")
     with monkeypatch.context() as m:
+        m.setattr(dev, "_state", {})
         m.setenv("PATH", str(tmp_path / "empty"))
-        assert dev.driver_version() is None
+        assert dev.driver_version() is None and dev.unusable_gpu() is None
+    exercise_driver_probe(monkeypatch, tmp_path)
+
+
+def exercise_driver_probe(monkeypatch, tmp_path) -> None:
+    """A GPU torch cannot use (issue 29): the driver (a pretend nvidia-smi) sees one while torch sees none."""
+    for build in ("13.0", None):  # pip's default CUDA 13 build on an old driver; a CPU-only build
+        with monkeypatch.context() as m:
+            fake_cuda.no_gpu(m)
+            m.delenv("LAB_SMOKE", raising=False)
+            m.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+            pretend_nvidia_smi(tmp_path / "old-driver", m, lines=("NVIDIA GeForce RTX 3070, 470.256.02",))
+            m.setattr(torch.version, "cuda", build)
+            info = dev.unusable_gpu()
+            assert info["driver"] == "470.256.02" and info["torch_cuda"] == build
+            assert "470.256.02" in info["message"] and "RTX 3070" in info["message"]
+            assert (f"CUDA {build}" if build else "CPU-only build") in info["message"]
+            mode, reason = dev.detect_mode()
+            assert mode == "smoke" and reason.startswith("WARNING") and "470.256.02" in reason
+            m.setenv("CUDA_VISIBLE_DEVICES", "")
+            assert "CUDA_VISIBLE_DEVICES" in dev.unusable_gpu()["fix"]
 
 
 @pytest.mark.parametrize("profile", PROFILES)
 def test_device_module_end_to_end(monkeypatch, tmp_path, profile):
     exercise_device_module(monkeypatch, tmp_path, profile)
+
+
+# ------------------------------------------------------------------------- the driver's view (nvidia-smi), issue 29
+def test_driver_gpus_are_read_from_nvidia_smi(monkeypatch, tmp_path):
+    """Two GPUs, as nvidia-smi prints them; the driver's version from the first. Breaks if the probe asks another
+    query (the pretend nvidia-smi refuses it) or splits a name."""
+    pretend_nvidia_smi(tmp_path, monkeypatch,
+                       lines=("NVIDIA H100 80GB HBM3, 570.86.15", "NVIDIA A100-SXM4-80GB, 570.86.15"))
+    assert dev.driver_gpus() == [{"name": "NVIDIA H100 80GB HBM3", "driver": "570.86.15"},
+                                 {"name": "NVIDIA A100-SXM4-80GB", "driver": "570.86.15"}]
+    assert dev.driver_version() == "570.86.15"
+
+
+@pytest.mark.parametrize("how", ["absent", "no-driver", "hung", "refuses-the-query"])
+def test_driver_probe_never_fails(monkeypatch, tmp_path, how):
+    """No nvidia-smi (a CPU machine, macOS), one that cannot reach the driver (exit 9), one that hangs (answered
+    within the short timeout, not waited on), one that prints usage: no GPU seen, nothing raised."""
+    import time
+
+    if how == "absent":
+        monkeypatch.setattr(dev, "_state", {})
+        monkeypatch.setenv("PATH", str(tmp_path / "nothing-here"))
+    elif how == "no-driver":
+        pretend_nvidia_smi(tmp_path, monkeypatch, code=9)
+    elif how == "hung":
+        pretend_nvidia_smi(tmp_path, monkeypatch, sleep=30)
+        monkeypatch.setattr(dev, "NVIDIA_SMI_TIMEOUT_S", 0.5)
+    else:
+        pretend_nvidia_smi(tmp_path, monkeypatch)
+        monkeypatch.setattr(dev, "NVIDIA_SMI_QUERY", ["nvidia-smi", "--query-gpu=name"])
+    t0 = time.perf_counter()
+    assert dev.driver_gpus() is None and dev.driver_version() is None
+    assert time.perf_counter() - t0 < 10
+
+
+def test_a_gpu_torch_cannot_use_is_named_not_quietly_the_cpu(monkeypatch, tmp_path):
+    """The driver sees a GPU, torch does not (pip's CUDA 13 torch on an old driver): the mode's reason is a WARNING
+    naming the driver's version, torch's CUDA version and the fix. Before, it was "no CUDA GPU found" and the labs
+    ran the CPU smoke configuration without a word."""
+    exercise_driver_probe(monkeypatch, tmp_path)
+
+
+def test_no_warning_where_torch_uses_the_gpu_or_no_driver_sees_one(gpu, monkeypatch, tmp_path):
+    pretend_nvidia_smi(tmp_path, monkeypatch)
+    assert dev.unusable_gpu() is None and dev.detect_mode() == ("full", "CUDA GPU found")
+    fake_cuda.no_gpu(monkeypatch)
+    monkeypatch.setattr(dev, "_state", {})
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing-here"))
+    assert dev.unusable_gpu() is None and dev.detect_mode()[1].startswith("no CUDA GPU found")
+
+
+def exercise_compile_support(monkeypatch) -> None:
+    """No Triton (native Windows): torch.compile cannot compile for a CUDA GPU; the CPU needs none."""
+    import importlib.util
+
+    assert dev.compile_support("cpu")[0]
+    with monkeypatch.context() as m:
+        fake_cuda.install(m, "rtx3070-8gb")
+        real = importlib.util.find_spec
+        m.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+        ok, why = dev.compile_support("cuda")
+        assert not ok and "Triton" in why and "Windows" in why
+        m.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "triton" else real(name, *a))
+        assert dev.compile_support("cuda") == (True, "Triton is installed")
+
+
+def test_compile_support_names_a_missing_triton(monkeypatch):
+    exercise_compile_support(monkeypatch)
+
+
+def test_setup_says_so_loudly(monkeypatch, tmp_path, capsys):
+    """Each notebook's setup cell: the warning on stderr (Jupyter shows it in red), the mode line pointing at it."""
+    fake_cuda.no_gpu(monkeypatch)
+    monkeypatch.delenv("LAB_SMOKE", raising=False)
+    monkeypatch.delenv("LAB_GPU_MEMORY_GB", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    pretend_nvidia_smi(tmp_path, monkeypatch, lines=("NVIDIA GeForce RTX 3070, 470.256.02",))
+    info = lu.setup(seed=0)
+    out, err = capsys.readouterr()
+    assert info["mode"] == "smoke"
+    assert err.startswith("WARNING") and "470.256.02" in err and "CUDA 13.0" in err and "Fix:" in err
+    assert "mode: smoke (see the WARNING above" in out
 
 
 @pytest.mark.skipif(sys.gettrace() is not None, reason="another tracer (coverage or a debugger) is running")
@@ -466,6 +587,8 @@ def test_device_module_fully_covered(monkeypatch, tmp_path):
             fake_cuda.install(m, "t4", mem_info_fails=True)
             assert "default" in dev.outside_allocator_bytes()[1]
         dev.is_oom(RuntimeError("x")), dev.is_oom(torch.OutOfMemoryError("x"))
+        test_driver_gpus_are_read_from_nvidia_smi(monkeypatch, tmp_path / "probe")
+        exercise_compile_support(monkeypatch)
         from test_card_budget import exercise_card_budget  # the card budget's lines (h2's tests)
         exercise_card_budget(monkeypatch)
         for raw in ("8", "x", ""):
@@ -492,18 +615,19 @@ def _code(text: str) -> str:
 
 
 def test_no_torch_cuda_call_outside_the_device_module(root):
-    """Every CUDA call of labutils goes through labutils/device.py; doctor.py is the one exception: it calls the
-    raw torch.cuda functions that lab 04 shows students, to confirm them on a real GPU."""
+    """Every CUDA call of labutils goes through labutils/device.py; the doctor's checks
+    (doctor_checks.py) are the one exception: they call the raw torch.cuda functions that lab 04 shows students, to
+    confirm them on a real GPU."""
     import re
     offenders = {p.name: sorted(set(re.findall(r"torch\.cuda\.[\w.]+\(", _code(p.read_text()))))
-                 for p in (root / "labutils").glob("*.py") if p.name not in ("device.py", "doctor.py")}
+                 for p in (root / "labutils").glob("*.py") if p.name not in ("device.py", "doctor_checks.py")}
     assert not {k: v for k, v in offenders.items() if v}
 
 
 def test_raw_cuda_calls_in_notebooks_are_lab04_lessons_checked_by_doctor(root):
     import json
     import re
-    doctor = (root / "labutils" / "doctor.py").read_text() + (root / "labutils" / "device.py").read_text()
+    doctor = (root / "labutils" / "doctor_checks.py").read_text() + (root / "labutils" / "device.py").read_text()
     for nb in sorted(root.glob("[0-9][0-9]-*.ipynb")):
         code = "\n".join("".join(c["source"]) for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code")
         calls = set(re.findall(r"torch\.cuda\.([\w.]+)\(", _code(code)))
