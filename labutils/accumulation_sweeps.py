@@ -10,6 +10,7 @@ The accumulation loop and the gradient experiments are written out in the notebo
 from __future__ import annotations
 
 import math
+import statistics
 
 import numpy as np
 
@@ -23,6 +24,26 @@ def tail_loss(r) -> float | None:
     """Mean loss over the last 10% of steps: one number per run, less noisy than the last step."""
     n = max(1, len(r.losses) // 10)
     return float(np.mean(r.losses[-n:])) if r.losses else None
+
+
+def median_step(r) -> tuple[float | None, float | None]:
+    """(median step time over a run's timed steps, its noise: +- half the inter-quartile range, relative); Nones
+    when no step was timed. The step time every table and fit of the lab reads."""
+    times = cl.timed_step_times(r) if getattr(r, "ok", True) else []
+    if not times:
+        return None, None
+    med = statistics.median(times)
+    q = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else None
+    return med, ((q[2] - q[0]) / 2 / med if q else None)
+
+
+def run_row(r, **extra) -> dict:
+    """A finished run's table row (``RunResult.row``) with its step time as the lab reads it everywhere: the
+    median of the timed steps (``median_step_s``) and its spread (``step_noise``), in place of the mean."""
+    row = r.row(**extra)
+    row.pop("step_time_s", None)
+    med, noise = median_step(r)
+    return {**row, "median_step_s": med, "step_noise": noise}
 
 
 def moving_average(x, window: int) -> np.ndarray:
@@ -79,8 +100,8 @@ def plot_sweep(runs: dict, micro: int, title: str):
     names = [f"{micro} x {k}" for k in runs]
     axes[1, 0].bar(names, [r.peak_memory_bytes / 2**20 for r in runs.values()], color="tab:purple")
     axes[1, 0].set(ylabel="Peak memory (MiB)", title=f"Peak memory (micro-batch fixed at {micro})")
-    axes[1, 1].bar(names, [micro * k / r.step_time_seconds for k, r in runs.items()], color="tab:gray")
-    axes[1, 1].set(ylabel="Samples per second", title="Throughput")
+    axes[1, 1].bar(names, [micro * k / median_step(r)[0] for k, r in runs.items()], color="tab:gray")
+    axes[1, 1].set(ylabel="Samples per second", title="Throughput (median step time)")
     for ax in axes.flat:
         ax.grid(alpha=0.3)
     axes[0, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -260,7 +281,7 @@ def cost_readings(runs: dict, micro: int, cost: dict) -> list[str]:
             + ("(CPU timing, not a GPU result)" if cpu else f"(timed on {cost['hardware']})"))
     if cpu:
         return [head]
-    a, b = linear_fit(list(runs), [r.step_time_seconds for r in runs.values()])
+    a, b = linear_fit(list(runs), [median_step(r)[0] for r in runs.values()])
     return [head, f"micro-batch {micro}: step time = {a * 1e3:.1f} ms + k x {b * 1e3:.1f} ms (least-squares fit: "
                   f"per-step overhead, then per micro-batch)", time_fit_reading(runs, micro, a, b)]
 

@@ -1,7 +1,7 @@
 """Lab 01, how fast each precision trains, and what the course claimed. Each precision's run is timed once:
 :func:`speedup_rows` gives its median step time over the timed steps, the spread beside it, and its speed-up over
 FP32 (median over median) -- the one number the comparison table (:func:`comparison_rows`), the expectations table
-(:func:`readme_rows`), claim C2 (:func:`c1_c2_claims`), the batch sweep and the Amdahl reading
+(:func:`course_rows`), claim C2 (:func:`c1_c2_claims`), the batch sweep and the Amdahl reading
 (:func:`speedup_readings`) all read. Also: matmul throughput per dtype, the 2x2 figure, MFU readings.
 
 Where one training step's memory goes is in :mod:`labutils.amp_memory`; one step op by op (profiler op time, a
