@@ -299,7 +299,8 @@ def small_micro_batch_line(scan: dict, micro: int, target: int, cost: dict) -> s
             f"tokens/s, the fastest split that fits ({best} x {target // best}) at "
             f"{scan[best].target_tokens_per_second:,.0f}: micro-batch {micro} gives up {price:.0%} of the throughput "
             f"at this effective batch -- the price of a small micro-batch, not of accumulating (that is "
-            f"{100 * cost['time_cost']:+.0f} %, {cost['compares']} at one micro-batch)")
+            + (f"{100 * cost['time_cost']:+.0f} %, " if cost["time_cost"] is not None else "")
+            + f"{cost['compares']} at one micro-batch)")
 
 
 def c3_claim(cost: dict, cond: dict, *, grad_buffer: int) -> dict:

@@ -97,7 +97,7 @@ def speedup_readings(speeds: dict, big: dict, small: dict, precisions: list, har
                      amp: str | None = None) -> list[str]:
     """What the step speed-ups ``speeds`` ({precision: x}, :func:`speedups`: the one measurement of section 4) say
     next to the matmul table (``big``/``small``: its largest and smallest rows) and the batch sweep (``sweep_rows``,
-    ``amp`` against fp32): no fast path, Amdahl's estimate of the matmul share, whether the speed-up grows with the
+    ``amp`` against fp32, their ``speedup_vs_fp32``): no fast path, Amdahl's estimate of the matmul share, whether the speed-up grows with the
     batch. Timed on a CPU: one line saying that these readings are made on a GPU only (the CPU numbers stand in
     the tables, labelled); no paragraph reads CPU timing."""
     if cl.on_cpu(hardware):
@@ -122,11 +122,11 @@ def speedup_readings(speeds: dict, big: dict, small: dict, precisions: list, har
         elif model_x <= 1:
             line += " -> the faster matmuls did not make the step faster: the step is not matmul-bound here"
         lines.append(line)
-    sw = [r for r in sweep_rows if r.get("speedup") is not None]
+    sw = [r for r in sweep_rows if r.get(SPEEDUP) is not None]
     if sw and amp:
         lines.append(f"{amp} speed-up vs FP32 by micro-batch (median step times): "
-                     + ", ".join(f"{r['micro_batch']}: {r['speedup']:.2f}x" for r in sw))
-        if len(sw) > 1 and sw[-1]["speedup"] > sw[0]["speedup"]:
+                     + ", ".join(f"{r['micro_batch']}: {r[SPEEDUP]:.2f}x" for r in sw))
+        if len(sw) > 1 and sw[-1][SPEEDUP] > sw[0][SPEEDUP]:
             lines.append(f"the speed-up grows with the batch: at micro-batch {sw[0]['micro_batch']} the GPU waits on "
                          f"kernel launches (launch-bound), so faster math cannot help.")
         elif len(sw) > 1:

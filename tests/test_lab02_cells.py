@@ -172,3 +172,18 @@ def test_the_time_fit_reading_follows_its_rows_and_their_noise():
     assert "MORE expensive" in text and "makes each sample cheaper" not in text
     noisy = {1: _run(1, 1.0, jitter=0.3), 16: _run(16, 0.95, jitter=0.3)}
     assert "not decided" in acs.time_fit_reading(noisy, 2, 0.1, 0.95)
+
+
+def test_the_small_micro_batch_line_names_itself_and_the_one_cost():
+    """On a GPU the fixed-batch comparison is printed as the price of a small micro-batch, next to (not instead of)
+    the one measured cost of accumulating; on a CPU nothing is read from it."""
+    import labutils.accumulation_sweeps as acs
+    from types import SimpleNamespace
+
+    gpu = "NVIDIA H100 80GB HBM3"
+    cost = acs.accumulation_cost({1: _run(1, 1.0, hardware=gpu), 16: _run(16, 1.05, hardware=gpu)}, 2)
+    scan = {2: SimpleNamespace(target_tokens_per_second=600.0), 8: SimpleNamespace(target_tokens_per_second=1000.0)}
+    line = acs.small_micro_batch_line(scan, 2, 32, cost)
+    assert "gives up 40% of the throughput" in line and "not of accumulating (that is +5 %" in line
+    cpu_cost = acs.accumulation_cost({1: _run(1, 1.0), 16: _run(16, 1.05)}, 2)
+    assert "not read here" in acs.small_micro_batch_line(scan, 2, 32, cpu_cost)

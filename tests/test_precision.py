@@ -116,13 +116,14 @@ def test_speed_readings_on_a_cpu_are_one_labelled_line():
     batch trend). On a GPU the Amdahl estimate says it is an estimate and differs from the profiler's share."""
     big = {"matmul": "1 micro-batch", "fp32_tflops": 1.0, "fp16_tflops": 4.0}
     small = {"matmul": "1 token", "fp32_tflops": 1.0, "fp16_tflops": 1.5}
-    sweep = [{"micro_batch": 1, "speedup": 1.1}, {"micro_batch": 8, "speedup": 1.5}]
+    sweep = [{"micro_batch": 1, "speedup_vs_fp32": 1.1}, {"micro_batch": 8, "speedup_vs_fp32": 1.5}]
     cpu = am.speedup_readings({"fp16": 1.5}, big, small, ["fp32", "fp16"], "cpu", sweep, "fp16")
     assert len(cpu) == 1 and "CPU timing" in cpu[0] and "Amdahl's estimate" not in cpu[0]
     gpu = "\n".join(am.speedup_readings({"fp16": 1.5}, big, small, ["fp32", "fp16"], "NVIDIA H100 80GB HBM3",
                                         sweep, "fp16"))
     share = (1 - 1 / 1.5) / (1 - 1 / 4.0)
     assert f"about {share:.0%} of the FP32 step time" in gpu and "profiler" in gpu and "1.50x FP32 speed" in gpu
+    assert "by micro-batch (median step times): 1: 1.10x, 8: 1.50x" in gpu and "grows with the batch" in gpu
 
 
 def test_logits_dtypes_are_what_the_model_and_its_loss_use():
