@@ -25,7 +25,7 @@ from . import device as dev
 from . import env as _env
 from .config import Config
 from .data import IGNORE_INDEX, LMDataset
-from .memory import MemoryTracker, oom_caught, release
+from .memory import LiveStorages, MemoryTracker, fmt_bytes, oom_caught, release
 from .train import make_optimizer, prepare, step_scheduler, train
 
 NORMALISATIONS = ("window", "naive")
@@ -61,8 +61,10 @@ def window_gradient(model, micro_batches, normalise: str = "window", autocast=No
 
 
 def grads_to_cpu(model) -> list[torch.Tensor]:
-    """A float32 CPU copy of every parameter's gradient (zeros where a parameter got none)."""
-    return [(p.grad.detach().float().cpu() if p.grad is not None else torch.zeros(p.shape))
+    """A float32 CPU copy of every parameter's gradient (zeros where a parameter got none). A real copy, also on
+    the CPU (``.float().cpu()`` of an FP32 CPU gradient is the gradient itself): ``zero_grad`` then frees ``p.grad``,
+    and the copies live exactly as long as the caller keeps them."""
+    return [(p.grad.detach().to("cpu", torch.float32, copy=True) if p.grad is not None else torch.zeros(p.shape))
             for p in model.parameters()]
 
 
@@ -85,7 +87,10 @@ def grad_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
 
 @contextlib.contextmanager
 def held_model(cfg: Config, device=None):
-    """``with held_model(cfg) as (model, dataset, device):`` model and dataset on the device, released after."""
+    """``with held_model(cfg) as (model, dataset, device):`` model and dataset on the device, released after.
+
+    Released only if nothing else holds them: names bound by the ``with`` in a notebook cell outlive the block.
+    Use it inside a function (the names die when it returns); :func:`memory_in_use` checks that they did."""
     device = torch.device(device or _env.default_device())
     _env.seed_everything(cfg.train.seed)
     loaded, dataset = prepare(cfg, device, verbose=False)
@@ -98,6 +103,30 @@ def held_model(cfg: Config, device=None):
         loaded = None
         del model
         release()
+
+
+def memory_in_use(device=None) -> int:
+    """Bytes of tensors alive now on ``device``: on CUDA the allocator's allocated bytes; on the CPU every live CPU
+    tensor storage (and ``.grad``), found by a garbage-collector scan -- what labutils' CPU tracker counts at the
+    start of a measured region, so whatever is alive here is in every peak measured next."""
+    device = torch.device(device or _env.default_device())
+    release()
+    if device.type == "cuda":
+        return int(dev.allocated(device) or 0)
+    live = LiveStorages()
+    live.add_existing()
+    return live.current
+
+
+def baseline_line(device, baseline: int, where: str) -> tuple[int, str]:
+    """(bytes in use now, a line saying so next to the lab's ``baseline``): every measured run of a section starts
+    from the baseline it reports, so a leftover of an earlier section shows here, with its size."""
+    now = memory_in_use(device)
+    extra = now - baseline
+    return now, (f"memory in use at the start of {where}: {fmt_bytes(now)} (the lab's baseline: {fmt_bytes(baseline)}"
+                 + ("; nothing left over from earlier sections)" if extra == 0 else
+                    f"; {fmt_bytes(abs(extra))} {'more' if extra > 0 else 'less'}: "
+                    + ("left over from an earlier section, counted in every peak below)" if extra > 0 else ")")))
 
 
 def max_relative_gap(xs, ys) -> float:
@@ -308,7 +337,7 @@ def memory_budget(cfg: Config, device=None, reference_gib: float = 8.0) -> tuple
     """The memory the experiments must fit in, and what it is.
 
     CUDA: the card's memory, or ``LAB_GPU_MEMORY_GB`` when set (the allocator enforces it). CPU: no card, so a
-    simulated one: ``reference_gib`` scaled by (this model's parameters / GPT-2 small's), i.e. the same
+    simulated one (an "oom" past it is labutils' CPU tracker refusing, not a real out-of-memory error): ``reference_gib`` scaled by (this model's parameters / GPT-2 small's), i.e. the same
     memory-to-model ratio as GPT-2 small on an 8 GB card. labutils' CPU tracker raises OOM past it."""
     device = torch.device(device or _env.default_device())
     if device.type == "cuda":

@@ -10,6 +10,7 @@ The accumulation loop and the gradient experiments are written out in the notebo
 from __future__ import annotations
 
 import math
+import statistics
 
 import numpy as np
 
@@ -23,6 +24,26 @@ def tail_loss(r) -> float | None:
     """Mean loss over the last 10% of steps: one number per run, less noisy than the last step."""
     n = max(1, len(r.losses) // 10)
     return float(np.mean(r.losses[-n:])) if r.losses else None
+
+
+def median_step(r) -> tuple[float | None, float | None]:
+    """(median step time over a run's timed steps, its noise: +- half the inter-quartile range, relative); Nones
+    when no step was timed. The step time every table and fit of the lab reads."""
+    times = cl.timed_step_times(r) if getattr(r, "ok", True) else []
+    if not times:
+        return None, None
+    med = statistics.median(times)
+    q = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else None
+    return med, ((q[2] - q[0]) / 2 / med if q else None)
+
+
+def run_row(r, **extra) -> dict:
+    """A finished run's table row (``RunResult.row``) with its step time as the lab reads it everywhere: the
+    median of the timed steps (``median_step_s``) and its spread (``step_noise``), in place of the mean."""
+    row = r.row(**extra)
+    row.pop("step_time_s", None)
+    med, noise = median_step(r)
+    return {**row, "median_step_s": med, "step_noise": noise}
 
 
 def moving_average(x, window: int) -> np.ndarray:
@@ -79,8 +100,8 @@ def plot_sweep(runs: dict, micro: int, title: str):
     names = [f"{micro} x {k}" for k in runs]
     axes[1, 0].bar(names, [r.peak_memory_bytes / 2**20 for r in runs.values()], color="tab:purple")
     axes[1, 0].set(ylabel="Peak memory (MiB)", title=f"Peak memory (micro-batch fixed at {micro})")
-    axes[1, 1].bar(names, [micro * k / r.step_time_seconds for k, r in runs.items()], color="tab:gray")
-    axes[1, 1].set(ylabel="Samples per second", title="Throughput")
+    axes[1, 1].bar(names, [micro * k / median_step(r)[0] for k, r in runs.items()], color="tab:gray")
+    axes[1, 1].set(ylabel="Samples per second", title="Throughput (median step time)")
     for ax in axes.flat:
         ax.grid(alpha=0.3)
     axes[0, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -199,27 +220,108 @@ def recommend(fixed_bytes: float, per_sample_bytes: float, budgets: dict, target
     return rows
 
 
-def c3_claim(memory_increase: float, runs: dict, cond: dict, *, grad_buffer: int, micro: int) -> dict:
-    """C3, "accumulation costs 0 % memory and ~5 % time", judged by the course's one rule (labutils.claims) at a
-    FIXED micro-batch ``micro``: ``runs`` is the sweep ``{accumulation steps: RunResult}``; its fewest and most
-    accumulation steps are the pair. The memory: their peaks (``memory_increase``), with the reason that the extra
-    is at most one FP32 gradient buffer (``grad_buffer`` bytes). The time: each sample's share of a step (median
-    step time / k), the same micro-batch on both sides, so a difference is the accumulating itself, not a small
-    micro-batch; judged only from a GPU with enough timed steps (else "not judged", the value shown labelled)."""
+def accumulation_cost(runs: dict, micro: int) -> dict:
+    """The cost of accumulating, measured once: the sweep ``{accumulation steps: RunResult}`` at the FIXED
+    micro-batch ``micro``, its fewest (k_lo) against its most (k_hi) accumulation steps. Time: each micro-batch's
+    share of a step (median step time over the timed steps / k), the same micro-batch on both sides, so a
+    difference is the accumulating itself, not a small micro-batch (``time_cost`` = k_hi's / k_lo's - 1, with its
+    noise from the two runs' inter-quartile ranges). Memory: the two peaks (``memory_increase``). One row: the
+    lab's results table ``accumulation_cost``, which the notebook's lines and C3 (:func:`c3_claim`) read."""
     k_lo, k_hi = min(runs), max(runs)
-    pair = (f"{micro} x {k_lo}", f"{micro} x {k_hi}")
-    values, evidence = {"memory_increase": memory_increase}, {}
-    # times with their noise and what stands behind them (labutils.claims)
-    lo, hi = (cl.timed_step_times(runs[k]) for k in (k_lo, k_hi))
-    t = cl.timed_ratio([x / k_lo for x in lo], [x / k_hi for x in hi])   # seconds per micro-batch of each
-    if t["ratio"]:
-        values["time_cost"] = t["ratio"] - 1
+    lo, hi = runs[k_lo], runs[k_hi]
+    t = cl.timed_ratio([x / k_lo for x in cl.timed_step_times(lo)], [x / k_hi for x in cl.timed_step_times(hi)])
+    return {"compares": f"{micro} x {k_lo} vs {micro} x {k_hi}", "micro_batch": micro, "k_lo": k_lo, "k_hi": k_hi,
+            "time_cost": t["ratio"] - 1 if t["ratio"] else None, "time_cost_noise": t["spread"],
+            "timed_steps": t["timed_steps"], "seconds_per_micro_batch_lo": t["median_a"],
+            "seconds_per_micro_batch_hi": t["median_b"],
+            "peak_lo_bytes": lo.peak_memory_bytes, "peak_hi_bytes": hi.peak_memory_bytes,
+            "memory_increase": hi.peak_memory_bytes / lo.peak_memory_bytes - 1
+            if lo.peak_memory_bytes and hi.peak_memory_bytes else None,
+            "hardware": cl.hardware(lo.env)}
+
+
+def time_fit_reading(runs: dict, micro: int, a: float, b: float) -> str:
+    """What the fit step time = ``a`` + k x ``b`` over the sweep ``runs`` at micro-batch ``micro`` says, decided by
+    the runs' own rows and their noise: each sample is cheaper when accumulating only if the time per micro-batch
+    at the most accumulation steps is below the one at the fewest by more than the noise, and the fitted per-step
+    overhead is positive. Otherwise it says which of the two is not so."""
+    k_lo, k_hi = min(runs), max(runs)
+    t = cl.timed_ratio([x / k_lo for x in cl.timed_step_times(runs[k_lo])],
+                       [x / k_hi for x in cl.timed_step_times(runs[k_hi])])
+    if t["ratio"] is None:
+        return "  -> no timed steps: nothing to read from the fit"
+    change = t["ratio"] - 1
+    noise = t["spread"]
+    rows = (f"time per micro-batch {1e3 * t['median_a']:.1f} ms at {micro} x {k_lo} -> {1e3 * t['median_b']:.1f} ms at "
+            f"{micro} x {k_hi} ({100 * change:+.0f} %, noise "
+            + (f"+-{100 * noise:.0f} %)" if noise is not None else "unknown)"))
+    if noise is None or abs(change) <= noise:
+        return f"  -> {rows}: within the noise; the fit's split into overhead and per-micro-batch time is not decided"
+    if change < 0 and a > 0:
+        return (f"  -> {rows}: the per-step overhead ({1e3 * a:.1f} ms) is shared by more micro-batches, so "
+                f"accumulating at a fixed micro-batch makes each sample cheaper")
+    if change < 0:
+        return f"  -> {rows}: cheaper per sample, but the fit puts no positive overhead per step: the line does not explain it"
+    return (f"  -> {rows}: each sample got MORE expensive with more accumulation steps, against the fit's "
+            f"amortised-overhead picture; the extra time is in the micro-batches themselves")
+
+
+def cost_readings(runs: dict, micro: int, cost: dict) -> list[str]:
+    """The cost of accumulating as section 6 prints it: ``cost`` (:func:`accumulation_cost`, the one measurement),
+    labelled with where it was timed. On a GPU also the fit step time = overhead + k x per-micro-batch over the sweep
+    ``runs`` and what it says (:func:`time_fit_reading`). Timed on a CPU: that one number, labelled, and nothing
+    read from it (CPU timing says nothing about a GPU)."""
+    if cost["time_cost"] is None:
+        return [f"the cost of accumulating ({cost['compares']}): no timed steps, not measured"]
+    noise = f", noise +-{100 * cost['time_cost_noise']:.0f} %" if cost["time_cost_noise"] is not None else ""
+    cpu = cl.on_cpu(cost["hardware"])
+    head = (f"the cost of accumulating, measured once ({cost['compares']}: time per micro-batch, medians of "
+            f"{cost['timed_steps']} timed steps): {1e3 * cost['seconds_per_micro_batch_lo']:.1f} -> "
+            f"{1e3 * cost['seconds_per_micro_batch_hi']:.1f} ms, {100 * cost['time_cost']:+.0f} %{noise} "
+            + ("(CPU timing, not a GPU result)" if cpu else f"(timed on {cost['hardware']})"))
+    if cpu:
+        return [head]
+    a, b = linear_fit(list(runs), [median_step(r)[0] for r in runs.values()])
+    return [head, f"micro-batch {micro}: step time = {a * 1e3:.1f} ms + k x {b * 1e3:.1f} ms (least-squares fit: "
+                  f"per-step overhead, then per micro-batch)", time_fit_reading(runs, micro, a, b)]
+
+
+def small_micro_batch_line(scan: dict, micro: int, target: int, cost: dict) -> str:
+    """At a fixed effective batch ``target`` (``scan``: {micro-batch: finished run}): what micro-batch ``micro``
+    costs against the fastest split that fits. Labelled as what it is, the price of a small micro-batch, not of
+    accumulating (that is ``cost``, measured at one micro-batch). On a CPU: only that the table above is CPU timing."""
+    if cl.on_cpu(cost["hardware"]):
+        return ("the splits above are CPU timing: not read here (a CPU has no kernel launches to amortise); on a GPU "
+                "this line gives the price of a small micro-batch at this effective batch.")
+    best = max(scan, key=lambda m: scan[m].target_tokens_per_second)
+    price = 1 - scan[micro].target_tokens_per_second / scan[best].target_tokens_per_second
+    return (f"B={target}: {micro} x {target // micro} runs at {scan[micro].target_tokens_per_second:,.0f} target "
+            f"tokens/s, the fastest split that fits ({best} x {target // best}) at "
+            f"{scan[best].target_tokens_per_second:,.0f}: micro-batch {micro} gives up {price:.0%} of the throughput "
+            f"at this effective batch -- the price of a small micro-batch, not of accumulating (that is "
+            + (f"{100 * cost['time_cost']:+.0f} %, " if cost["time_cost"] is not None else "")
+            + f"{cost['compares']} at one micro-batch)")
+
+
+def c3_claim(cost: dict, cond: dict, *, grad_buffer: int) -> dict:
+    """C3, "accumulation costs 0 % memory and ~5 % time", judged by the course's one rule (labutils.claims) on the
+    lab's one measurement of the cost of accumulating (``cost``: :func:`accumulation_cost`'s row, at a FIXED
+    micro-batch). Memory: the two peaks, with the reason that the extra is at most one FP32 gradient buffer
+    (``grad_buffer`` bytes). Time: per micro-batch, judged only from a GPU with enough timed steps (else "not
+    judged", the value shown labelled)."""
+    micro = cost["micro_batch"]
+    pair = tuple(cost["compares"].split(" vs "))
+    values, evidence = {"memory_increase": cost["memory_increase"]}, {}
+    if cost["time_cost"] is not None:
+        values["time_cost"] = cost["time_cost"]
         hw = cond.get("hardware")
-        evidence = {"time_cost": cl.Evidence(pair=pair, hardware=hw, timed_steps=t["timed_steps"],
-                                             spread=t["spread"], micro_batches=(micro, micro),
+        evidence = {"time_cost": cl.Evidence(pair=pair, hardware=hw, timed_steps=cost["timed_steps"],
+                                             spread=cost["time_cost_noise"], micro_batches=(micro, micro),
                                              note="median step time / accumulation steps, timed steps only"),
                     "memory_increase": cl.Evidence(pair=pair, hardware=hw, micro_batches=(micro, micro))}
+    mem = cost["memory_increase"]
     reason = (f"the extra memory is at most one FP32 gradient buffer ({fmt_bytes(grad_buffer)}), which lives next to "
-              f"the activations of micro-batches 2..k" if memory_increase > 0 else None)
+              f"the activations of micro-batches 2..k" if mem is not None and mem > 0 else None)
     return cl.claim_entry("C3", values, cond, reason=reason, **({"evidence": evidence} if evidence else {}),
-                          extra={"compares": f"{pair[0]} vs {pair[1]} (the same micro-batch)"})
+                          extra={"compares": f"{cost['compares']} (the same micro-batch)",
+                                 "measured_in": "results table 'accumulation_cost'"})

@@ -3,7 +3,7 @@ gradients (underflow) and activations (overflow), and the figures of dynamic los
 
 The technique itself (autocast, GradScaler, unscale -> clip -> step -> update) and the forward hook that finds
 the first non-finite module are written out in the notebook; this module holds the measuring and plotting
-around them. What AMP saves in memory and time is in :mod:`labutils.amp_speed_memory`.
+around them. What AMP saves in memory is in :mod:`labutils.amp_memory`, in time in :mod:`labutils.amp_speed_memory`.
 ``import labutils.precision as lp``.
 """
 from __future__ import annotations

@@ -122,3 +122,16 @@ def test_gpu_reading_follows_the_sign_of_what_was_measured():
     flat = "\n".join(am.profile_readings({"fp32": _fake(True, 8.0, 5.0), "bf16": _fake(True, 8.0, 4.0)},
                                          "bf16", "gelu_new"))
     assert "did not speed up more" in flat and "tensor cores make" not in flat
+
+
+def test_op_time_is_labelled_against_the_step_speed_up():
+    """Issue 27: the profiler's 'all ops' ratio (1.4) was read next to the step speed-up (1.23) as if one quantity.
+    Now the op-time ratio is named as op self time under the profiler, the timed run's step speed-up is printed
+    beside it with what it is, and the matmul share says it is the profiler's, not Amdahl's estimate."""
+    text = "\n".join(am.profile_readings({"fp32": _fake(True, 8.0, 5.0), "bf16": _fake(True, 2.0, 4.0)},
+                                         "bf16", "gelu_new", step_speedup=1.23))
+    assert "all ops together: 13.00 -> 6.00 ms, 2.17x in op self time under the profiler" in text
+    assert "step speed-up of the timed run is 1.23x (wall-clock median" in text and "so the two differ" in text
+    assert "not Amdahl's estimate" in text
+    rows = {r["group"]: r for r in am.op_group_rows({"fp32": _fake(True, 8.0, 5.0), "bf16": _fake(True, 2.0, 4.0)})}
+    assert "op_time_speedup_bf16" in rows["all ops"] and "speedup_bf16" not in rows["all ops"]

@@ -109,11 +109,13 @@ def test_equal_tokens_compares_only_runs_that_saw_equal_tokens():
     assert got[32] is None and got[2] == (1.0, 400) and got[4] == (3.0, 410)
 
 
-def _run(k, per_micro_s, steps=12, warm=1):
+def _run(k, per_micro_s, steps=12, warm=1, peak=1000, hardware=None, jitter=0.0):
     from types import SimpleNamespace
-    times = [per_micro_s * k] * steps
-    return SimpleNamespace(step_times=times, step_time_seconds=per_micro_s * k,
-                           config={"train": {"timing_warmup_steps": warm}}, memory={"tracked_steps": steps}, env={})
+    times = [per_micro_s * k * (1 + (jitter if i % 2 else -jitter)) for i in range(steps)]
+    return SimpleNamespace(step_times=times, step_time_seconds=sum(times[warm:]) / (steps - warm),
+                           timed_steps=steps - warm, config={"train": {"timing_warmup_steps": warm}},
+                           memory={"tracked_steps": steps}, env={"gpu_name": hardware} if hardware else {},
+                           peak_memory_bytes=peak)
 
 
 def test_c3_time_is_compared_at_a_fixed_micro_batch_and_never_judged_on_cpu():
@@ -123,14 +125,65 @@ def test_c3_time_is_compared_at_a_fixed_micro_batch_and_never_judged_on_cpu():
     import labutils.accumulation_sweeps as acs
     from labutils import claims as cl
 
-    runs = {1: _run(1, 1.0), 16: _run(16, 1.05)}     # +5 % per micro-batch when accumulating 16
-    gpu = acs.c3_claim(0.01, runs, cl.conditions(model="gpt2", batch=None, sequence=256, precision="bf16",
-                                                 hardware="NVIDIA H100 80GB HBM3", mode="full"),
-                       grad_buffer=4 * 124_000_000, micro=2)
+    runs = {1: _run(1, 1.0), 16: _run(16, 1.05, peak=1010)}     # +5 % per micro-batch when accumulating 16
+    cost = acs.accumulation_cost(runs, 2)
+    gpu = acs.c3_claim(cost, cl.conditions(model="gpt2", batch=None, sequence=256, precision="bf16",
+                                           hardware="NVIDIA H100 80GB HBM3", mode="full"), grad_buffer=4 * 124_000_000)
     assert gpu["extra"]["compares"].startswith("2 x 1 vs 2 x 16")
     assert gpu["measured"]["time_cost"]["value"] == pytest.approx(0.05)
     assert gpu["verdict"] == cl.HOLDS, gpu
-    cpu = acs.c3_claim(0.01, runs, cl.conditions(model="tiny", batch=None, sequence=64, precision="fp32",
-                                                 hardware="cpu", mode="smoke"), grad_buffer=1000, micro=2)
+    cpu = acs.c3_claim(cost, cl.conditions(model="tiny", batch=None, sequence=64, precision="fp32",
+                                           hardware="cpu", mode="smoke"), grad_buffer=1000)
     time_part = (cpu.get("parts") or {}).get("time_cost", {}).get("verdict")
     assert "time_cost" not in cpu["measured"] or time_part == getattr(cl, "NOT_JUDGED", "absent"), cpu
+
+
+def test_one_cost_of_accumulating_read_by_the_lines_and_c3():
+    """Issue 27: the cost of accumulating read +40 % in section 6 and -13 % in C3 (two comparisons, one name).
+    Now it is measured once (accumulation_cost) and section 6's line and C3 show that one value; the fixed-batch
+    comparison of splits is labelled as the price of a small micro-batch. Breaks if either recomputes it."""
+    import labutils.accumulation_sweeps as acs
+    from labutils import claims as cl
+
+    runs = {1: _run(1, 1.0, hardware="NVIDIA H100 80GB HBM3"),
+            16: _run(16, 1.2, peak=1100, hardware="NVIDIA H100 80GB HBM3")}
+    cost = acs.accumulation_cost(runs, 2)
+    assert cost["time_cost"] == pytest.approx(0.2) and cost["memory_increase"] == pytest.approx(0.1)
+    c3 = acs.c3_claim(cost, cl.conditions(model="gpt2", batch=None, sequence=256, precision="bf16",
+                                          hardware="NVIDIA H100 80GB HBM3", mode="full"), grad_buffer=10)
+    assert c3["measured"]["time_cost"]["value"] == cost["time_cost"]
+    assert c3["measured"]["memory_increase"]["value"] == cost["memory_increase"]
+    lines = acs.cost_readings(runs, 2, cost)
+    assert "+20 %" in lines[0] and "2 x 1 vs 2 x 16" in lines[0]
+    cpu_cost = acs.accumulation_cost({1: _run(1, 1.0), 16: _run(16, 1.2)}, 2)
+    cpu_lines = acs.cost_readings({}, 2, cpu_cost)
+    assert len(cpu_lines) == 1 and "CPU timing" in cpu_lines[0]
+
+
+def test_the_time_fit_reading_follows_its_rows_and_their_noise():
+    """Issue 27: a fit whose own rows got more expensive per sample still concluded 'makes each sample cheaper'.
+    Now the words follow the time per micro-batch and its noise."""
+    import labutils.accumulation_sweeps as acs
+
+    cheaper = {1: _run(1, 1.0), 16: _run(16, 0.8)}
+    assert "cheaper" in acs.time_fit_reading(cheaper, 2, 0.2, 0.8)
+    dearer = {1: _run(1, 1.0), 16: _run(16, 1.3)}
+    text = acs.time_fit_reading(dearer, 2, 0.05, 1.3)
+    assert "MORE expensive" in text and "makes each sample cheaper" not in text
+    noisy = {1: _run(1, 1.0, jitter=0.3), 16: _run(16, 0.95, jitter=0.3)}
+    assert "not decided" in acs.time_fit_reading(noisy, 2, 0.1, 0.95)
+
+
+def test_the_small_micro_batch_line_names_itself_and_the_one_cost():
+    """On a GPU the fixed-batch comparison is printed as the price of a small micro-batch, next to (not instead of)
+    the one measured cost of accumulating; on a CPU nothing is read from it."""
+    import labutils.accumulation_sweeps as acs
+    from types import SimpleNamespace
+
+    gpu = "NVIDIA H100 80GB HBM3"
+    cost = acs.accumulation_cost({1: _run(1, 1.0, hardware=gpu), 16: _run(16, 1.05, hardware=gpu)}, 2)
+    scan = {2: SimpleNamespace(target_tokens_per_second=600.0), 8: SimpleNamespace(target_tokens_per_second=1000.0)}
+    line = acs.small_micro_batch_line(scan, 2, 32, cost)
+    assert "gives up 40% of the throughput" in line and "not of accumulating (that is +5 %" in line
+    cpu_cost = acs.accumulation_cost({1: _run(1, 1.0), 16: _run(16, 1.05)}, 2)
+    assert "not read here" in acs.small_micro_batch_line(scan, 2, 32, cpu_cost)

@@ -6,6 +6,7 @@ import torch
 
 import labutils as lu
 import labutils.amp_speed_memory as am
+import labutils.claims as cl
 import labutils.precision as lp
 from labutils.models import gpt2_config
 
@@ -55,29 +56,143 @@ def test_saved_tensor_census_finds_half_weight_copies(dtype):
     assert amp.get("activation half") > 0
 
 
+def _result(cfg, step_times, peak, warm=0, env=None, losses=None):
+    timed = step_times[warm:]
+    return lu.RunResult(config=cfg.to_dict(), env=env or {}, losses=losses or [2.0] * len(step_times),
+                        step_times=step_times, step_time_seconds=sum(timed) / len(timed), timed_steps=len(timed),
+                        peak_memory_bytes=peak, target_tokens_per_second=100 / (sum(timed) / len(timed)))
+
+
 def test_comparison_rows_speedup_and_saving():
     cfg = lu.load_config(None, mode="smoke")
-    a = lu.RunResult(config=cfg.to_dict(), env={}, losses=[2.0, 1.0], step_times=[1.0, 1.0],
-                     step_time_seconds=1.0, peak_memory_bytes=1000)
-    b = lu.RunResult(config=cfg.to_dict(), env={}, losses=[2.0, 1.5], step_times=[0.5, 0.5],
-                     step_time_seconds=0.5, peak_memory_bytes=600)
+    a = _result(cfg, [1.0, 1.0], 1000)
+    b = _result(cfg, [0.5, 0.5], 600)
     skipped = am.skipped_result(cfg, "no GPU")
-    rows = {r["run"]: r for r in am.comparison_rows({"fp32": a, "fp16": b, "tf32": skipped})}
+    runs = {"fp32": a, "fp16": b, "tf32": skipped}
+    rows = {r["run"]: r for r in am.comparison_rows(runs, am.speedup_rows(runs))}
     assert rows["fp16"]["speedup_vs_fp32"] == pytest.approx(2.0)
     assert rows["fp16"]["memory_saving_vs_fp32"] == pytest.approx(0.4)
+    assert rows["fp16"]["peak_memory_bytes"] == 600   # the key says the unit: bytes, shown in the unit they call for
     assert rows["tf32"]["status"] == "skipped" and rows["tf32"]["note"] == "no GPU"
     assert rows["tf32"]["speedup_vs_fp32"] is None
 
 
 def test_comparison_rows_times_say_which_steps_they_cover():
-    # 1 warm-up step (3 s) and 2 timed steps (1 s each): the total counts all three, the rates only the timed two
+    # 1 warm-up step (3 s) and 3 timed steps: the total counts all four, the step time is the timed steps' median
     cfg = lu.load_config(None, mode="smoke")
-    r = lu.RunResult(config=cfg.to_dict(), env={}, losses=[2.0, 1.5, 1.0], step_times=[3.0, 1.0, 1.0],
-                     step_time_seconds=1.0, peak_memory_bytes=1000)
-    row = am.comparison_rows({"fp32": r})[0]
-    assert "time_s" not in row
-    assert row["time_all_steps_s"] == pytest.approx(5.0)
-    assert row["step_time_s"] == pytest.approx(1.0) and row["steps_per_s"] == pytest.approx(1 / row["step_time_s"])
+    r = _result(cfg, [3.0, 1.0, 1.0, 4.0], 1000, warm=1)
+    row = am.comparison_rows({"fp32": r}, am.speedup_rows({"fp32": r}))[0]
+    assert "time_s" not in row and "step_time_s" not in row
+    assert row["time_all_steps_s"] == pytest.approx(9.0)
+    assert row["median_step_ms"] == pytest.approx(1000.0)   # median of 1, 1, 4: the slow step does not move it
+
+
+def test_one_speed_up_per_precision_read_by_every_table_and_c2():
+    """Issue 27: lab 01 showed 1.11x (mean), 1.23 (table) and 1.4 (profiler) for one comparison. Now each run is
+    timed once (median of the timed steps) and the comparison table, the course's expectations table and C2 read
+    that number. Breaks if any of them computes its own speed-up (e.g. from the mean step time, which the slow
+    outlier step here moves: mean ratio 1.5x, median ratio 2.0x)."""
+    cfg = lu.load_config(None, mode="smoke")
+    env = {"device": "cpu"}
+    runs = {"fp32": _result(cfg, [1.0] * 9 + [10.0], 1000, env=env),
+            "fp16": _result(cfg, [0.5] * 10, 800, env=env),
+            "bf16": am.skipped_result(cfg, "no native BF16")}
+    speed = am.speedup_rows(runs)
+    x = am.speedups(speed)["fp16"]
+    assert x == pytest.approx(2.0)
+    assert {r["run"]: r["speedup_vs_fp32"] for r in am.comparison_rows(runs, speed)}["fp16"] == x
+    course = {r["precision"]: r for r in am.course_rows(runs, speed, {"fp32": (8.0, 1.0), "fp16": (4.5, 2.2),
+                                                                     "bf16": (4.5, 2.1)})}
+    assert course["fp16"]["measured_speedup"] == x and course["bf16"]["measured_speedup"] is None
+    cond = cl.conditions(model="tiny", batch="4 x 1", sequence=64, precision="fp16 vs fp32", hardware="cpu",
+                         mode="smoke")
+    c2 = am.c1_c2_claims(runs, cond, amp="fp16", speed_rows=speed)[1]
+    assert c2["measured"]["speedup"]["value"] == x
+    assert am.SPEED_TABLE == "precision_comparison" and am.SPEEDUP == "speedup_vs_fp32"
+
+
+def test_speed_readings_on_a_cpu_are_one_labelled_line():
+    """Issue 27, item 7: on a CPU the speed is shown once, labelled, and no paragraph reads it (no Amdahl share, no
+    batch trend). On a GPU the Amdahl estimate says it is an estimate and differs from the profiler's share."""
+    big = {"matmul": "1 micro-batch", "fp32_tflops": 1.0, "fp16_tflops": 4.0}
+    small = {"matmul": "1 token", "fp32_tflops": 1.0, "fp16_tflops": 1.5}
+    sweep = [{"micro_batch": 1, "speedup_vs_fp32": 1.1}, {"micro_batch": 8, "speedup_vs_fp32": 1.5}]
+    cpu = am.speedup_readings({"fp16": 1.5}, big, small, ["fp32", "fp16"], "cpu", sweep, "fp16")
+    assert len(cpu) == 1 and "CPU timing" in cpu[0] and "Amdahl's estimate" not in cpu[0]
+    gpu = "\n".join(am.speedup_readings({"fp16": 1.5}, big, small, ["fp32", "fp16"], "NVIDIA H100 80GB HBM3",
+                                        sweep, "fp16"))
+    share = (1 - 1 / 1.5) / (1 - 1 / 4.0)
+    assert f"about {share:.0%} of the FP32 step time" in gpu and "profiler" in gpu and "1.50x FP32 speed" in gpu
+    assert "by micro-batch (median step times): 1: 1.10x, 8: 1.50x" in gpu and "grows with the batch" in gpu
+
+
+def test_logits_dtypes_are_what_the_model_and_its_loss_use():
+    """Issue 27: the dtype table said logits 'bf16' while a later line spoke of 'the FP32 logits of the loss'.
+    Both are true, and now both are measured: under fp16 autocast lm_head returns fp16 logits, and transformers'
+    loss upcasts them (ForCausalLMLoss: logits.float()), so the logits-shaped tensors autograd keeps are FP32.
+    Breaks if the table reports one 'logits' dtype for both, or the census misses the upcast copy."""
+    cfg = lu.load_config(None, mode="smoke", overrides={"train.precision": "fp16", "data.num_samples": 16,
+                                                         "model.dropout": 0.0})
+
+    def step(model, window, optimizer, scaler, amp_dtype, max_grad_norm, mark=lambda label: None):
+        total = 0.0
+        for mb in window.micro_batches:
+            with torch.amp.autocast("cpu", dtype=amp_dtype, enabled=amp_dtype is not None):
+                loss = model(**mb, num_items_in_batch=window.num_targets).loss
+            mark("after forward")
+            scaler.scale(loss).backward() if scaler else loss.backward()
+            total = total + loss.detach()
+        mark("after backward")
+        if scaler:
+            scaler.unscale_(optimizer)
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        mark("after optimizer step")
+        optimizer.zero_grad(set_to_none=True)
+        return total
+
+    mem = am.measure_step_memory(cfg, "fp16", step, torch.device("cpu"))
+    assert mem["dtypes"]["logits (lm_head output)"] == "fp16"
+    assert mem["dtypes"]["logits as the loss reads them"] == "fp32"
+    rows = {r["tensor"]: r for r in am.dtype_rows({"fp16": mem})}
+    assert rows["logits as the loss reads them"]["fp16"] == "fp32" and rows["loss"]["fp16"] == "fp32"
+    assert all(k.endswith("_bytes") or k == "precision" for k in am.memory_breakdown_rows({"fp16": mem})[0])
+
+
+def test_comparison_figure_chooses_its_memory_unit_and_cuts_no_bar():
+    """Issue 27: 0.016 GiB on the axis, and the tallest bar cut off. The axis unit comes from the values (MiB
+    here) and every bar is inside the axes."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg = lu.load_config(None, mode="smoke")
+    runs = {"fp32": _result(cfg, [0.1, 0.1], 17 * 2**20, env={"device": "cpu"}),
+            "fp16": _result(cfg, [0.2, 0.2], 14 * 2**20, env={"device": "cpu"})}
+    fig = am.plot_comparison(runs, "test")
+    ax = fig.axes[2]
+    assert ax.get_ylabel() == "peak memory [MiB]"
+    assert max(p.get_height() for p in ax.patches) < ax.get_ylim()[1]
+    assert "CPU timing" in fig.axes[0].get_title()
+    plt.close(fig)
+
+
+NOTEBOOKS = ["01-Mixed_Precision.ipynb", "02-Gradient_Accumulation.ipynb"]
+ABSENT = ("規格書", "課程設計文件", "課程 README 的「預期結果」", "README_EXPECTED", "the spec")
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebooks_quote_the_course_instead_of_citing_documents_the_student_lacks(root, name):
+    """Issue 27, item 6: prose cited documents the student does not have. Lab 01 quotes the course's table and
+    names where it comes from."""
+    import nbformat
+
+    text = "\n".join(c.source for c in nbformat.read(root / name, as_version=4).cells)
+    assert [w for w in ABSENT if w in text] == []
+    if name.startswith("01"):
+        assert "Lab-1.4" in text and "| FP16 | ~4.5GB | 45% | 2.2x |" in text
 
 
 def test_step_figures_number_steps_from_one_with_integer_ticks():

@@ -37,7 +37,7 @@ def literal_step_overrides(nb: Path) -> set[int]:
 
 def lab02_lr_steps() -> set[int]:
     """The optimizer steps lab 02's learning-rate section runs in smoke, by the notebook's own assignments."""
-    names = {"ACCUM_STEPS", "MICRO", "TARGET", "B0", "B1", "ratio", "S0", "S1", "lr0", "w0"}
+    names = {"ACCUM_STEPS", "MICRO", "TARGET", "B0", "B1", "ratio", "S0", "S1", "lr0", "w0", "w1"}
     ns = {"cfg": lu.load_config(ROOT / "configs/lab02_accumulation.yaml", mode="smoke")}
     for src in code(ROOT / "02-Gradient_Accumulation.ipynb"):
         for node in ast.parse(src).body:

@@ -1,0 +1,308 @@
+"""One training step op by op, from a ``torch.profiler`` profile: each ATen op's group (matmul-like ops against the
+memory-bound rest: :func:`op_group`), its self time per step and input dtypes (:func:`op_profile`), the groups side
+by side (:func:`op_group_rows`) and what they say (:func:`profile_readings`, lab 01); the slowest ops of a step before
+and after a fix of the same maths (:func:`slowest_op_rows`, :func:`step_time_rows`, :func:`slow_op_readings`, lab 04).
+
+Op time here is the sum of the ops' self times under the profiler: it is not a wall-clock step time (the profiler
+adds work per op and leaves out the time between ops), so a ratio of op times is not the step speed-up of a timed
+run. ``import labutils.op_profile as opp`` (lab 01 and lab 04 reach it as ``am.``).
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from . import claims as cl
+
+# --------------------------------------------------------------------------------------------- one step, op by op
+# How the profile of a training step is grouped (op_group): matmul-like ops run on tensor cores in half precision;
+# every other ATen op that touches data is bound by memory traffic (elementwise, reductions, norms, softmax,
+# dropout, the optimizer's update), the casts and copies autocast adds among them; views, allocation and the
+# framework's own events (autograd nodes, optimizer ranges) move no data.
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::matmul", "aten::linear",
+              "aten::_scaled_mm", "aten::mv", "aten::addmv", "aten::dot"}
+MATMUL_PREFIXES = ("aten::_scaled_dot_product_", "aten::scaled_dot_product_attention", "aten::_flash_attention",
+                   "aten::_efficient_attention", "aten::_cudnn_attention")
+CAST_OPS = {"aten::_to_copy", "aten::copy_", "aten::to", "aten::clone", "aten::contiguous"}
+NO_DATA_OPS = {"aten::view", "aten::_unsafe_view", "aten::reshape", "aten::_reshape_alias", "aten::t", "aten::transpose",
+               "aten::permute", "aten::expand", "aten::expand_as", "aten::as_strided", "aten::slice", "aten::select",
+               "aten::unsqueeze", "aten::squeeze", "aten::split", "aten::split_with_sizes", "aten::chunk",
+               "aten::unbind", "aten::narrow", "aten::alias", "aten::detach", "aten::detach_", "aten::empty",
+               "aten::empty_strided", "aten::empty_like", "aten::resolve_conj", "aten::resolve_neg",
+               "aten::lift_fresh", "aten::view_as", "aten::flatten", "aten::unflatten", "aten::numpy_T",
+               "aten::item", "aten::_local_scalar_dense", "aten::is_nonzero", "aten::result_type"}
+MATMUL, ELEMENTWISE, CASTS, OTHER = ("matmul", "elementwise / reductions", "casts / copies",
+                                     "other (views, allocation, framework)")
+OP_GROUPS = (MATMUL, ELEMENTWISE, CASTS, OTHER)
+MEMORY_BOUND = (ELEMENTWISE, CASTS)
+_FLOAT_INPUTS = {"float": "fp32", "c10::Half": "fp16", "c10::BFloat16": "bf16"}
+
+
+def op_group(name: str) -> str:
+    """The group of a profiler event's name (see the comment above): one of :data:`OP_GROUPS`."""
+    if name in MATMUL_OPS or name.startswith(MATMUL_PREFIXES):
+        return MATMUL
+    if name in CAST_OPS:
+        return CASTS
+    if name in NO_DATA_OPS or not name.startswith("aten::"):
+        return OTHER
+    return ELEMENTWISE
+
+
+def _input_dtype(e) -> str | None:
+    """fp32 / fp16 / bf16: the dtype of an event's first floating-point tensor input (needs record_shapes=True)."""
+    for d in getattr(e, "input_dtypes", None) or []:
+        if d in _FLOAT_INPUTS:
+            return _FLOAT_INPUTS[d]
+    return None
+
+
+@dataclass
+class OpProfile:
+    """One profile of ``steps`` training steps, op by op. ``basis``: what the times are (GPU kernel time when the
+    profile has GPU activity, else CPU time); ``ops``: one row per operator name, times per step in ms."""
+    basis: str
+    on_gpu: bool
+    steps: int
+    ops: list
+
+    def group_ms(self, group: str) -> float:
+        return sum(r["ms"] for r in self.ops if r["group"] == group)
+
+    @property
+    def total_ms(self) -> float:
+        return sum(r["ms"] for r in self.ops)
+
+
+def op_profile(events, steps: int = 1) -> OpProfile:
+    """Per operator of a ``torch.profiler`` profile (``prof.events()``, recorded with ``record_shapes=True``): its
+    group, calls per step, self time per step (each op's own time without its children, so nothing counts twice:
+    on a GPU the self *device* time of the kernels it launched, on any thread, as
+    :func:`labutils.profiling.range_times` reads it; else self CPU time), and how much of that time had an FP32
+    first input outside the optimizer step (``fp32_input_ms``: what autocast left in FP32)."""
+    from torch.autograd import DeviceType
+
+    cpu_ops = [e for e in events if e.device_type == DeviceType.CPU]
+    on_gpu = any(e.device_type != DeviceType.CPU for e in events)
+    optim = [(e.time_range.start, e.time_range.end) for e in cpu_ops if e.name.startswith("Optimizer.step#")]
+    rows: dict[str, dict] = {}
+    for e in cpu_ops:
+        us = e.self_device_time_total if on_gpu else e.self_cpu_time_total
+        r = rows.setdefault(e.name, {"op": e.name, "group": op_group(e.name), "calls": 0, "ms": 0.0,
+                                     "fp32_input_ms": 0.0, "optimizer_ms": 0.0, "dtypes": set()})
+        r["calls"] += 1
+        r["dtypes"].add(_input_dtype(e) or "-")
+        r["ms"] += us / 1e3
+        if any(a <= e.time_range.start and e.time_range.end <= b for a, b in optim):
+            r["optimizer_ms"] += us / 1e3
+        elif _input_dtype(e) == "fp32":
+            r["fp32_input_ms"] += us / 1e3
+    for r in rows.values():
+        r["dtypes"] = ", ".join(sorted(r["dtypes"] - {"-"})) or "-"  # every first float input dtype it was called with
+        r["calls"] /= steps
+        for k in ("ms", "fp32_input_ms", "optimizer_ms"):
+            r[k] /= steps
+    ops = sorted(rows.values(), key=lambda r: -r["ms"])
+    return OpProfile("GPU kernel time" if on_gpu else "CPU time", on_gpu, steps, ops)
+
+
+def op_group_rows(profiles: dict, baseline: str = "fp32") -> list[dict]:
+    """One row per op group (then memory-bound = elementwise + casts, then all ops): time per step in each
+    profile of ``profiles`` ``{precision: OpProfile}``, its share of that profile's total, and the op-time speed-up of
+    each non-baseline precision (``op_time_speedup_<p>``: baseline op time / its op time, under the profiler; not a
+    wall-clock step speed-up)."""
+    base = profiles[baseline]
+    groups = [(g, (g,)) for g in OP_GROUPS] + [("memory-bound (elementwise + casts)", MEMORY_BOUND),
+                                               ("all ops", OP_GROUPS)]
+    rows = []
+    for label, members in groups:
+        row = {"group": label}
+        for p, prof in profiles.items():
+            ms = sum(prof.group_ms(g) for g in members)
+            row[f"{p}_ms"] = ms
+            row[f"{p}_share"] = ms / prof.total_ms if prof.total_ms else None
+        for p in profiles:
+            if p != baseline:
+                b, x = row[f"{baseline}_ms"], row[f"{p}_ms"]
+                row[f"op_time_speedup_{p}"] = b / x if b > 0 and x > 0 else None
+        row["calls"] = ", ".join(f"{p}: {sum(r['calls'] for r in prof.ops if r['group'] in members):.0f}"
+                                 for p, prof in profiles.items())
+        rows.append(row)
+    return rows
+
+
+def top_op_rows(profile: OpProfile, n: int = 5) -> list[dict]:
+    """The ``n`` operators with the most self time per step: group, calls, time, share of the step's op time,
+    the dtypes of their first floating-point input, and the time spent with FP32 inputs outside the optimizer
+    step."""
+    return [{"rank": i, "op": r["op"], "group": r["group"], "calls": r["calls"], "ms": r["ms"],
+             "share": r["ms"] / profile.total_ms if profile.total_ms else None,
+             "input_dtypes": r.get("dtypes", "-"), "fp32_input_ms": r["fp32_input_ms"]}
+            for i, r in enumerate(profile.ops[:n], start=1)]
+
+
+def profile_readings(profiles: dict, amp: str, activation: str, baseline: str = "fp32",
+                     step_speedup: float | None = None) -> list[str]:
+    """What the op-group profile of ``baseline`` and ``amp`` says, every number from the profiles: the matmul
+    group's speed-up next to the memory-bound ops', the casts autocast added, and the memory-bound work that still
+    ran with FP32 inputs under autocast. On a GPU it states the lesson the signs allow; from a CPU profile it says
+    what the CPU measured and draws no GPU conclusion (a CPU has no tensor cores). ``step_speedup``: the timed
+    run's wall-clock step speed-up of ``amp`` (lab 01's one measurement), named beside the op-time ratio so that
+    the two are not mistaken for one another."""
+    b, a = profiles[baseline], profiles[amp]
+    mm_b, mm_a = b.group_ms(MATMUL), a.group_ms(MATMUL)
+    mem_b, mem_a = (sum(p.group_ms(g) for g in MEMORY_BOUND) for p in (b, a))
+    mm_x = mm_b / mm_a if mm_a > 0 else None
+    mem_x = mem_b / mem_a if mem_a > 0 else None
+    fmt_x = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
+    casts = {p: sum(r["calls"] for r in prof.ops if r["op"] == "aten::_to_copy") for p, prof in ((baseline, b), (amp, a))}
+    fp32_ops = sorted((r for r in a.ops if r["group"] in MEMORY_BOUND and r["fp32_input_ms"] > 0),
+                      key=lambda r: -r["fp32_input_ms"])
+    fp32_ms = sum(r["fp32_input_ms"] for r in fp32_ops)
+    by_name = {r["op"]: r for r in b.ops}
+    lines = [
+        f"{a.basis} per training step, {baseline} -> {amp}: matmul ops {mm_b:.2f} -> {mm_a:.2f} ms ({fmt_x(mm_x)}), "
+        f"memory-bound ops (elementwise, reductions, casts) {mem_b:.2f} -> {mem_a:.2f} ms ({fmt_x(mem_x)}); "
+        f"matmuls were {mm_b / b.total_ms:.0%} of the {baseline} op time and {mm_a / a.total_ms:.0%} of the "
+        f"{amp} op time (shares of op self time measured by the profiler, not Amdahl's estimate from speeds).",
+        f"all ops together: {b.total_ms:.2f} -> {a.total_ms:.2f} ms, {fmt_x(b.total_ms / a.total_ms if a.total_ms else None)}"
+        f" in op self time under the profiler" + (
+            f"; the step speed-up of the timed run is {step_speedup:.2f}x (wall-clock median of its timed steps): "
+            f"the profiler adds work to every op and leaves out the time between ops, so the two differ"
+            if step_speedup is not None else "") + ".",
+        f"casts (aten::_to_copy) per step: {casts[baseline]:.0f} in {baseline}, {casts[amp]:.0f} under {amp} autocast "
+        f"({a.group_ms(CASTS):.2f} ms of casts and copies vs {b.group_ms(CASTS):.2f} ms).",
+        f"MLP activation of this run: model.config.activation_function = '{activation}'. Under {amp} autocast "
+        f"{fp32_ms:.2f} ms per step of memory-bound forward/backward work still read FP32 inputs"
+        + (": " + ", ".join(f"{r['op']} {r['fp32_input_ms']:.2f} ms"
+                            + (f" (op speed-up {by_name[r['op']]['ms'] / r['ms']:.2f}x)"
+                               if by_name.get(r["op"], {}).get("ms", 0) >= 0.01 else " (next to nothing in fp32)")
+                            for r in fp32_ops[:4]) if fp32_ops else "") + "."]
+    if not a.on_gpu:
+        lines.append("these are CPU times (CPU timing, not a GPU result): no GPU conclusion is drawn from them; on a GPU "
+                     "this cell reads the tensor-core lesson from the GPU kernel times.")
+        return lines
+    if mm_x is None or mem_x is None:
+        lines.append("a group is empty in one of the profiles: no reading.")
+    elif mm_x > 1 and mm_x > mem_x:
+        lines.append(f"the matmuls sped up {mm_x:.2f}x, the memory-bound ops {mem_x:.2f}x: tensor cores make the "
+                     f"half-precision matmuls faster, while an elementwise op is bound by the bytes it moves, which "
+                     f"half precision at best halves (2x)" + (", and the ops that autocast kept in FP32 move as many "
+                     f"bytes as before plus the casts around them" if fp32_ms > 0 else "") + ".")
+        lines.append(f"so the memory-bound ops grow from {mem_b / b.total_ms:.0%} of the {baseline} step's GPU time "
+                     f"to {mem_a / a.total_ms:.0%} of the {amp} step's: after AMP they are what is left to speed up "
+                     f"(fused kernels, torch.compile), not the matmuls.")
+        if mem_x > 2.05:
+            lines.append(f"the memory-bound ops gained more than the 2x that halving their bytes allows "
+                         f"({mem_x:.2f}x): fewer or different kernels ran, or the profile is noisy.")
+    else:
+        lines.append(f"on this GPU the matmuls did not speed up more than the rest ({fmt_x(mm_x)} vs {fmt_x(mem_x)}): "
+                     f"no fast half-precision path, or matmuls this small leave the card idle (launch-bound); this run "
+                     f"does not show the tensor-core lesson.")
+    return lines
+
+
+# --------------------------------------------------------------------------------------------- the slowest ops, a fix
+# Where a profile of HF GPT-2's published maths is expected to spend its time on a GPU (lab 04), by op name: the
+# pieces of gelu_new (its pow is on CUDA autocast's FP32 list, so the 4d-wide activation runs in FP32), the casts
+# (the loss's FP32 copy of the logits among them) and the FP32 log-softmax of the logits. Only names are listed
+# here; whether they top a table is read from the profile.
+SUSPECTS = {"gelu_new's pieces": ("aten::pow", "aten::tanh", "aten::tanh_backward"),
+            "casts / copies (the FP32 logits copy among them)": ("aten::_to_copy", "aten::copy_"),
+            "the logits' log_softmax": ("aten::_log_softmax", "aten::_log_softmax_backward_data")}
+
+
+def aten_ops(profile: OpProfile) -> list[dict]:
+    """The profile's ATen operators, slowest first: the ops that move data. Left out: ``record_function`` ranges
+    (``forward``), autograd's nodes and the optimizer's range, whose self time is the Python and framework time
+    between operators (on a GPU: none, their kernels belong to the ATen ops)."""
+    return [r for r in profile.ops if r["op"].startswith("aten::")]
+
+
+def slowest_op_rows(profiles: dict, n: int = 8) -> list[dict]:
+    """The ``n`` slowest ATen ops (self time per step, :func:`aten_ops`) of each profile ``{label: OpProfile}``,
+    side by side: one row per op in any of the top lists, in the first profile's order (then the others'), with
+    its rank, time, share of the step's op time and input dtypes in every profile (None / "-": that profile never
+    ran the op)."""
+    names: list[str] = []
+    for prof in profiles.values():
+        names += [r["op"] for r in aten_ops(prof)[:n] if r["op"] not in names]
+    rows = []
+    for name in names:
+        row = {"op": name, "group": op_group(name)}
+        for label, prof in profiles.items():
+            ops = aten_ops(prof)
+            rank = next((i for i, r in enumerate(ops, start=1) if r["op"] == name), None)
+            r = ops[rank - 1] if rank else None
+            row.update({f"{label}_rank": rank, f"{label}_ms": r["ms"] if r else None,
+                        f"{label}_share": r["ms"] / prof.total_ms if r and prof.total_ms else None,
+                        f"{label}_dtypes": r.get("dtypes", "-") if r else "-"})
+        rows.append(row)
+    return rows
+
+
+def step_time_rows(times: dict, baseline: str = "before") -> list[dict]:
+    """One row per run ``{label: [seconds per timed step]}``: median step time, its noise (+- half the
+    inter-quartile range, relative), the timed steps, and the speed-up over ``baseline`` with its noise
+    (:func:`labutils.claims.timed_ratio`)."""
+    rows = []
+    for label, ts in times.items():
+        t = cl.timed_ratio(times[baseline], ts)
+        q = statistics.quantiles(ts, n=4, method="inclusive") if len(ts) > 1 else None
+        median = statistics.median(ts) if ts else None
+        speedup = 1 / t["ratio"] if t["ratio"] else None
+        rows.append({"run": label, "median_step_ms": median * 1e3 if median else None,
+                     "noise_pct": 100 * (q[2] - q[0]) / 2 / median if q and median else None,
+                     "timed_steps": len(ts),
+                     f"speedup_vs_{baseline}": speedup,
+                     "speedup_noise": t["spread"] / t["ratio"] ** 2 if t["spread"] is not None and t["ratio"] else None})
+    return rows
+
+
+def slow_op_readings(profiles: dict, times: dict, n: int = 8, before: str = "before", after: str = "after") -> list[str]:
+    """What the ``before`` profile's slowest ops and the timed steps of both runs say, every number from them: the
+    top ``n`` ops of ``before``, which of :data:`SUSPECTS` are among them, the gelu_new ops that the fix removed
+    (calls per step, a count, true on any device), and the step time. On a GPU the speed-up of the fix, or "not
+    decided" when its noise is as large as the effect; from a CPU profile what the CPU measured and no GPU
+    conclusion (a CPU's kernels and memory system are not a GPU's)."""
+    b, a = profiles[before], profiles[after]
+    top = aten_ops(b)[:n]
+    share = lambda r, p: f"{r['ms'] / p.total_ms:.0%}" if p.total_ms else "-"  # noqa: E731
+    lines = [f"top {len(top)} ATen ops of the '{before}' step by self {b.basis}: "
+             + ", ".join(f"{r['op']} {r['ms']:.2f} ms ({share(r, b)}, inputs {r.get('dtypes', '-')})" for r in top)
+             + "."]
+    in_top = {label: [r for r in top if r["op"] in ops] for label, ops in SUSPECTS.items()}
+    lines.append("; ".join(
+        (f"{label}: in the top {n} ("
+         + ", ".join(f"{r['op']} #{top.index(r) + 1}, {r['fp32_input_ms']:.2f} of {r['ms']:.2f} ms with FP32 inputs"
+                     for r in found) + ")") if found else f"{label}: not in the top {n}"
+        for label, found in in_top.items()) + ".")
+    calls = lambda p, op: sum(r["calls"] for r in p.ops if r["op"] == op)  # noqa: E731
+    gelu = [(op, calls(b, op), calls(a, op)) for op in SUSPECTS["gelu_new's pieces"] if calls(b, op)]
+    if gelu:
+        lines.append("the fix removed gelu_new's separate ops: " + ", ".join(
+            f"{op} {nb:.0f} -> {na:.0f} calls per step" for op, nb, na in gelu)
+            + f"; aten::gelu {calls(b, 'aten::gelu'):.0f} -> {calls(a, 'aten::gelu'):.0f} calls (one kernel).")
+    t = cl.timed_ratio(times[before], times[after])
+    if t["ratio"] is None:
+        return lines + ["no timed steps: no step time to compare."]
+    x = 1 / t["ratio"]
+    noise = t["spread"] / t["ratio"] ** 2 if t["spread"] is not None else None
+    noise_txt = f"noise ±{100 * noise:.1f} %" if noise is not None else "noise unknown (fewer than 2 timed steps)"
+    measured = (f"median step {t['median_a'] * 1e3:.2f} ms ({before}) -> {t['median_b'] * 1e3:.2f} ms ({after}) over "
+                f"{t['timed_steps']} timed steps: {x:.2f}x, {noise_txt}")
+    if not b.on_gpu:
+        lines.append(f"the CPU measured: {measured}. These are CPU times: a CPU has neither tensor cores nor a GPU's "
+                     f"memory system, and autocast's CPU op lists are not CUDA's, so this says nothing about the same "
+                     f"step on a GPU: no GPU conclusion is drawn. On a GPU this line reports the fix's speed-up.")
+        return lines
+    if noise is None or noise >= abs(x - 1):
+        lines.append(f"on this GPU: {measured}: the speed-up of the fix is not decided ({noise_txt}).")
+    else:
+        lines.append(f"on this GPU: {measured}: the fix made the step {x:.2f}x as fast "
+                     + ("(faster)." if x > 1 else "(slower: the 'after' maths did not pay off here)."))
+    return lines
+
+
+__all__ = ["OP_GROUPS", "MEMORY_BOUND", "op_group", "OpProfile", "op_profile", "op_group_rows", "top_op_rows",
+           "profile_readings", "SUSPECTS", "aten_ops", "slowest_op_rows", "step_time_rows", "slow_op_readings"]

@@ -1,0 +1,130 @@
+"""Lab 02 leaves nothing behind (issue 27, item 2).
+
+Before: ``with acc.held_model(...) as (model, dataset, device)`` in a notebook cell left ``model`` bound after the
+block, and the gradient "copies" of ``acc.grads_to_cpu`` were ``p.grad`` itself on the CPU: about 12.8 MiB of
+sections 2-3 sat in every later CPU peak (the fitted "fixed cost" read 22.5 MiB where the training state is 8.6 MiB).
+
+- the notebook's own cells of sections 0-3 are run (taken from the .ipynb), then the lab's section-4 check: the memory
+  in use equals the lab's baseline, and a measured run's peak is the same as before those sections ran;
+- the memory line of a training run at two micro-batches has a fixed part of about the training state, 16 bytes a
+  parameter (FP32 weights 4 + gradients 4 + AdamW m and v 8), the oracle being labutils' own count of the model and
+  optimizer tensors (``RunResult.memory``), not a number from the notebook;
+- on the pretend GPU the check reads the allocator (torch.cuda.memory_allocated): a leftover allocation is reported
+  with its size, and the start of a section after its release equals the baseline.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+
+import labutils as lu
+import labutils.accumulation as acc
+import labutils.accumulation_sweeps as acs
+
+from conftest import tiny_config
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "02-Gradient_Accumulation.ipynb"
+
+
+def cells_before(marker: str) -> list[str]:
+    """The notebook's code cells before the one containing ``marker``."""
+    out = []
+    for c in nbformat.read(NOTEBOOK, as_version=4).cells:
+        if c.cell_type != "code":
+            continue
+        if marker in c.source:
+            return out
+        out.append(c.source)
+    raise AssertionError(f"no code cell of {NOTEBOOK.name} contains {marker!r}")
+
+
+def test_gradient_copies_are_copies_on_the_cpu():
+    """Breaks if grads_to_cpu hands back p.grad itself (``.float().cpu()`` of an FP32 CPU tensor is a no-op):
+    then zero_grad frees nothing while the 'copies' are held."""
+    model = torch.nn.Linear(256, 256)
+    model(torch.randn(4, 256)).sum().backward()
+    grads = acc.grads_to_cpu(model)
+    assert all(g.data_ptr() != p.grad.data_ptr() for g, p in zip(grads, model.parameters()))
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+
+
+def test_memory_in_use_sees_a_leftover_on_the_cpu():
+    base = acc.memory_in_use("cpu")
+    leftover = torch.zeros(2**20)                       # 4 MiB kept by a name
+    now, line = acc.baseline_line("cpu", base, "section 4")
+    assert now - base == 4 * 2**20 and "left over" in line and "4.00 MiB" in line
+    del leftover
+    now, line = acc.baseline_line("cpu", base, "section 4")
+    assert now == base and "nothing left over" in line
+
+
+def test_the_check_reads_the_allocator_on_the_pretend_gpu(monkeypatch):
+    """On CUDA the lab's baseline and its check at the start of section 4 are torch.cuda.memory_allocated: an
+    allocation an earlier section did not free (GPT-2 small's FP32 weights, ~0.46 GiB) shows with its size; freed,
+    the start of section 4 equals the baseline."""
+    from tests import fake_cuda
+
+    gpu = fake_cuda.install(monkeypatch)
+    base = acc.memory_in_use("cuda")
+    assert base == torch.cuda.memory_allocated()
+    addr = gpu.alloc(int(0.46 * 2**30))                 # a model's weights left bound by a name
+    now, line = acc.baseline_line("cuda", base, "section 4")
+    assert now - base == int(0.46 * 2**30) and "left over" in line
+    gpu.free(addr)
+    now, line = acc.baseline_line("cuda", base, "section 4")
+    assert now == base == torch.cuda.memory_allocated() and "nothing left over" in line
+
+
+@pytest.mark.real_kernels
+def test_sections_2_and_3_leave_nothing_and_a_later_peak_does_not_change(monkeypatch):
+    """The notebook's own cells (setup, the written-out loop and its check, section 2's proof, section 3's padding
+    pitfall, the figure) run here as a student runs them; then, as section 4 does, the memory in use is compared
+    with the lab's baseline, and the sweep's first run (2 x 1) is measured. Its peak must equal the peak of the same
+    run measured before sections 1-3 ran. Breaks if a section leaves its model, dataset or gradient copies bound
+    (before the fix: +12.8 MiB in both checks)."""
+    monkeypatch.setenv("LAB_SMOKE", "1")
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    import matplotlib
+    matplotlib.use("Agg")
+    cells = cells_before("ACCUM_STEPS = (1, 4, 8, 16)")
+    ns: dict = {"__name__": "lab02"}
+    exec(compile(cells[0], "setup cell", "exec"), ns)       # the setup cell: mode, device, budget, BASELINE
+    cfg, device = ns["cfg"], ns["device"]
+    run_cfg = cfg.override({"train.micro_batch_size": 2, "train.accumulation_steps": 1, "train.steps": 2})
+    before = lu.run(run_cfg, device=device, verbose=False, progress=False)
+    assert acc.memory_in_use(device) == ns["BASELINE"]
+    for i, source in enumerate(cells[1:], start=1):
+        exec(compile(source, f"cell {i}", "exec"), ns)
+    import matplotlib.pyplot as plt
+    plt.close("all")
+    now, line = acc.baseline_line(device, ns["BASELINE"], "section 4")
+    assert now == ns["BASELINE"], line
+    after = lu.run(run_cfg, device=device, verbose=False, progress=False)
+    assert before.ok and after.ok
+    assert after.peak_memory_bytes == before.peak_memory_bytes
+
+
+@pytest.mark.real_kernels
+def test_the_fitted_fixed_memory_is_the_training_state():
+    """Section 6's line peak = fixed + per sample x micro-batch, fitted to runs at two micro-batches: the fixed part
+    is the training state, about 16 bytes a parameter (what labutils counts in the runs' model and optimizer),
+    not 40 (the leftovers of earlier sections were in it). The data the run holds (a few hundred KiB of token ids)
+    is in it too, hence the tolerance."""
+    cfg = tiny_config(None, train__steps=2)
+    # what this test process holds already (other tests' fixtures) is in every CPU peak: the lab measures from its
+    # baseline, and so does this test
+    base = acc.memory_in_use("cpu")
+    runs = {m: lu.run(cfg.override({"train.micro_batch_size": m, "train.accumulation_steps": 16 // m}),
+                      device="cpu", verbose=False, progress=False) for m in (2, 4)}
+    assert all(r.ok for r in runs.values())
+    fixed, per_sample = acs.linear_fit(list(runs), [r.peak_memory_bytes - base for r in runs.values()])
+    r = runs[2]
+    n_params = acc.parameters_of(cfg.model.name)
+    state = 2 * r.memory["params"] + r.memory["optimizer"]
+    assert state / n_params == pytest.approx(16, rel=0.01)
+    assert per_sample > 0
+    assert fixed == pytest.approx(state, rel=0.25), (fixed / n_params, state / n_params)
