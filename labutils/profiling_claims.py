@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from . import cards
 from . import claims as cl
+from . import zero2_offload as z2
 from . import estimate as est
 from .config import load_config
 from .memory import fmt_bytes
@@ -141,16 +142,16 @@ def c7_claim(config_path: str, tech_cfg, info: dict, workdir) -> dict:
     cond = cl.conditions(model=tech_cfg.model.name, batch="1 x 1", sequence=tech_cfg.data.seq_length,
                          precision="fp16, ZeRO-2 + CPU offload vs plain", hardware=_hardware(info), mode=info["mode"])
     full = load_config(config_path, mode="full").override({"train.micro_batch_size": 1, "train.accumulation_steps": 1})
-    prediction = {"memory_saving": cl.zero2_offload_prediction(full)["memory_saving"]}
+    prediction = {"memory_saving": z2.zero2_offload_prediction(full)["memory_saving"]}
     prediction_for = f"{full.model.name}, 1 x {full.data.seq_length}, fp16, one CUDA GPU"
     # not measured: the row shows the prediction, so its conditions are the prediction's, not this run's
     pred_cond = cl.conditions(model=full.model.name, batch="1 x 1", sequence=full.data.seq_length,
                               precision="fp16, ZeRO-2 + CPU offload vs plain", hardware="one CUDA GPU (predicted)",
                               mode=info["mode"])
-    missing = cl.zero2_offload_unavailable()
+    missing = z2.zero2_offload_unavailable()
     if missing:
         return cl.not_measured("C7", missing, pred_cond, prediction=prediction, prediction_for=prediction_for)
-    c7 = cl.measure_zero2_offload(config_path, over, workdir)
+    c7 = z2.measure_zero2_offload(config_path, over, workdir)
     if "error" in c7:
         return cl.not_measured("C7", c7["error"], pred_cond, prediction=prediction, prediction_for=prediction_for)
     p_peak, z_peak = c7["plain"]["peak_memory_bytes"], c7["zero2_offload"]["peak_memory_bytes"]

@@ -72,7 +72,8 @@ def test_lab01_c2_in_smoke_is_not_judged_and_shows_the_cpu_ratio():
     assert c2["compares"] == {"speedup": "fp32 vs fp16"}
     assert c2["measured"]["speedup"]["value"] == pytest.approx(0.8)
     assert cl.table_rows([c2])[0]["measured"].startswith("speed-up 0.80x (CPU timing, not judged)")
-    assert c1["verdict"] == cl.HOLDS  # memory physics is the same on CPU: judged over the sweep
+    assert c1["verdict"] == cl.NOT_JUDGED  # smoke: the tiny model's state dominates its peak (issue 27)
+    assert "tiny model" in c1["why"] and c1["measured"]["memory_saving"]["value"] is not None
 
 
 def test_lab01_c2_on_a_gpu_needs_ten_timed_steps_and_a_quiet_timing():
@@ -97,11 +98,11 @@ def test_timed_ratio_reports_median_and_spread():
 # ------------------------------------------------------------------------------------------------ C1 over a sweep
 def test_c1_is_judged_over_the_batch_sweep_not_one_batch():
     """Breaks if C1 takes a verdict from one batch size, or if a sweep whose points disagree says 'holds'."""
-    one = cl.claim_entry("C1", {"memory_saving": 0.5}, SMOKE, evidence=cl.Evidence(sweep={4: 0.5}))
+    one = cl.claim_entry("C1", {"memory_saving": 0.5}, FULL, evidence=cl.Evidence(sweep={4: 0.5}))
     assert one["verdict"] == cl.NOT_JUDGED and "one batch size" in one["why"]
-    mixed = cl.claim_entry("C1", {"memory_saving": 0.3}, SMOKE, evidence=cl.Evidence(sweep={1: 0.05, 8: 0.45}))
+    mixed = cl.claim_entry("C1", {"memory_saving": 0.3}, FULL, evidence=cl.Evidence(sweep={1: 0.05, 8: 0.45}))
     assert mixed["verdict"] == cl.PARTLY and "5 % at 1" in mixed["why"] and "45 % at 8" in mixed["why"]
-    c1 = am.c1_c2_claims(_runs(CPU_ENV), SMOKE, amp="bf16",
+    c1 = am.c1_c2_claims(_runs(CPU_ENV), FULL, amp="bf16",
                          sweep_rows=[{"micro_batch": 1, "memory_saving": 0.1}, {"micro_batch": 8, "memory_saving": 0.15}])[0]
     assert c1["verdict"] == cl.DOES_NOT_HOLD and c1["evidence"]["memory_saving"]["sweep"] == {"1": 0.1, "8": 0.15}
 
@@ -124,9 +125,9 @@ def test_c4_time_is_not_judged_on_cpu_and_its_reason_cites_the_flops_of_the_mode
     pair = [_measured("no checkpointing", CPU_ENV, 1.0, 1000), _measured("checkpointing", CPU_ENV, 1.88, 600)]
     e = cr.claim_c4(cfg, _info(), pair=pair, b0=4, b1=8, budget=900, saving=0.4, overhead=0.88, state_bytes=200,
                     flops_ratio=1.309, hw="CPU", dropout=0.1)
-    assert e["parts"]["memory_saving"]["verdict"] == cl.HOLDS
+    assert e["parts"]["memory_saving"]["verdict"] == cl.NOT_JUDGED   # smoke: the tiny model (issue 27)
     assert e["parts"]["time_overhead"]["verdict"] == cl.NOT_JUDGED
-    assert e["verdict"] == cl.PARTLY  # memory judged, time not: a 'holds' is capped
+    assert e["verdict"] == cl.NOT_JUDGED
     assert "+31% FLOPs on the model measured (dropout 0.1)" in e["why"]
     assert "+88 % on CPU (shown, not judged)" in e["why"] and "the step +88% time" not in e["why"]
     assert set(e["compares"]) == {"memory_saving", "time_overhead"}
