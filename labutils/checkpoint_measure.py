@@ -27,6 +27,7 @@ from .checkpointing import Variant
 from .config import Config
 from .memory import LiveStorages, oom_caught, release
 from .train import RunResult, prepare, train
+from .verdict_rule import timed_ratio, timed_step_times
 
 MiB = 2**20
 
@@ -34,7 +35,9 @@ MiB = 2**20
 # -------------------------------------------------------------------------------------------------------- runs
 @dataclass
 class Measured:
-    """One training run of one variant."""
+    """One training run of one variant. Its step time is the median of its timed steps (warm-up left out), with
+    the spread (half the inter-quartile range, relative) beside it: the one definition every table, figure and
+    claim of lab 03 reads (:func:`overhead` is the ratio of two such medians)."""
     variant: str
     kind: str
     k: int | None
@@ -59,7 +62,20 @@ class Measured:
 
     @property
     def step_time(self) -> float | None:
-        return self.result.step_time_seconds if self.ok else None
+        if not self.ok:
+            return None
+        times = sorted(timed_step_times(self.result))
+        if not times:
+            return self.result.step_time_seconds
+        n = len(times)
+        return times[n // 2] if n % 2 else (times[n // 2 - 1] + times[n // 2]) / 2
+
+    @property
+    def step_spread(self) -> float | None:
+        """+- of the step time, relative (half the inter-quartile range of the timed steps over their median)."""
+        times = timed_step_times(self.result) if self.ok else []
+        spread = timed_ratio(times, times)["spread"] if len(times) >= 2 else None
+        return None if spread is None else spread / 2    # timed_ratio adds both runs' half-IQRs: one run's is half
 
     @property
     def micro_batch(self) -> int:
@@ -74,11 +90,23 @@ class Measured:
                 "status": r.status.upper() if r.status != "ok" else "ok",
                 "peak_mib": self.peak / MiB if self.peak is not None else None,
                 "step_s": self.step_time,
+                "step_spread_pct": 100 * self.step_spread if self.step_spread is not None else None,
                 "target_tokens_per_s": r.target_tokens_per_second if self.ok else None,
                 "memory_saving_pct": 100 * (1 - self.peak / baseline.peak) if both else None,
-                "time_overhead_pct": 100 * (self.step_time / baseline.step_time - 1) if both else None,
+                "time_overhead_pct": 100 * overhead(baseline, self) if both else None,
                 "host_mib": self.host_bytes / MiB if self.host_bytes is not None else None,
                 "error": r.error}
+
+
+def saving(base: Measured, other: Measured) -> float | None:
+    """``other``'s peak-memory saving against ``base`` (a fraction), or None unless both ran."""
+    return 1 - other.peak / base.peak if base.ok and other.ok else None
+
+
+def overhead(base: Measured, other: Measured) -> float | None:
+    """``other``'s step-time overhead against ``base``: the ratio of their median timed steps minus 1 (the same
+    number :func:`labutils.claims.run_pair_evidence` gives a claim), or None unless both ran."""
+    return other.step_time / base.step_time - 1 if base.ok and other.ok else None
 
 
 @contextlib.contextmanager
