@@ -368,13 +368,15 @@ def claim_c4(cfg, info: dict, *, pair, b0: int, b1: int, budget: int, state_byte
         mem_ev = cl.Evidence(pair=ev.pair, hardware=ev.hardware, state_share=state_bytes / o.peak)
         time_judged = cl.judge_quantity(cl.CLAIMS["C4"].quantities[1], c4_time, ev)[0] in cl.JUDGED
         drop = f" (dropout {dropout:g})" if dropout is not None else ""
-        reason = (f"what it buys: {headline}; at micro-batch {mb} {fmt(state_bytes)} of FP32 weights, gradients and "
+        reason = (f"at micro-batch {mb} {fmt(state_bytes)} of FP32 weights, gradients and "
                   f"AdamW state ({state_bytes / o.peak:.0%} of the baseline peak) and the LM head are not "
                   f"checkpointed; the recompute costs {flops_ratio - 1:+.0%} FLOPs on the model measured{drop}"
                   + (f", the step {c4_time:+.0%} time (median of {ev.timed_steps} timed steps)" if time_judged else ""))
-        return cl.claim_entry("C4", {"memory_saving": 1 - n.peak / o.peak, "time_overhead": c4_time},
-                              _conditions(cfg, info, mb, fmt(budget)), reason=reason,
-                              evidence={"memory_saving": mem_ev, "time_overhead": ev}, extra=extra)
+        entry = cl.claim_entry("C4", {"memory_saving": 1 - n.peak / o.peak, "time_overhead": c4_time},
+                               _conditions(cfg, info, mb, fmt(budget)), reason=reason,
+                               evidence={"memory_saving": mem_ev, "time_overhead": ev}, extra=extra)
+        entry["why"] = f"What it buys: {headline}. {entry['why']}"   # the headline first, then the verdict's parts
+        return entry
     return cl.not_measured("C4", f"no micro-batch ran both with and without checkpointing on {hw} ({headline})",
                            _conditions(cfg, info, b0 or 1, fmt(budget)))
 

@@ -254,3 +254,19 @@ def test_timed_step_times_are_the_steps_the_loop_timed(tmp_path):
     compiled = RunResult(config={"train": {"timing_warmup_steps": 1}}, env={}, step_times=[9.0, 5.0, 0.1],
                          timed_steps=1, step_time_seconds=0.1)
     assert cl.timed_step_times(compiled) == [0.1]
+
+
+def test_c4_headline_is_the_batch_it_buys_and_its_numbers_are_the_pairs():
+    """Issue 27: C4 leads with what checkpointing buys (the largest micro-batch within the budget, b0 -> b1), and its
+    saving and overhead are the pair's own numbers (the ratio of the median timed steps that the tables show), judged
+    in full mode. Breaks if the headline sits only in 'extra' or the overhead comes from other runs."""
+    cfg = load_config("configs/lab03_checkpointing.yaml", mode="full")
+    pair = [_measured("no checkpointing", GPU_ENV, 1.0, 1000, steps=14),
+            _measured("checkpointing", GPU_ENV, 1.25, 600, steps=14)]
+    e = cr.claim_c4(cfg, _info("cuda"), pair=pair, b0=1, b1=6, budget=8 * 2**30, state_bytes=200,
+                    flops_ratio=1.31, hw="NVIDIA Fixture GPU", dropout=0.1)
+    assert e["why"].startswith("What it buys: within 8.00 GiB the largest micro-batch is 1 without checkpointing and 6")
+    assert e["extra"]["largest_micro_batch_within_budget"] == {"no checkpointing": 1, "checkpointing": 6}
+    assert e["measured"]["memory_saving"]["value"] == pytest.approx(0.4)
+    assert e["measured"]["time_overhead"]["value"] == pytest.approx(pair[1].step_time / pair[0].step_time - 1)
+    assert e["verdict"] == cl.HOLDS, e["why"]
