@@ -4,7 +4,7 @@ The variants themselves are in :mod:`labutils.checkpointing`; everything here ru
 training loop (:func:`labutils.train`), so memory and time are measured as in every other lab.
 
 Runs: ``measure(cfg, variants)`` (one model, one training run per variant, OOM -> a row, memory released),
-``largest_batch(cfg, variant)``, ``segment_peaks(cfg, ks, n_layer=)`` (C5 on a deep model), ``memory_budget(bytes)``, ``loaded(cfg)``, ``peak_during(fn)``; each run is a
+``largest_batch(cfg, variant)``, ``variant_peaks`` / ``segment_peaks(cfg, ks, n_layer=)`` (a deep model), ``memory_budget(bytes)``, ``loaded(cfg)``, ``peak_during(fn)``; each run is a
 :class:`Measured` (``.row(baseline)`` is its table row).
 Checks of one forward + backward: ``step_grads`` / ``max_rel_diff``, ``step_flops``, ``forward_calls``;
 ``compare`` gathers one row per forward of the notebook's toy models; ``one_batch`` and ``captured_logs`` feed
@@ -236,16 +236,15 @@ def largest_batch(cfg: Config, variant: Variant, device: torch.device | str | No
     return good, [probes[b] for b in sorted(probes)]
 
 
-def segment_peaks(cfg: Config, ks, device: torch.device | str | None = None, *, n_layer: int,
-                  n_embd: int | None = None) -> dict[int, int]:
+def variant_peaks(cfg: Config, variants: dict, device: torch.device | str | None = None, *, n_layer: int,
+                  n_embd: int | None = None) -> dict:
     """Peak memory of one forward + backward of a GPT-2 like ``cfg``'s, but ``n_layer`` blocks deep (and
-    ``n_embd`` wide, default the config's), with segments of k blocks (:func:`labutils.checkpointing.segments`)
-    for each k in ``ks``: {k: peak bytes above the start}. For claim C5, which cannot fail on a shallow model:
-    smoke mode's ``tiny`` has 2 blocks, so its segment sweep is repeated on a deep, narrow model of the same
+    ``n_embd`` wide, default the config's), under each variant of ``variants`` ({key: Variant}): {key: peak bytes
+    above the start}. For what needs depth (the k-sweep of section 4, claim C5, which cannot fail on a shallow
+    model): smoke mode's ``tiny`` has 2 blocks, so the sweep is repeated on a deep, narrow model of the same
     architecture (random weights, the config's dropout, one micro-batch of the config's data)."""
     from transformers import GPT2LMHeadModel
 
-    from .checkpointing import segments
     from .models import gpt2_config
 
     device = torch.device(device or _env.default_device())
@@ -260,10 +259,10 @@ def segment_peaks(cfg: Config, ks, device: torch.device | str | None = None, *, 
     model.loss_type = "ForCausalLM"  # as labutils.models does: the class name maps to no loss type (a warning)
     peaks = {}
     try:
-        for k in ks:
-            undo = segments(k).apply(model)
+        for key, variant in variants.items():
+            undo = variant.apply(model)
             try:
-                peaks[k] = peak_during(lambda: _forward_backward(model, batch), device)
+                peaks[key] = peak_during(lambda: _forward_backward(model, batch), device)
             finally:
                 undo()
                 model.zero_grad(set_to_none=True)
@@ -271,6 +270,15 @@ def segment_peaks(cfg: Config, ks, device: torch.device | str | None = None, *, 
         del model
         release()
     return peaks
+
+
+def segment_peaks(cfg: Config, ks, device: torch.device | str | None = None, *, n_layer: int,
+                  n_embd: int | None = None) -> dict[int, int]:
+    """:func:`variant_peaks` with segments of k blocks (:func:`labutils.checkpointing.segments`) for each k in
+    ``ks``: {k: peak bytes above the start}."""
+    from .checkpointing import segments
+
+    return variant_peaks(cfg, {k: segments(k) for k in ks}, device, n_layer=n_layer, n_embd=n_embd)
 
 
 def peak_during(fn: Callable[[], object], device: torch.device | str | None = None) -> int:
