@@ -11,10 +11,12 @@ with a unit test on made-up data that shows it fails on the defect it looks for.
 ``python -m labutils regenerate --smoke`` per session (the ``regenerated`` fixture): labs 03 and 04 by default,
 all four with ``LAB_FULL_REGEN=1`` (as CI sets it), or an existing folder named by ``LAB_REGEN_OUT`` (no run).
 
-Extension point for labs 01 and 02 (their notebooks are edited in parallel): :data:`ONE_NUMBER_CHECKS` maps a
-notebook stem to its check. Lab 01's check reads the speed-up per precision from every table row that names a
-precision and a speed-up, and from C2; lab 02's reads C3's time cost and every table row with an accumulation cost
-column. A lab whose results name these differently adds its keys to the check here.
+Labs 01 and 02 (their notebooks are edited on another branch, h7): :data:`ONE_NUMBER_CHECKS` maps a notebook stem
+to its check. Lab 01's reads the speed-up per precision from every table row naming a precision (``run`` or
+``precision``) with ``speedup_vs_fp32`` (table ``precision_comparison``) or ``measured_speedup`` (the course
+expectations table), and C2's fp16 speed-up; lab 02's reads ``time_cost`` from every table row that has it (table
+``accumulation_cost``) and C3's time cost: the keys h7's branch records. A lab that names them differently adds its
+keys to its check here (the extension point); the checks run on whatever labs the folder holds.
 """
 from __future__ import annotations
 
