@@ -22,4 +22,4 @@ test:
 	LAB_SMOKE=1 $(PYTHON) -m pytest --nbval-lax --nbval-current-env tests *.ipynb
 
 test-regen-all:
-	LAB_FULL_REGEN=1 $(PYTHON) -m pytest -q tests/test_regenerate.py
+	LAB_FULL_REGEN=1 $(PYTHON) -m pytest -q tests/test_regenerate.py tests/test_one_number.py

@@ -4,7 +4,7 @@ The variants themselves are in :mod:`labutils.checkpointing`; everything here ru
 training loop (:func:`labutils.train`), so memory and time are measured as in every other lab.
 
 Runs: ``measure(cfg, variants)`` (one model, one training run per variant, OOM -> a row, memory released),
-``largest_batch(cfg, variant)``, ``segment_peaks(cfg, ks, n_layer=)`` (C5 on a deep model), ``memory_budget(bytes)``, ``loaded(cfg)``, ``peak_during(fn)``; each run is a
+``largest_batch(cfg, variant)``, ``variant_peaks`` / ``segment_peaks(cfg, ks, n_layer=)`` (a deep model), ``memory_budget(bytes)``, ``loaded(cfg)``, ``peak_during(fn)``; each run is a
 :class:`Measured` (``.row(baseline)`` is its table row).
 Checks of one forward + backward: ``step_grads`` / ``max_rel_diff``, ``step_flops``, ``forward_calls``;
 ``compare`` gathers one row per forward of the notebook's toy models; ``one_batch`` and ``captured_logs`` feed
@@ -27,6 +27,7 @@ from .checkpointing import Variant
 from .config import Config
 from .memory import LiveStorages, oom_caught, release
 from .train import RunResult, prepare, train
+from .verdict_rule import timed_ratio, timed_step_times
 
 MiB = 2**20
 
@@ -34,7 +35,9 @@ MiB = 2**20
 # -------------------------------------------------------------------------------------------------------- runs
 @dataclass
 class Measured:
-    """One training run of one variant."""
+    """One training run of one variant. Its step time is the median of its timed steps (warm-up left out), with
+    the spread (half the inter-quartile range, relative) beside it: the one definition every table, figure and
+    claim of lab 03 reads (:func:`overhead` is the ratio of two such medians)."""
     variant: str
     kind: str
     k: int | None
@@ -59,7 +62,20 @@ class Measured:
 
     @property
     def step_time(self) -> float | None:
-        return self.result.step_time_seconds if self.ok else None
+        if not self.ok:
+            return None
+        times = sorted(timed_step_times(self.result))
+        if not times:
+            return self.result.step_time_seconds
+        n = len(times)
+        return times[n // 2] if n % 2 else (times[n // 2 - 1] + times[n // 2]) / 2
+
+    @property
+    def step_spread(self) -> float | None:
+        """+- of the step time, relative (half the inter-quartile range of the timed steps over their median)."""
+        times = timed_step_times(self.result) if self.ok else []
+        spread = timed_ratio(times, times)["spread"] if len(times) >= 2 else None
+        return None if spread is None else spread / 2    # timed_ratio adds both runs' half-IQRs: one run's is half
 
     @property
     def micro_batch(self) -> int:
@@ -74,11 +90,23 @@ class Measured:
                 "status": r.status.upper() if r.status != "ok" else "ok",
                 "peak_mib": self.peak / MiB if self.peak is not None else None,
                 "step_s": self.step_time,
+                "step_spread_pct": 100 * self.step_spread if self.step_spread is not None else None,
                 "target_tokens_per_s": r.target_tokens_per_second if self.ok else None,
                 "memory_saving_pct": 100 * (1 - self.peak / baseline.peak) if both else None,
-                "time_overhead_pct": 100 * (self.step_time / baseline.step_time - 1) if both else None,
+                "time_overhead_pct": 100 * overhead(baseline, self) if both else None,
                 "host_mib": self.host_bytes / MiB if self.host_bytes is not None else None,
                 "error": r.error}
+
+
+def saving(base: Measured, other: Measured) -> float | None:
+    """``other``'s peak-memory saving against ``base`` (a fraction), or None unless both ran."""
+    return 1 - other.peak / base.peak if base.ok and other.ok else None
+
+
+def overhead(base: Measured, other: Measured) -> float | None:
+    """``other``'s step-time overhead against ``base``: the ratio of their median timed steps minus 1 (the same
+    number :func:`labutils.claims.run_pair_evidence` gives a claim), or None unless both ran."""
+    return other.step_time / base.step_time - 1 if base.ok and other.ok else None
 
 
 @contextlib.contextmanager
@@ -208,16 +236,15 @@ def largest_batch(cfg: Config, variant: Variant, device: torch.device | str | No
     return good, [probes[b] for b in sorted(probes)]
 
 
-def segment_peaks(cfg: Config, ks, device: torch.device | str | None = None, *, n_layer: int,
-                  n_embd: int | None = None) -> dict[int, int]:
+def variant_peaks(cfg: Config, variants: dict, device: torch.device | str | None = None, *, n_layer: int,
+                  n_embd: int | None = None) -> dict:
     """Peak memory of one forward + backward of a GPT-2 like ``cfg``'s, but ``n_layer`` blocks deep (and
-    ``n_embd`` wide, default the config's), with segments of k blocks (:func:`labutils.checkpointing.segments`)
-    for each k in ``ks``: {k: peak bytes above the start}. For claim C5, which cannot fail on a shallow model:
-    smoke mode's ``tiny`` has 2 blocks, so its segment sweep is repeated on a deep, narrow model of the same
+    ``n_embd`` wide, default the config's), under each variant of ``variants`` ({key: Variant}): {key: peak bytes
+    above the start}. For what needs depth (the k-sweep of section 4, claim C5, which cannot fail on a shallow
+    model): smoke mode's ``tiny`` has 2 blocks, so the sweep is repeated on a deep, narrow model of the same
     architecture (random weights, the config's dropout, one micro-batch of the config's data)."""
     from transformers import GPT2LMHeadModel
 
-    from .checkpointing import segments
     from .models import gpt2_config
 
     device = torch.device(device or _env.default_device())
@@ -232,10 +259,10 @@ def segment_peaks(cfg: Config, ks, device: torch.device | str | None = None, *, 
     model.loss_type = "ForCausalLM"  # as labutils.models does: the class name maps to no loss type (a warning)
     peaks = {}
     try:
-        for k in ks:
-            undo = segments(k).apply(model)
+        for key, variant in variants.items():
+            undo = variant.apply(model)
             try:
-                peaks[k] = peak_during(lambda: _forward_backward(model, batch), device)
+                peaks[key] = peak_during(lambda: _forward_backward(model, batch), device)
             finally:
                 undo()
                 model.zero_grad(set_to_none=True)
@@ -243,6 +270,15 @@ def segment_peaks(cfg: Config, ks, device: torch.device | str | None = None, *, 
         del model
         release()
     return peaks
+
+
+def segment_peaks(cfg: Config, ks, device: torch.device | str | None = None, *, n_layer: int,
+                  n_embd: int | None = None) -> dict[int, int]:
+    """:func:`variant_peaks` with segments of k blocks (:func:`labutils.checkpointing.segments`) for each k in
+    ``ks``: {k: peak bytes above the start}."""
+    from .checkpointing import segments
+
+    return variant_peaks(cfg, {k: segments(k) for k in ks}, device, n_layer=n_layer, n_embd=n_embd)
 
 
 def peak_during(fn: Callable[[], object], device: torch.device | str | None = None) -> int:

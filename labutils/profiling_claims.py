@@ -1,9 +1,9 @@
 """C6 and C7, the two claims of the course design that lab 04 measures under the 8 GB budget (the verdict rules
 are in :mod:`labutils.claims`; this module runs what they need and builds their entries).
 
-* :func:`c6_claim`: the FP32 baseline against all three techniques together (mixed precision, checkpointing,
-  accumulation) at the same effective batch: the technique table's rows when the baseline fit, else the
-  largest effective batch where it does (halving until the baseline runs), so an 8 GB card gives C6 a number;
+* :func:`c6_claim`: the FP32 baseline against all three techniques together (the lab's mixed precision,
+  checkpointing, accumulation) at the technique table's effective batch; a baseline that does not fit is recorded
+  as such, with its estimate;
 * :func:`technique_claims`: C1, C2 and C4 from the same table, when its FP32 baseline fit;
 * :func:`c7_claim`: ZeRO-2 with the optimizer offloaded to the CPU against plain fp16 training, where DeepSpeed
   and CUDA are here; otherwise not measured, with the estimator's prediction.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from . import cards
 from . import claims as cl
+from . import zero2_offload as z2
 from . import estimate as est
 from .config import load_config
 from .memory import fmt_bytes
@@ -50,82 +51,88 @@ def _c6_run(c, loop, device, budget_kw: dict) -> dict:
     return out
 
 
-def c6_plan(tech_cfg, e: int, steps: int) -> dict:
+def c6_plan(tech_cfg, e: int, steps: int, amp: str = "fp16") -> dict:
     """The pair C6 compares at effective batch ``e``: the FP32 baseline (``e`` x 1) and all three techniques
-    (fp16 + checkpointing, micro-batch e/4 x accumulation 4, or less), each for ``steps`` optimizer steps."""
+    (``amp`` mixed precision + checkpointing, micro-batch e/4 x accumulation 4, or less), each for ``steps``
+    optimizer steps. ``amp``: the lab's mixed precision (bf16 where native, else fp16), as lab 01 decides it."""
     m = max(1, e // 4)
     base = {"train.steps": steps, "train.warmup_steps": 0}
     return {f"fp32 baseline, {e} x 1": tech_cfg.override({**base, "train.micro_batch_size": e,
                                                           "train.accumulation_steps": 1}),
-            f"fp16 + checkpointing + accumulation, {m} x {e // m}": tech_cfg.override(
-                {**base, "train.precision": "fp16", "train.gradient_checkpointing": True,
+            f"{amp} + checkpointing + accumulation, {m} x {e // m}": tech_cfg.override(
+                {**base, "train.precision": amp, "train.gradient_checkpointing": True,
                  "train.micro_batch_size": m, "train.accumulation_steps": e // m})}
 
 
-def c6_claim(tech_cfg, loop, config_path: str, budget: int, info: dict, **run_kw) -> tuple[dict, dict, dict]:
+def c6_claim(tech_cfg, loop, config_path: str, budget: int, info: dict, *, amp: str = "fp16",
+             **run_kw) -> tuple[dict, dict, dict]:
     """C6 measured with the notebook's one loop (``loop``, section 8.1): the FP32 baseline against all three
-    techniques at the same effective batch, the table's batch first, halving it until the baseline fits the
-    budget. Speed is judged only from a GPU with enough timed steps (:mod:`labutils.claims`); the entry shows
-    the pair of runs. ``info``: ``lu.setup()``'s dict; ``run_kw``: the CPU budget (``cpu_budget_kwargs``).
-    Returns ``(entry, conditions, predicted largest micro-batch on an 8 GB card (7.78 GiB to torch) per setting)``."""
+    techniques (``amp`` mixed precision) at ONE effective batch, the technique table's. A baseline that does not
+    fit the budget is recorded as such, with the estimator's peak for it (labelled a prediction): no smaller
+    batch is substituted, so there is always something to accumulate. Speed is judged only from a GPU with enough
+    timed steps (:mod:`labutils.claims`); in smoke nothing is judged (the tiny model). ``info``: ``lu.setup()``'s
+    dict; ``run_kw``: the CPU budget (``cpu_budget_kwargs``). Returns ``(entry, conditions, predicted largest
+    micro-batch on an 8 GB card per setting)``."""
     device = info["device"]
     warm = tech_cfg.train.timing_warmup_steps
     # a GPU gets enough timed steps for a speed verdict; a CPU's time is never judged, so a few steps do
     steps = warm + cl.MIN_TIMED_STEPS if device.type == "cuda" else tech_cfg.train.steps
     E = tech_cfg.effective_batch_size
-    e, runs = E, None
-    while e >= 1:
-        plan = c6_plan(tech_cfg, e, steps)
-        with cuda_memory_cap(8):
-            runs = {name: _c6_run(c, loop, device, run_kw) for name, c in plan.items()}
-        if next(iter(runs.values()))["status"] == "ok":
-            break
-        e //= 2
+    plan = c6_plan(tech_cfg, E, steps, amp)
+    with cuda_memory_cap(8):
+        runs = {name: _c6_run(c, loop, device, run_kw) for name, c in plan.items()}
     names = tuple(runs)
-    cond = cl.conditions(model=tech_cfg.model.name, batch=f"effective batch {max(e, 1)}",
-                         sequence=tech_cfg.data.seq_length, precision="fp16 + checkpointing + accumulation vs fp32",
+    cond = cl.conditions(model=tech_cfg.model.name, batch=f"effective batch {E}",
+                         sequence=tech_cfg.data.seq_length, precision=f"{amp} + checkpointing + accumulation vs fp32",
                          hardware=_hardware(info), mode=info["mode"],
                          budget=fmt_bytes(budget) + ("" if device.type == "cuda" else " (simulated)"))
-    state_bytes = 16 * est.parameter_count(tech_cfg.model.name, tech_cfg.model.pad_vocab_to)
-    fits_pred = {name: est.largest_batch(plan_over, cards.card_total_bytes(8)[0], limit=64, **over) for name, plan_over, over in
-                 (("fp32 baseline", load_config(config_path, mode="full"), {}),
-                  ("fp16 + checkpointing", load_config(config_path, mode="full"),
-                   {"precision": "fp16", "checkpointing": True}))}
+    n_params = est.parameter_count(tech_cfg.model.name, tech_cfg.model.pad_vocab_to)
+    state_bytes = 16 * n_params
+    full = load_config(config_path, mode="full")
+    fits_pred = {name: est.largest_batch(full, cards.card_total_bytes(8)[0], limit=64, **over) for name, over in
+                 (("fp32 baseline", {}), (f"{amp} + checkpointing", {"precision": amp, "checkpointing": True}))}
     base, both = runs[names[0]], runs[names[1]]
-    if e < 1 or base["status"] != "ok" or both["status"] != "ok":
-        why = (f"the FP32 baseline did not fit the budget at any effective batch from {E} down to 1" if e < 1 else
-               f"'{names[1]}' ended with {both['status']}")
-        return cl.not_measured("C6", why, cond), cond, fits_pred
+    if base["status"] != "ok" or both["status"] != "ok":
+        failed = names[0] if base["status"] != "ok" else names[1]
+        c_failed = plan[failed]
+        e_peak = est.estimate_memory(c_failed, device=device.type)["peak_bytes"]
+        why = (f"'{failed}' did not fit the budget of {fmt_bytes(budget)} ({runs[failed]['status']}); the estimator "
+               f"puts its peak at {fmt_bytes(e_peak)} (a prediction, not a measurement)")
+        entry = cl.not_measured("C6", why, cond)
+        entry["extra"] = {"runs": {n: {"status": r["status"], "peak_bytes": r["peak_bytes"]} for n, r in runs.items()},
+                          "estimate_bytes": {failed: e_peak}, "largest_micro_batch_8GiB_predicted": fits_pred}
+        return entry, cond, fits_pred
     memory_saving = 1 - both["peak_bytes"] / base["peak_bytes"]
     t_base, t_both = base["step_times"][warm:], both["step_times"][warm:]
-    values, evidence = {"memory_saving": memory_saving}, {}
+    values = {"memory_saving": memory_saving}
+    mem_ev = cl.Evidence(pair=names, note="peak allocated, model loading included",
+                         state_share=state_bytes / base["peak_bytes"])
+    evidence = {"memory_saving": mem_ev}
     # speed judged only on a GPU, with its noise (labutils.claims)
     t = cl.timed_ratio(t_base, t_both)                  # ratio = median step time, all together / baseline
     if t["ratio"]:
         values["slowdown"] = 1 - 1 / t["ratio"]
         spread = t["spread"] / t["ratio"] ** 2 if t["spread"] is not None else None
-        evidence = {"slowdown": cl.Evidence(pair=names, timed_steps=t["timed_steps"], spread=spread,
-                                            note="medians of the timed steps after warm-up, the notebook's loop"),
-                    "memory_saving": cl.Evidence(pair=names, note="peak allocated, model loading included")}
-    entry = cl.claim_entry("C6", values, cond, **({"evidence": evidence} if evidence else {}),
+        evidence["slowdown"] = cl.Evidence(pair=names, timed_steps=t["timed_steps"], spread=spread,
+                                           note="medians of the timed steps after warm-up, the notebook's loop")
+    entry = cl.claim_entry("C6", values, cond, evidence=evidence,
                            reason=(f"{fmt_bytes(state_bytes)} of FP32 weights, gradients and AdamW state "
                                    f"({state_bytes / base['peak_bytes']:.0%} of the baseline peak) stay whatever the "
-                                   f"technique" + ("; at effective batch 1 there is nothing to accumulate" if e == 1
-                                                    else "")),
+                                   f"technique"),
                            extra={"largest_micro_batch_8GiB_predicted": fits_pred,
                                   "peaks_bytes": {names[0]: base["peak_bytes"], names[1]: both["peak_bytes"]}})
     entry.setdefault("compares", {q: f"{names[0]} vs {names[1]}" for q in values})
     return entry, cond, fits_pred
 
 
-def technique_claims(by: dict, cond: dict) -> list[dict]:
+def technique_claims(by: dict, cond: dict, amp: str = "fp16") -> list[dict]:
     """C1, C2 and C4 from the technique table (``by``: its rows by technique) against its FP32 baseline, when that
     baseline ran; [] when it did not (then the labs that own those claims answer them, or "not measured")."""
     base = by["baseline (fp32)"]
     if base["status"] != "ok":
         return []
-    measures = {"C1": ("fp16", lambda r: {"memory_saving": 1 - r["peak (GiB)"] / base["peak (GiB)"]}),
-                "C2": ("fp16", lambda r: {"speedup": r[SPEED] / base[SPEED]}),
+    measures = {"C1": (amp, lambda r: {"memory_saving": 1 - r["peak (GiB)"] / base["peak (GiB)"]}),
+                "C2": (amp, lambda r: {"speedup": r[SPEED] / base[SPEED]}),
                 "C4": ("checkpointing", lambda r: {"memory_saving": 1 - r["peak (GiB)"] / base["peak (GiB)"],
                                                    "time_overhead": base[SPEED] / r[SPEED] - 1})}
     return [cl.claim_entry(cid, measure(by[name]), cond, lab=LAB) if by[name]["status"] == "ok" else
@@ -141,16 +148,16 @@ def c7_claim(config_path: str, tech_cfg, info: dict, workdir) -> dict:
     cond = cl.conditions(model=tech_cfg.model.name, batch="1 x 1", sequence=tech_cfg.data.seq_length,
                          precision="fp16, ZeRO-2 + CPU offload vs plain", hardware=_hardware(info), mode=info["mode"])
     full = load_config(config_path, mode="full").override({"train.micro_batch_size": 1, "train.accumulation_steps": 1})
-    prediction = {"memory_saving": cl.zero2_offload_prediction(full)["memory_saving"]}
+    prediction = {"memory_saving": z2.zero2_offload_prediction(full)["memory_saving"]}
     prediction_for = f"{full.model.name}, 1 x {full.data.seq_length}, fp16, one CUDA GPU"
     # not measured: the row shows the prediction, so its conditions are the prediction's, not this run's
     pred_cond = cl.conditions(model=full.model.name, batch="1 x 1", sequence=full.data.seq_length,
                               precision="fp16, ZeRO-2 + CPU offload vs plain", hardware="one CUDA GPU (predicted)",
                               mode=info["mode"])
-    missing = cl.zero2_offload_unavailable()
+    missing = z2.zero2_offload_unavailable()
     if missing:
         return cl.not_measured("C7", missing, pred_cond, prediction=prediction, prediction_for=prediction_for)
-    c7 = cl.measure_zero2_offload(config_path, over, workdir)
+    c7 = z2.measure_zero2_offload(config_path, over, workdir)
     if "error" in c7:
         return cl.not_measured("C7", c7["error"], pred_cond, prediction=prediction, prediction_for=prediction_for)
     p_peak, z_peak = c7["plain"]["peak_memory_bytes"], c7["zero2_offload"]["peak_memory_bytes"]

@@ -59,7 +59,8 @@ def context_bytes(device: torch.device) -> int:
 
 class MeasuredRuns:
     """Every measured run of the notebook, one row each: the estimate for this device's kernels against what
-    was measured, and the CUDA prediction next to it (``runs.rows`` is section 10's table)."""
+    was measured, and the CUDA prediction next to it (``runs.rows`` is section 10's table). ``start_bytes``: memory
+    in use when the run started, so the notebook shows each run starts from the lab's baseline (no leftovers)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -69,7 +70,8 @@ class MeasuredRuns:
         """Keep one row for run ``name`` of config ``c``; returns the estimate for this device."""
         e = est.estimate_memory(c, device=self.device.type)
         self.records[name] = {"run": name, **est.compare(e, measured_peak, measured_start, self.device.type),
-                              "cuda_prediction_bytes": est.estimate_memory(c)["peak_bytes"]}
+                              "cuda_prediction_bytes": est.estimate_memory(c)["peak_bytes"],
+                              "start_bytes": measured_start}
         return e
 
     @property

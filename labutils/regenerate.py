@@ -65,6 +65,9 @@ def find_notebooks(folder: str | os.PathLike, only: str | list[str] | None = Non
     return sorted(set(chosen))
 
 
+FINAL_ENV = "LAB_RESULTS_FINAL_DIR"  # where promote() moves a lab's results: the path its last cell prints
+
+
 def kernel_env(results_dir: str | os.PathLike, smoke: bool, gpu_memory_gb: float | None,
                base: dict | None = None) -> dict:
     """The kernel's environment: ours, plus where to record results, the mode and the memory cap."""
@@ -150,6 +153,7 @@ def regenerate(notebooks: list[Path], out: Path, *, smoke: bool, gpu_memory_gb: 
                     staging = Path(tempfile.mkdtemp(dir=out, prefix=f".staging-{nb.stem}-"))
                     # LAB_RESULTS_READ_DIR: where a lab finds the labs before it (lab 04's C1-C7 table reads them)
                     o = execute_notebook(nb, kernel_env(staging, smoke, gpu_memory_gb) | {"LAB_RESULTS_READ_DIR": str(out),
+                                                                                   FINAL_ENV: str(out),
                                                                                    ARTIFACTS_ENV: str(out / "artifacts")},
                                          timeout=timeout, executed_dir=out / "executed", on_cell=progress, guard=guard)
                     if o.ok:

@@ -202,7 +202,10 @@ def record_results(notebook: str, tables: dict[str, list[dict]], figures: dict |
     path = out / f"{stem}.json"
     write_json(path, _clean({"notebook": stem, "mode": mode, "env": env, "tables": tables,
                              "figures": fig_paths, "notes": notes or {}, "claims": claims or []}))
-    print(f"results recorded: {path} ({len(tables)} tables, {len(fig_paths)} figures, {len(claims or [])} claims, "
+    # under `regenerate` the file is written to a private staging folder and moved when the notebook ends: print
+    # where it will be (LAB_RESULTS_FINAL_DIR), never the staging folder, which no longer exists after the run
+    final = Path(os.environ["LAB_RESULTS_FINAL_DIR"]) / path.name if os.environ.get("LAB_RESULTS_FINAL_DIR") else path
+    print(f"results recorded: {final} ({len(tables)} tables, {len(fig_paths)} figures, {len(claims or [])} claims, "
           f"mode {mode})")
     return path
 

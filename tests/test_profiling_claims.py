@@ -57,6 +57,26 @@ def test_c6_is_measured_with_the_notebooks_loop_and_never_judges_cpu_time():
     assert slow is None or parts.get("slowdown", {}).get("verdict") == getattr(cl, "NOT_JUDGED", None), c6
 
 
+def test_c6_uses_the_labs_amp_at_one_effective_batch():
+    """Issue 27: C6's techniques run in the lab's AMP precision (bf16 where native), and a baseline that does not fit
+    is recorded as such at the table's effective batch, with its estimate: the loop runs twice, never at a halved
+    batch. Breaks if C6 hard-codes fp16 or halves the batch until the baseline fits."""
+    cfg = lu.load_config(TECHNIQUES, mode="smoke").override({"train.steps": 2, "train.timing_warmup_steps": 1})
+    seen = []
+
+    def oom_baseline(c, model, dataset, device):
+        seen.append((c.train.precision, c.train.micro_batch_size * c.train.accumulation_steps))
+        if c.train.precision == "fp32":
+            raise torch.OutOfMemoryError("simulated out of memory on CPU")
+        return {"losses": [1.0] * c.train.steps, "grad_norms": [1.0] * c.train.steps, "step_times": [0.1] * c.train.steps}
+
+    info = {"device": torch.device("cpu"), "gpu_name": None, "mode": "smoke"}
+    c6, _, _ = c6_claim(cfg, oom_baseline, TECHNIQUES, 8 * GiB, info, amp="bf16")
+    E = cfg.effective_batch_size
+    assert seen == [("fp32", E), ("bf16", E)], seen
+    assert c6["verdict"] == "not measured" and "fp32 baseline" in c6["why"] and "prediction" in c6["why"], c6
+
+
 def test_no_technique_claims_when_the_baseline_did_not_fit():
     assert technique_claims({"baseline (fp32)": {"status": "oom"}}, {}) == []
 
