@@ -41,7 +41,8 @@ Tools (commands and what they share):
   replay              one training step replayed as tensor allocations: the estimator's engine
   estimate            a training step's peak memory, predicted without a GPU, and what fits a budget
   advise              what to run when a config does not fit (or could run faster); `labutils estimate`
-  bench               `python -m labutils bench`: the one loop against a bare loop
+  reference           a nanoGPT-style GPT-2 that loads the course model's weights: bench's reference
+  bench               `python -m labutils bench`: the one loop against the reference, side by side
   distributed         the same loop under accelerate (DDP, FSDP, DeepSpeed ZeRO); ZeRO memory per GPU
   doctor              `python -m labutils doctor`: every GPU path of the course, checked in minutes
   doctor_checks       the doctor's correctness checks: device functions, training, OOM, snapshots, estimator

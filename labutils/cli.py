@@ -168,8 +168,13 @@ def cmd_bench(args) -> int:
     if args.repeats < 1:
         raise ConfigError("--repeats", None, args.repeats, "must be an integer >= 1")
     check_steps(cfg)  # steps at or below the warm-up: nothing to time
+    if args.json:
+        check_output_file(args.json, "--json")  # before any work
     _apply_budget()
-    bench(cfg, repeats=args.repeats)
+    out = bench(cfg, repeats=args.repeats)
+    if args.json:
+        write_json(args.json, {"config": cfg.to_dict(), **out})
+        print(f"wrote {args.json}")
     return 0
 
 
@@ -214,12 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write the full result record as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_run)
-    p = sub.add_parser("bench", help="labutils' loop against a bare loop with data already on the device: "
-                                     "positions/s of both (mean +- std, median over ABBA repeats) and the ratio "
-                                     "(train.compile=true: eager and compiled, a ratio each)")
+    p = sub.add_parser("bench", help="the course's path (the one loop) against a reference, a nanoGPT-style GPT-2 "
+                                     "with the same weights in a bare loop: step time of both (median, spread over "
+                                     "ABBA repeats) and the ratio (train.compile=true: eager runs too, labelled)")
     _add_config_args(p)
     p.add_argument("--repeats", type=positive_int, default=5,
                    help="runs of each loop, in ABBA order (default 5; fewer gives a spread worth little)")
+    p.add_argument("--json", metavar="PATH", help="write both sides' step times, spread and the ratio as JSON")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("estimate", help="predict memory (params, grads, optimizer, activations, peak) and advise")
     _add_config_args(p)

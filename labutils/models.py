@@ -244,22 +244,24 @@ def gpt2_config(name: str, dropout: float | None = None, attn_implementation: st
     return cfg
 
 
-def _mask_padded_logits(module, args, output):
-    """Forward hook of the LM head: the logits of padded vocabulary rows become the dtype's lowest value, so
-    they never win an argmax and add exactly 0 to the softmax's denominator (exp underflows to 0): the loss and
-    every gradient equal the unpadded model's. Writes only the few padded columns, in place."""
-    output[..., module.labutils_real_vocab:] = torch.finfo(output.dtype).min
-    return output
+# The padded columns' logit: a constant bias, finite and exact in fp32, bf16 and fp16 (a power of two, far inside
+# fp16's +-65504), low enough that exp(PAD_LOGIT - max) is 0 in fp32 for any logit a GPT-2 produces.
+PAD_LOGIT = -2.0 ** 14
 
 
 def pad_vocabulary(model, multiple: int | None) -> int:
     """Pad the (tied) token embedding / LM head to a multiple of ``multiple`` rows (tensor cores like a vocabulary
     that is a multiple of 64; nanoGPT: 50257 -> 50304), after ``from_pretrained`` or construction alike.
 
-    The new rows start at zero and never matter: token ids stay below the real vocabulary, and a forward hook on
-    the LM head masks their logits (:func:`_mask_padded_logits`), so the loss is the unpadded model's. The RNG
-    state is left as it was (resizing draws nothing that later dropout or data order would see). Returns the new
-    vocabulary size; ``model.config.vocab_size`` is updated (the loss views logits with it)."""
+    The new rows start at zero and never matter: token ids stay below the real vocabulary, and the LM head gets a
+    constant bias, 0 on the real columns and :data:`PAD_LOGIT` on the padded ones, so their logits never win an
+    argmax and add exactly 0 to the softmax's denominator (exp underflows): the loss and every gradient equal the
+    unpadded model's, and the padded rows get zero gradient (weight decay keeps zero at zero). The bias is a
+    non-persistent buffer under the name ``bias``, so ``nn.Linear`` computes ``addmm`` (the bias in the matmul's
+    epilogue, no extra pass over the logits, also under torch.compile), nothing trains it, and the state_dict keys
+    stay the checkpoint's. The RNG state is left as it was (resizing draws nothing that later dropout or data
+    order would see). Returns the new vocabulary size; ``model.config.vocab_size`` is updated (the loss views
+    logits with it)."""
     real = model.get_input_embeddings().weight.shape[0]
     new = padded_vocab_size(real, multiple)
     if new == real:
@@ -270,8 +272,13 @@ def pad_vocabulary(model, multiple: int | None) -> int:
     with torch.no_grad():
         model.get_input_embeddings().weight[real:].zero_()
     head = model.get_output_embeddings()
+    if head.bias is not None:  # pragma: no cover - GPT-2's LM head has none
+        raise ValueError("pad_vocabulary: the LM head already has a bias")
+    bias = torch.zeros(new, dtype=head.weight.dtype, device=head.weight.device)
+    bias[real:] = PAD_LOGIT
+    del head._parameters["bias"]  # nn.Linear's empty parameter slot; a buffer of that name takes its place
+    head.register_buffer("bias", bias, persistent=False)
     head.labutils_real_vocab = real
-    head.register_forward_hook(_mask_padded_logits)
     return new
 
 

@@ -211,8 +211,7 @@ class Replay:
         else:
             led.keep("lnf.out")
         led.alloc("logits", self.c * N * V, "logits")
-        # padded vocabulary: the LM head's forward hook fills the padded columns in place (a view of the logits:
-        # nothing new, nothing saved); its backward, a CopySlices node, is booked in :meth:`backward`
+        # padded vocabulary: the LM head's constant bias (models.pad_vocabulary) is added inside addmm: nothing new
         # ForCausalLMLoss: logits.float() (a copy under autocast), shift labels, cross_entropy = log_softmax + nll
         if p.amp:
             led.alloc("logits.fp32", 4 * N * V, "logits")
@@ -453,13 +452,6 @@ class Replay:
             self.node(out=[("g.logits", c * NV, "logits")], free=["g.lsm"])  # .float() backward: cast back
         else:
             led.rename("g.lsm", "g.logits")
-        if V != self.V_real:
-            # the in-place fill of the padded columns (models._mask_padded_logits) is a CopySlices node: a new
-            # gradient of the logits' size, then the slice's gradient cloned and fill_'s zero gradient for it
-            pad = c * N * (V - self.V_real)
-            self.node(out=[("g.logits_cs", c * NV, "logits"), ("g.pad_clone", pad), ("g.pad_zero", pad)],
-                      free=["g.logits", "g.pad_clone", "g.pad_zero"])
-            led.rename("g.logits_cs", "g.logits")
         # lm_head: grad wrt its input and wrt the (tied) wte weight; the latter waits in autograd's input
         # buffer for the embedding's contribution at the very end of backward
         self.node(out=[("g.lnf16", c * Nh), ("tmp.gwte16", c * V * h)],

@@ -1,28 +1,35 @@
-"""``bench``: a bare loop with its own device-resident data, ABBA order, mean +- spread over the repeats."""
+"""``bench``: the course's path against the reference (a nanoGPT-style GPT-2 with the same weights, its own
+device-resident data), ABBA order, median and spread over the repeats, the ratio from the medians."""
+import json
+
 import pytest
 
 import labutils as lu
 from labutils import bench as bench_mod
+from labutils import reference as R
+from labutils.cli import main
 
 from conftest import tiny_config
 
 
 def test_abba_order():
-    """Breaks if the loops stop alternating (always bare first hides warm-up drift in the first of each pair)."""
-    assert bench_mod.abba(3) == ["bare", "labutils", "labutils", "bare", "bare", "labutils"]
+    """Breaks if the sides stop alternating (always the reference first hides warm-up drift in each pair)."""
+    assert bench_mod.abba(3) == ["reference", "labutils", "labutils", "reference", "reference", "labutils"]
 
 
-def test_bench_reports_mean_and_spread_over_abba_repeats(monkeypatch, capsys):
-    """Five runs of each loop, in ABBA order (observed by spies that call through), each reported with
-    mean +- std and median; the bare loop never touches labutils' data path (``LMDataset.windows``).
-    Breaks if bench reverts to a median of 3 always bare first, or the bare loop samples through labutils."""
-    order, windows_calls = [], []
-    real_bare, real_train, real_windows = bench_mod.bare_loop, bench_mod.train, lu.LMDataset.windows
+def test_bench_reports_median_and_spread_over_abba_repeats(monkeypatch, capsys):
+    """Five runs of each side, in ABBA order (observed by spies that call through), each reported with median,
+    mean +- std, min and max; the reference is labutils.reference's model with the course model's weights and
+    never touches labutils' data path (``LMDataset.windows``). Breaks if bench reverts to one side first, the
+    ratio were taken from means or from the wrong side, or the reference sampled through labutils."""
+    order, windows_calls, models = [], [], []
+    real_ref, real_train, real_windows = bench_mod.reference_loop, bench_mod.train, lu.LMDataset.windows
 
-    def bare(*a, **k):
-        order.append("bare")
+    def reference(cfg, model, *a, **k):
+        order.append("reference")
+        models.append(model)
         before = len(windows_calls)
-        out = real_bare(*a, **k)
+        out = real_ref(cfg, model, *a, **k)
         assert len(windows_calls) == before  # its own data path
         return out
 
@@ -33,19 +40,60 @@ def test_bench_reports_mean_and_spread_over_abba_repeats(monkeypatch, capsys):
     def windows(self, *a, **k):
         windows_calls.append(1)
         return real_windows(self, *a, **k)
-    monkeypatch.setattr(bench_mod, "bare_loop", bare)
+    monkeypatch.setattr(bench_mod, "reference_loop", reference)
     monkeypatch.setattr(bench_mod, "train", ours)
     monkeypatch.setattr(lu.LMDataset, "windows", windows)
     cfg = tiny_config(data__pack=True, train__steps=3, data__seq_length=32)
     out = bench_mod.bench(cfg, repeats=5, device="cpu")
     assert order == bench_mod.abba(5)
-    for name in ("bare", "labutils"):
-        s = out["eager"][name]
+    assert all(isinstance(m, R.GPT) for m in models)
+    for name in ("reference", "labutils"):
+        s = out["eager"][name]["step_time_seconds"]
         assert len(s["runs"]) == 5 and all(x > 0 for x in s["runs"])
         assert s["mean"] == pytest.approx(sum(s["runs"]) / 5) and s["std"] > 0
-        assert min(s["runs"]) <= s["median"] <= max(s["runs"])
-    assert out["ratio"] == pytest.approx(out["eager"]["labutils"]["mean"] / out["eager"]["bare"]["mean"])
-    assert out["order"] == "ABBA" and out["repeats"] == 5
-    assert out["eager"]["num_alloc_retries"] == {"bare": [None] * 5, "labutils": [None] * 5}  # CPU: no allocator
+        assert s["min"] <= s["median"] <= s["max"]
+        assert out["eager"][name]["timed_steps"] == [1] * 5  # 3 steps, warm-up of 2
+    times = {n: out["eager"][n]["step_time_seconds"]["median"] for n in ("reference", "labutils")}
+    assert out["ratio"] == pytest.approx(times["reference"] / times["labutils"])
+    assert out["order"] == "ABBA" and out["repeats"] == 5 and out["headline"] == "eager"
+    assert out["eager"]["labutils"]["num_alloc_retries"] == [None] * 5  # CPU: no allocator
+    assert out["verdict"]["judged"] is False and out["verdict"]["met"] is None  # CPU: shown, not judged
     printed = capsys.readouterr().out
     assert "+-" in printed and "median" in printed and "not a GPU measurement" in printed
+    assert "not judged" in printed
+
+
+def test_bench_json_holds_both_sides_and_the_ratio(root, tmp_path, monkeypatch, capsys):
+    """`python -m labutils bench CONFIG --json PATH` on the fast config's keys (smoke: the tiny model, padded
+    vocabulary, sdpa_causal, tanh GELU): both sides' step times with spread, positions/s, and the ratio to the
+    reference. Breaks if --json were ignored, or wrote a ratio not read from the medians it holds."""
+    monkeypatch.setenv("LAB_SMOKE", "1")
+    path = tmp_path / "bench.json"
+    rc = main(["bench", str(root / "configs/fast_config.yaml"), "--repeats", "2", "--json", str(path), "--set",
+               "train.compile=false", "--set", "train.steps=3", "--set", "data.seq_length=64"])
+    assert rc == 0 and path.is_file()
+    got = json.loads(path.read_text())
+    assert got["config"]["model"]["pad_vocab_to"] == 64 and got["headline"] == "eager"
+    for name in ("labutils", "reference"):
+        st = got[name]["step_time_seconds"]
+        assert len(st["runs"]) == 2 and {"median", "mean", "std", "min", "max"} <= set(st)
+        assert got[name]["positions_per_second"]["median"] > 0
+    assert got["ratio"] == pytest.approx(got["reference"]["step_time_seconds"]["median"]
+                                         / got["labutils"]["step_time_seconds"]["median"])
+    assert got["verdict"] == {"goal": bench_mod.GOAL, "judged": False, "met": None, "why": got["verdict"]["why"]}
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_reference_ratio_for_doctor_runs_the_configs_mode_only(monkeypatch):
+    """doctor's entry point: one mode (the config's), the ratio and its verdict; no printing by default."""
+    calls = []
+    real = bench_mod.compare
+
+    def spy(cfg, *a, **k):
+        calls.append(cfg.train.compile)
+        return real(cfg, *a, **k)
+    monkeypatch.setattr(bench_mod, "compare", spy)
+    out = bench_mod.reference_ratio(tiny_config(data__pack=True, train__steps=3, data__seq_length=32), repeats=1,
+                                    device="cpu")
+    assert calls == [False] and out["mode"] == "eager" and out["ratio"] > 0
+    assert out["verdict"]["judged"] is False and out["repeats"] == 1

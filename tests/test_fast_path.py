@@ -122,6 +122,29 @@ def test_padded_vocabulary_changes_no_result_and_never_wins():
     assert torch.allclose(g_ref, g[:257], atol=1e-6) and g[257:].abs().max() == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_padded_vocabulary_by_a_constant_bias(dtype):
+    """The padded columns get a constant bias, not an in-place write into the logits (under compile that write
+    forced a full copy of the logits forward and of their gradient backward). Breaks if the forward hook came
+    back, if the bias became a trained parameter (AdamW would update and decay it) or a state_dict key (the
+    checkpoint's keys would change), or if autocast in bf16/fp16 gave a non-finite loss or let a padded logit win."""
+    ref = load_model(tiny(**{"model.pad_vocab_to": None}).model).model
+    fast = load_model(tiny(**{"model.pad_vocab_to": 64}).model).model
+    head = fast.get_output_embeddings()
+    assert not head._forward_hooks and not head._forward_pre_hooks
+    assert set(fast.state_dict()) == set(ref.state_dict())
+    assert all(p is not head.bias for p in fast.parameters())
+    assert head.bias[:257].abs().max() == 0 and (head.bias[257:] == lu.models.PAD_LOGIT).all()
+    ids = torch.randint(0, 257, (2, 20), generator=torch.Generator().manual_seed(4))
+    with torch.autocast("cpu", dtype=dtype):
+        out_ref, out = ref(input_ids=ids, labels=ids), fast(input_ids=ids, labels=ids)
+    assert out.logits.dtype == dtype and torch.isfinite(out.logits).all() and torch.isfinite(out.loss)
+    assert out.logits.argmax(-1).max() < 257
+    assert torch.allclose(out_ref.loss, out.loss, rtol=1e-3)
+    out.loss.backward()
+    assert fast.transformer.wte.weight.grad[257:].abs().max() == 0
+
+
 def test_pretrained_weights_load_then_pad(tmp_path):
     """from_pretrained first, then the padding: the checkpoint's rows are kept. Breaks if padding came before
     loading (a 50304-row model cannot load a 50257-row checkpoint) or lost the loaded rows."""
