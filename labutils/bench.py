@@ -33,6 +33,7 @@ import torch
 from . import device as dev
 from . import env as _env
 from . import reference as ref_model
+from .compiling import compile_for_training
 from .config import Config, ConfigError
 from .train import autocast_for, prepare, scaler_for, train
 
@@ -49,8 +50,8 @@ def reference_loop(cfg: Config, model, dataset, device, warmup: int) -> tuple[fl
     retries). ``model`` is a :class:`labutils.reference.GPT`."""
     t = cfg.train
     model.train()
-    if t.compile:
-        model.compile()  # in place, as labutils' loop compiles: the same (default) settings
+    if t.compile:  # in place, exactly as labutils' loop compiles (dynamo reset, backend check, same settings)
+        compile_for_training(model, device)
     opt = ref_model.make_optimizer(model, t.lr, t.weight_decay, device)
     autocast, scaler = autocast_for(t.precision, device), scaler_for(t.precision, device)
     # the data path: all micro-batches of the run on the device before the first step, targets shifted once

@@ -518,6 +518,19 @@ def test_fast_path_on_a_pretend_h100_fails_where_real_kernels_are_needed(monkeyp
     assert "NotImplementedError" in r["detail"] or "NVIDIA driver" in r["detail"], r["detail"]
 
 
+def _bench_times(monkeypatch, ours: float, theirs: float):
+    """A stand-in for the measuring part of ``labutils.bench`` (``compare``: the timed runs) with chosen step times;
+    the pretend GPU has no kernels to time. Everything after it (medians, ratio, verdict, the doctor's line) is
+    the real code."""
+    import labutils.bench as bench
+
+    def compare(cfg, repeats, device, warmup):
+        return {side: {"step_time_seconds": [s] * repeats, "timed_steps": [cfg.train.steps - warmup] * repeats,
+                       "num_alloc_retries": [0] * repeats}
+                for side, s in (("labutils", ours), ("reference", theirs))}
+    monkeypatch.setattr(bench, "compare", compare)
+
+
 def _fake_run(seen, mfu, status="ok"):
     """A stand-in for ``labutils.train.run``, for the verdict *plumbing* only (the verdict itself is the pure
     ``mfu_verdict`` above): records the config the check would train and returns a RunResult with chosen
@@ -541,8 +554,10 @@ def test_fast_path_plumbing_on_a_pretend_h100(gpu, monkeypatch, mfu, want):
     the row for its MFU (30 % failed before)."""
     seen = []
     monkeypatch.setattr(tr, "run", _fake_run(seen, mfu))
+    _bench_times(monkeypatch, ours=0.040, theirs=0.030)  # 0.75x the reference: shown, never failed
     r = rows(ds.check_fast_path, CUDA0)[FAST]
     assert r["status"] == want and r["value"] == pytest.approx(100 * mfu) and "not judged" in r["detail"]
+    assert r["reference_ratio"] == pytest.approx(0.75) and "reference 0.750x" in r["detail"]
     assert r.get("gates_regenerate", True) is True and "reference_ratio" in r and "compile_seconds" in r
     f, t = _fast_file(), seen[0].train
     assert (t.micro_batch_size, t.accumulation_steps) == (f["micro_batch_size"], f["accumulation_steps"])
@@ -555,6 +570,7 @@ def test_fast_path_that_does_not_train_fails_and_stops_regenerate(gpu, monkeypat
     """Not training at all (OOM at the fitted micro-batch) is no speed finding: the row fails and, unlike a
     missed MFU goal, keeps stopping `regenerate`. Breaks if every fast-path failure is made non-gating."""
     monkeypatch.setattr(tr, "run", _fake_run([], None, status="oom"))
+    _bench_times(monkeypatch, ours=0.030, theirs=0.030)
     r = rows(ds.check_fast_path, CUDA0)[FAST]
     assert r["status"] == "fail" and "did not train" in r["detail"] and r.get("gates_regenerate", True) is True
 
@@ -567,6 +583,7 @@ def test_fast_path_under_a_memory_budget_is_not_judged(monkeypatch):
     monkeypatch.setenv("LAB_GPU_MEMORY_GB", "8")
     seen = []
     monkeypatch.setattr(tr, "run", _fake_run(seen, 0.30))
+    _bench_times(monkeypatch, ours=0.030, theirs=0.030)
     r = rows(ds.check_fast_path, CUDA0)[FAST]
     assert r["status"] == "pass" and r["value"] == pytest.approx(30.0), r["detail"]
     assert "not judged" in r["detail"] and "memory budget" in r["detail"] and "lowered" in r["detail"]
@@ -579,6 +596,7 @@ def test_fast_path_fits_the_micro_batch_on_a_pretend_8gb_card(monkeypatch):
     pretend(monkeypatch, "rtx3070-8gb")
     seen = []
     monkeypatch.setattr(tr, "run", _fake_run(seen, 0.2))
+    _bench_times(monkeypatch, ours=0.030, theirs=0.030)
     r = rows(ds.check_fast_path, CUDA0)[FAST]
     f, t = _fast_file(), seen[0].train
     assert t.micro_batch_size < f["micro_batch_size"]
@@ -591,6 +609,7 @@ def test_fast_path_without_triton_is_skipped_with_the_reason(gpu, monkeypatch):
     `regenerate`. Skipped with the reason instead; the run is never attempted. Breaks if the row fails or trains."""
     seen = []
     monkeypatch.setattr(tr, "run", _fake_run(seen, 0.4))
+    _bench_times(monkeypatch, ours=0.030, theirs=0.030)
     monkeypatch.setattr(dev, "compile_support", lambda device=None: (False, "Triton is not installed here (Windows)"))
     r = rows(ds.check_fast_path, CUDA0)[FAST]
     assert r["status"] == "skip" and "Triton" in r["detail"] and "train.compile" in r["detail"] and not seen
@@ -616,7 +635,8 @@ def test_doctor_exits_0_on_a_card_that_misses_the_mfu_goal(gpu, monkeypatch, cap
         res.compile_seconds = 42.0
         return res
     monkeypatch.setattr(tr, "run", trained)
+    _bench_times(monkeypatch, ours=0.050, theirs=0.030)  # and 0.6x the reference, below bench's 0.95 goal
     assert cli.main(["doctor"]) == 0
     out = capsys.readouterr().out
-    assert "MFU 30.0 %" in out and "not judged" in out
+    assert "MFU 30.0 %" in out and "not judged" in out and "reference 0.600x" in out
     assert "0 failed" in out and "compiling the fast path 42 s apart" in out
