@@ -219,6 +219,56 @@ def causal_sdpa_attention(module, query, key, value, attention_mask=None, dropou
     return out.transpose(1, 2).contiguous(), None
 
 
+MASK_FIX = (f"{CAUSAL_SDPA} is causal attention without a mask: it can honour only right padding (each row ones, "
+            "then zeros) or no padding; pad on the right (tokenizer padding_side='right'), pack the data "
+            "(data.pack: true), or use attn_implementation 'sdpa' for this mask")
+
+
+@torch.compiler.disable  # under torch.compile: runs eagerly on the real mask (a graph break only when one is given)
+def refuse_unhonoured_mask(mask: torch.Tensor) -> None:
+    """Raise ValueError unless the 2-D padding mask ``mask`` is one :data:`CAUSAL_SDPA` computes exactly: all ones,
+    or right padding (no kept position after a padded one in any row). Left padding, or a hole in the middle,
+    would be ignored: the logits would equal the unmasked model's. One host read of a reduction (the stock 'sdpa'
+    path reads its mask back too); never called for a forward without a mask (packed batches pass none)."""
+    kept = mask.bool()
+    if kept.ndim == 2 and kept.shape[1] > 1 and bool((kept[:, 1:] & ~kept[:, :-1]).any()):
+        rows = (kept[:, 1:] & ~kept[:, :-1]).any(dim=1).nonzero().flatten().tolist()
+        raise ValueError(f"attention_mask of shape {tuple(mask.shape)} has a kept position after a padded one "
+                         f"(rows {_shown_rows(rows)}: left padding?); {MASK_FIX}")
+
+
+def _shown_rows(rows: list[int]) -> str:
+    return ", ".join(map(str, rows[:5])) + (", ..." if len(rows) > 5 else "")
+
+
+def _mask_guard(module, args, kwargs):
+    """Forward pre-hook of a GPT-2 base model built for :data:`CAUSAL_SDPA`: the 2-D padding mask never reaches
+    the attention function (transformers drops it for an attention registered without a mask function), so it is
+    checked here, where the model receives it. No mask (packed data): nothing runs, nothing is read."""
+    mask = kwargs.get("attention_mask")
+    if mask is None and len(args) > module.labutils_mask_position:
+        mask = args[module.labutils_mask_position]
+    if mask is not None and mask.ndim == 2:
+        refuse_unhonoured_mask(mask)
+
+
+def guard_causal_mask(model) -> None:
+    """Refuse, on every forward of ``model``, a padding mask its :data:`CAUSAL_SDPA` attention would ignore
+    (idempotent; models of other attention implementations are left alone). :func:`load_model` calls it."""
+    import inspect
+
+    if getattr(model.config, "_attn_implementation", None) != CAUSAL_SDPA:
+        return
+    base = model.base_model
+    if getattr(base, "labutils_mask_guard", False):
+        return
+    names = [n for n, p in inspect.signature(base.forward).parameters.items()
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    base.labutils_mask_position = names.index("attention_mask")
+    base.register_forward_pre_hook(_mask_guard, with_kwargs=True)
+    base.labutils_mask_guard = True
+
+
 def register_attention() -> None:
     """Register :func:`causal_sdpa_attention` as ``attn_implementation="sdpa_causal"`` (idempotent). Only in
     ``AttentionInterface``: a mask function registered under the same name would bring the 4-D mask back."""
@@ -309,6 +359,7 @@ def _from_cache_or_hub(cfg: ModelConfig, device: torch.device, local_only: bool)
     if cfg.dropout is not None:
         kw.update(resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout)
     model = GPT2LMHeadModel.from_pretrained(repo, dtype=torch.float32, **kw).to(device)
+    guard_causal_mask(model)
     pad_vocabulary(model, cfg.pad_vocab_to)  # after loading: the checkpoint's 50257 rows load as they are
     # from_pretrained returns the model in eval mode: dropout off, and transformers hands back a KV cache even
     # under checkpointing. Every lab trains it, so it leaves here in training mode, like a freshly built model.
@@ -370,6 +421,7 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int =
     torch.manual_seed(seed)
     with torch.device(device):
         model = GPT2LMHeadModel(gpt2_config(cfg.name, cfg.dropout, cfg.attn_implementation, cfg.activation))
+    guard_causal_mask(model)
     pad_vocabulary(model, cfg.pad_vocab_to)  # after init: the unpadded model's weights, RNG state untouched
     model.loss_type = "ForCausalLM"
     if notice and verbose:
