@@ -444,6 +444,7 @@ def load_config(path: str | os.PathLike | None = None, overrides=None, mode: str
             section, name = key.split(".")
             setattr(getattr(cfg, section), name, min(getattr(getattr(cfg, section), name), cap))
         cfg.validated = {}  # the mode's values are not code's
+        cfg.origins.setdefault("model.name", "smoke mode")  # a message about the tiny model names the mode
     for key, value in _override_items(overrides, "--set"):
         _assign(cfg, key, value, "--set")
     return validate(cfg)

