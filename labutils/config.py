@@ -360,13 +360,19 @@ def _override_items(overrides, source: str) -> list[tuple[str, Any]]:
     return [parse_set(o, source) for o in overrides]
 
 
+MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """PyYAML's safe loader, except that a key repeated in one mapping is an error (YAML says keys are unique;
-    PyYAML silently keeps the last one)."""
+    PyYAML silently keeps the last one). Merge keys (``<<: *anchor``) work as in PyYAML's safe loader: the
+    mapping's own keys win over merged ones, and are the only ones checked for repeats."""
 
     def construct_mapping(self, node, deep=False):
         seen = {}
         for key_node, _ in node.value:
+            if key_node.tag == MERGE_TAG:  # `<<`: merged by SafeConstructor.flatten_mapping below
+                continue
             key = self.construct_object(key_node, deep=True)
             try:
                 first = seen.setdefault(key, key_node)
@@ -379,10 +385,18 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+MAX_YAML_DEPTH_HINT = "nested too deeply to read (thousands of levels); a config is sections of key: value"
+
+
 def _read_yaml(path: Path) -> dict:
     src = str(path)
     if not _is_file(src):
-        raise ConfigError(src, None, _MISSING, "config file not found")
+        try:
+            exists = path.exists()
+        except (OSError, ValueError):
+            exists = False
+        raise ConfigError(src, None, _MISSING, "not a regular file (a folder, FIFO or device); give a YAML file"
+                          if exists else "config file not found")
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -399,6 +413,8 @@ def _read_yaml(path: Path) -> dict:
         where = f" (line {mark.line + 1})" if mark else ""
         raise ConfigError(src, None, _MISSING, f"malformed YAML{where}: "
                                                f"{getattr(exc, 'problem', None) or 'cannot parse'}") from None
+    except RecursionError:  # PyYAML composes and constructs recursively
+        raise ConfigError(src, None, _MISSING, MAX_YAML_DEPTH_HINT) from None
     if raw is None:  # empty, whitespace, comments only, a bare `---` or `null`: nothing was configured
         raise ConfigError(src, None, _MISSING, f"the file holds no settings (empty, comments only or null); "
                                                f"give a mapping with sections {', '.join(SECTIONS)}")
