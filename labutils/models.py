@@ -209,7 +209,9 @@ def causal_sdpa_attention(module, query, key, value, attention_mask=None, dropou
     holds eager *and* under torch.compile, where transformers' own ``sdpa`` path cannot prove an all-ones mask
     is all ones (a traced tensor) and passes SDPA a full 4-D mask, which rules out the CUDA flash kernel.
     Exact for labutils' data: packed blocks have no padding, and padding is on the right, so a causal query
-    never sees it (padded positions carry label -100). A 4-D mask handed in explicitly is refused, not ignored.
+    never sees it (padded positions carry label -100). A 4-D mask handed in explicitly is refused, not ignored;
+    a 2-D mask it could not honour (left padding, a hole) is refused where the model receives it
+    (:func:`guard_causal_mask`, which :func:`load_model` installs).
     """
     if attention_mask is not None:
         raise ValueError(f"attn_implementation={CAUSAL_SDPA!r} is causal attention without a mask, but got a "
