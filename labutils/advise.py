@@ -151,7 +151,7 @@ def cli_estimate(cfg, args) -> int:
     start = time.perf_counter()
     if args.gpu_memory_gb is not None:
         budget, rule = cards.card_total_bytes(args.gpu_memory_gb)
-        where = f"--gpu-memory-gb {args.gpu_memory_gb:g}: {rule}"
+        where = f"{getattr(args, 'gpu_memory_source', '--gpu-memory-gb ')}{args.gpu_memory_gb:g}: {rule}"
     else:
         budget, where = default_budget_bytes()
     est = estimate_memory(cfg)

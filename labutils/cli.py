@@ -8,10 +8,14 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 from .config import ConfigError, load_config, shown
-from .results import OutputPathError, check_output_file, write_json
+from .results import OutputPathError, check_output_file, shown_path, write_json
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -40,12 +44,75 @@ def positive_int(text: str) -> int:
     return value
 
 
+MAX_GPU_MEMORY_GB = 2**20  # GiB (1 PiB): above any card; far beyond it a size in bytes overflows (1e308 GiB)
+
+
 def gpu_memory_gb(text: str) -> float:
-    """GiB of GPU memory, finite and >= 0; 0 means "no cap: the whole card" in every command."""
+    """GiB of GPU memory, from 0 to :data:`MAX_GPU_MEMORY_GB`; 0 means "no cap: the whole card" in every command.
+    The one rule for ``--gpu-memory-gb`` and ``LAB_GPU_MEMORY_GB`` (:func:`env_gpu_memory_gb`)."""
     value = _number(text, float)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{shown(text)}: must be >= 0 GiB (0 = no cap: the whole card)")
+    if not 0 <= value <= MAX_GPU_MEMORY_GB:
+        raise argparse.ArgumentTypeError(f"{shown(text)}: must be a number of GiB from 0 to {MAX_GPU_MEMORY_GB} "
+                                         "(0 = no cap: the whole card)")
     return value
+
+
+def env_gpu_memory_gb() -> float | None:
+    """``LAB_GPU_MEMORY_GB`` read by :func:`gpu_memory_gb`'s rule, in every command: None when unset, empty or 0;
+    a bad value is a :class:`ConfigError` (exit 2) before any work."""
+    raw = os.environ.get("LAB_GPU_MEMORY_GB", "").strip()
+    if not raw:
+        return None
+    try:
+        return gpu_memory_gb(raw) or None
+    except argparse.ArgumentTypeError:
+        raise ConfigError("environment", "LAB_GPU_MEMORY_GB", raw[:40], f"must be a number of GiB from 0 to "
+                          f"{MAX_GPU_MEMORY_GB} (the card to behave like; 0 or unset = no cap)") from None
+
+
+def _tracked(path: Path) -> bool:
+    """Is ``path`` (inside the repository) a file git tracks? Without git: any existing file there counts."""
+    try:
+        proc = subprocess.run(["git", "-C", str(REPO), "ls-files", "--error-unmatch", "--", str(path)],
+                              capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return True
+    return proc.returncode == 0
+
+
+def check_json(path: str | None, inputs: dict | None = None) -> None:
+    """Refuse, before any work, a ``--json`` target the result would be lost on or that it would destroy: an empty
+    name, a path through a symbolic link that leads nowhere (a missing target or a loop: creating the folder
+    fails after the run), an input of this command (``inputs``: role -> path), a file of the repository."""
+    if path is None:
+        return
+    where = f"--json {shown_path(path) or repr(path)}"
+    if not path.strip():
+        raise OutputPathError(f"{where}: an empty file name; give a file path such as result.json")
+    p = Path(path).expanduser()
+    for part in (p, *p.parents):
+        if part.is_symlink() and not os.path.exists(part):
+            raise OutputPathError(f"{where}: {shown_path(part)} is a symbolic link that leads nowhere (a missing "
+                                  "target or a loop)")
+    check_output_file(path, "--json")
+    if not p.is_file():
+        return
+    for role, other in (inputs or {}).items():
+        try:
+            same = other is not None and os.path.samefile(p, other)
+        except OSError:
+            same = False
+        if same:
+            raise OutputPathError(f"{where}: is the {role} this command reads; write the JSON elsewhere")
+    real = p.resolve()
+    if (REPO / ".git").exists() and real.is_relative_to(REPO) and _tracked(real):
+        raise OutputPathError(f"{where}: would overwrite {real.relative_to(REPO)}, a file of the repository; write "
+                              "the JSON elsewhere")
+
+
+def _inputs(args, cfg) -> dict:
+    corpus = cfg.data.corpus if cfg.data.corpus != "builtin" else None
+    return {"config file": args.config, "corpus (data.corpus)": corpus}
 
 
 GPU_MEMORY_HELP = "0 = no cap: the whole card"
@@ -112,6 +179,7 @@ def _apply_budget(verbose: bool = True) -> None:
     """``LAB_GPU_MEMORY_GB``: behave like a card of that size, as the notebooks do (bad values exit 2 first)."""
     from .env import apply_budget_from_env
 
+    env_gpu_memory_gb()  # the --gpu-memory-gb rule (exit 2 on a bad value)
     try:
         budget = apply_budget_from_env()
     except ValueError as exc:
@@ -145,8 +213,8 @@ def cmd_run(args) -> int:
     mode, reason = detect_mode()
     cfg = load_config(args.config, args.overrides, mode=mode)
     main_process = is_main_process()  # a real launch of N processes: only rank 0 reports
-    if main_process and args.json:
-        check_output_file(args.json, "--json")  # before any work: a bad path must not cost the run
+    if main_process:
+        check_json(args.json, _inputs(args, cfg))  # before any work: a bad path must not cost the run
     _apply_budget(verbose=main_process)
     if main_process:
         print(f"mode: {mode} ({reason})")
@@ -182,8 +250,10 @@ def cmd_estimate(args) -> int:
     from .advise import cli_estimate  # issue 6: the memory estimator and advisor
 
     cfg = load_config(args.config, args.overrides, mode="full")  # estimates are for the real sizes
-    if args.json:
-        check_output_file(args.json, "--json")
+    check_json(args.json, _inputs(args, cfg))
+    from_env = env_gpu_memory_gb()  # checked in every command, by the --gpu-memory-gb rule
+    if args.gpu_memory_gb is None and from_env:  # the card to behave like: on a GPU and on the CPU alike
+        args.gpu_memory_gb, args.gpu_memory_source = from_env, "LAB_GPU_MEMORY_GB="
     if args.gpu_memory_gb == 0:  # no cap: the whole card (as for regenerate), not a 0 GiB card
         args.gpu_memory_gb = None
         saved = os.environ.pop("LAB_GPU_MEMORY_GB", None)  # the default budget would apply this cap
@@ -198,8 +268,7 @@ def cmd_estimate(args) -> int:
 def cmd_doctor(args) -> int:
     from .doctor import cli_doctor
 
-    if args.json:
-        check_output_file(args.json, "--json")  # before the checks run
+    check_json(args.json)  # before the checks run
     _apply_budget(verbose=False)  # (a bad LAB_GPU_MEMORY_GB exits 2 here; the doctor prints the budget itself)
 
     return cli_doctor(args)

