@@ -11,6 +11,7 @@ so a file being replaced is never left half written. ``regenerate`` runs every l
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -106,6 +107,41 @@ def _death(returncode: int | None) -> str:
             return f"killed by {signal.Signals(-returncode).name}"
         return f"killed by signal {-returncode}"
     return f"exit code {returncode}"
+
+
+_CONFLICT = re.compile(r"^(<{7}|={7}|>{7})( |$)", re.M)
+
+
+def read_notebook(path: Path):
+    """The notebook at ``path`` (nbformat v4), or ValueError with one line naming the file and what is wrong: not
+    UTF-8, not JSON (at which line; git merge conflict markers said as such), or not a notebook."""
+    import nbformat
+
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not a readable notebook (not UTF-8 text, offset {exc.start})") from None
+    except OSError as exc:
+        raise ValueError(f"{path}: not a readable notebook ({exc.strerror or exc})") from None
+    conflict = _CONFLICT.search(text)
+    try:
+        json.loads(text)
+    except ValueError as exc:
+        if conflict:
+            line = text.count("\n", 0, conflict.start()) + 1
+            marker = text[conflict.start():].split("\n", 1)[0][:40]
+            raise ValueError(f"{path}: not a readable notebook: git merge conflict markers (line {line}: {marker!r}); "
+                             "resolve the conflict (or git checkout the file)") from None
+        msg = getattr(exc, "msg", str(exc))
+        raise ValueError(f"{path}: not a readable notebook: not JSON (line {getattr(exc, 'lineno', '?')}: {msg})") from None
+    try:
+        nb = nbformat.reads(text, as_version=4)
+    except Exception as exc:  # noqa: BLE001 - nbformat raises several kinds; one line says which
+        raise ValueError(f"{path}: not a readable notebook ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0][:120] if str(exc) else ''})") from None
+    if not isinstance(nb.get("cells"), list):
+        raise ValueError(f"{path}: not a readable notebook (no list of 'cells')")
+    return nb
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -242,7 +278,10 @@ def execute_notebook(path: Path, env: dict, *, cwd: Path = REPO_ROOT, timeout: i
 
     from jupyter_core.utils import run_sync
 
-    nb = nbformat.read(path, as_version=4)
+    try:
+        nb = read_notebook(path)
+    except ValueError as exc:  # checked before the run; it may have changed since (a git checkout mid-run)
+        return Outcome(path.stem, ok=False, seconds=0.0, error=str(exc).removeprefix(f"{path}: "))
     n_code = sum(c.cell_type == "code" for c in nb.cells)
     state = {"index": None, "stop": False, "process": None}
 

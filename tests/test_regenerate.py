@@ -273,7 +273,8 @@ def test_smoke_never_writes_results(out, capsys, monkeypatch):
 
 
 def test_cli_usage_errors(capsys, monkeypatch):
-    monkeypatch.setattr(rg, "find_notebooks", lambda folder, only=None: [Path("91-Tiny.ipynb")])  # never run
+    lab = sorted(REPO.glob("01-*.ipynb"))  # a real notebook (it is read before the run), never run here
+    monkeypatch.setattr(rg, "find_notebooks", lambda folder, only=None: lab)
     monkeypatch.setattr(rg, "_cuda_available", lambda: False)
     assert cli.main(["regenerate"]) == 2  # full run without a GPU
     assert "a full run needs a CUDA GPU" in capsys.readouterr().err
