@@ -11,6 +11,7 @@ so a file being replaced is never left half written. ``regenerate`` runs every l
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -72,10 +73,16 @@ class Outcome:
 
 def _current_env_kernel_manager():
     """A kernel manager that starts ipykernel with *this* interpreter (like nbval's --nbval-current-env), not
-    whatever ``python`` an installed "python3" kernelspec happens to find on PATH."""
+    whatever ``python`` an installed "python3" kernelspec happens to find on PATH.
+
+    An ``AsyncKernelManager``, as nbclient's own default (``NotebookClient.kernel_manager_class``): its client's
+    ``get_msg`` awaits, so nbclient's three tasks per cell (reply, output, the 1 s kernel-alive poll) take turns.
+    A blocking ``KernelManager`` hands it a blocking client: waiting for the cell's output then blocks the event
+    loop itself, so a kernel that died (segfault, OOM killer, ``os._exit``) was waited for forever and a cell that
+    printed nothing was never timed out (issue 29)."""
     import ipykernel.kernelspec
     import zmq
-    from jupyter_client import KernelManager
+    from jupyter_client import AsyncKernelManager
     from jupyter_client.kernelspec import KernelSpecManager
 
     class CurrentEnvSpecs(KernelSpecManager):
@@ -85,10 +92,56 @@ def _current_env_kernel_manager():
 
     # CurveZMQ keys when pyzmq has them: encrypted local traffic, and no "running over TCP without encryption"
     # warning from ipykernel >= 7 in every run's output
-    km = KernelManager(kernel_name="python3", kernel_spec_manager=CurrentEnvSpecs())
+    km = AsyncKernelManager(kernel_name="python3", kernel_spec_manager=CurrentEnvSpecs())
     if zmq.has("curve") and "transport_encryption" in km.trait_names():
         km.transport_encryption = "auto"
     return km
+
+
+def _death(returncode: int | None) -> str:
+    """How the kernel process ended, in words: "killed by SIGKILL", "exit code 3"."""
+    if returncode is None:
+        return "exit status unknown"
+    if returncode < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-returncode).name}"
+        return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+_CONFLICT = re.compile(r"^(<{7}|={7}|>{7})( |$)", re.M)
+
+
+def read_notebook(path: Path):
+    """The notebook at ``path`` (nbformat v4), or ValueError with one line naming the file and what is wrong: not
+    UTF-8, not JSON (at which line; git merge conflict markers said as such), or not a notebook."""
+    import nbformat
+
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not a readable notebook (not UTF-8 text, offset {exc.start})") from None
+    except OSError as exc:
+        raise ValueError(f"{path}: not a readable notebook ({exc.strerror or exc})") from None
+    conflict = _CONFLICT.search(text)
+    try:
+        json.loads(text)
+    except ValueError as exc:
+        if conflict:
+            line = text.count("\n", 0, conflict.start()) + 1
+            marker = text[conflict.start():].split("\n", 1)[0][:40]
+            raise ValueError(f"{path}: not a readable notebook: git merge conflict markers (line {line}: {marker!r}); "
+                             "resolve the conflict (or git checkout the file)") from None
+        msg = getattr(exc, "msg", str(exc))
+        raise ValueError(f"{path}: not a readable notebook: not JSON (line {getattr(exc, 'lineno', '?')}: {msg})") from None
+    try:
+        nb = nbformat.reads(text, as_version=4)
+    except Exception as exc:  # noqa: BLE001 - nbformat raises several kinds; one line says which
+        raise ValueError(f"{path}: not a readable notebook ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0][:120] if str(exc) else ''})") from None
+    if not isinstance(nb.get("cells"), list):
+        raise ValueError(f"{path}: not a readable notebook (no list of 'cells')")
+    return nb
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -223,9 +276,17 @@ def execute_notebook(path: Path, env: dict, *, cwd: Path = REPO_ROOT, timeout: i
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
-    nb = nbformat.read(path, as_version=4)
+    from jupyter_core.utils import run_sync
+
+    try:
+        nb = read_notebook(path)
+    except ValueError as exc:  # checked before the run; it may have changed since (a git checkout mid-run)
+        return Outcome(path.stem, ok=False, seconds=0.0, error=str(exc).removeprefix(f"{path}: "))
     n_code = sum(c.cell_type == "code" for c in nb.cells)
-    state = {"index": None, "stop": False}
+    state = {"index": None, "stop": False, "process": None}
+
+    def kernel_ready(**_):  # the kernel process, to say how it ended if it dies (the provisioner forgets it)
+        state["process"] = getattr(getattr(km, "provisioner", None), "process", None)
 
     def cell_started(cell, cell_index, **_):
         if state["stop"]:  # interrupted while the kernel was starting: run no cell
@@ -237,7 +298,8 @@ def execute_notebook(path: Path, env: dict, *, cwd: Path = REPO_ROOT, timeout: i
     quiet_kernel_poll()  # its traceback after a killed kernel would land after our summary line
     km = _current_env_kernel_manager()
     client = NotebookClient(nb, km=km, timeout=timeout, allow_errors=False,
-                            resources={"metadata": {"path": str(cwd)}}, on_cell_start=cell_started)
+                            resources={"metadata": {"path": str(cwd)}}, on_cell_start=cell_started,
+                            on_notebook_start=kernel_ready)
     t0 = time.perf_counter()
     outcome = Outcome(path.stem, ok=True, seconds=0.0)
     # the kernel process's own stdout/stderr (C++ libraries writing to the fd, crash messages) go to a log
@@ -280,7 +342,10 @@ def execute_notebook(path: Path, env: dict, *, cwd: Path = REPO_ROOT, timeout: i
         elif isinstance(exc, CellTimeoutError):
             outcome.ok, outcome.error = False, f"timed out (a cell ran longer than {timeout} s)"
         elif isinstance(exc, DeadKernelError):
-            outcome.ok, outcome.error = False, f"the kernel died ({exc}); out of host memory?"
+            proc = state["process"]
+            code = proc.poll() if proc is not None else None
+            why = " (the host's OOM killer? out of host memory)" if code == -signal.SIGKILL else ""
+            outcome.ok, outcome.error = False, f"the kernel died: {_death(code)}{why}"
         elif isinstance(exc, Exception):  # kernel failed to start, bad notebook JSON...
             outcome.ok, outcome.error = False, f"{type(exc).__name__}: {exc}".splitlines()[0]
         elif exc is not None:
@@ -290,7 +355,7 @@ def execute_notebook(path: Path, env: dict, *, cwd: Path = REPO_ROOT, timeout: i
             if interrupted:
                 _kill_kernel(km)
             with contextlib.suppress(Exception):
-                km.shutdown_kernel(now=True)
+                run_sync(km.shutdown_kernel)(now=True)
         if log is not subprocess.DEVNULL:
             log.close()
         if log_tmp:

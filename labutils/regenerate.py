@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -36,9 +37,9 @@ import time
 from pathlib import Path
 
 from .notebook_runner import (FULL_CELL_TIMEOUT, REPO_ROOT, SMOKE_CELL_TIMEOUT, Interrupted, Outcome, SignalGuard,
-                              execute_notebook)
+                              execute_notebook, read_notebook)
 from .report import (ResultsError, lab_id, load_results, marker_spans, read_readme, readme_blocks,
-                     render_results, update_readme)
+                     render_results, results_shape_error, update_readme)
 from .results import ARTIFACTS_ENV, RESULTS_DIR, write_atomic, write_keeping_file
 
 NOTEBOOK_GLOB = "[0-9][0-9]-*.ipynb"
@@ -52,16 +53,20 @@ def find_notebooks(folder: str | os.PathLike, only: str | list[str] | None = Non
         ids = [lab_id(nb.stem) for nb in notebooks]
         raise ValueError(f"{folder}: several notebooks for lab {', '.join(sorted({i for i in ids if ids.count(i) > 1}))}"
                          "; results are keyed by lab number, so keep one notebook per NN-")
-    if not only:
+    if only is None:
         return notebooks
+    allowed = (f"allowed: lab numbers {', '.join(labs) or 'none'} or the notebooks' names "
+               f"({', '.join(nb.stem for nb in notebooks) or 'none'}), comma-separated")
     wanted = [w.strip() for w in (only.split(",") if isinstance(only, str) else only) if w.strip()]
+    if not wanted:
+        raise ValueError(f"--only {only!r}: names no lab; {allowed}")
+    by_name = {n: nb for nb in notebooks for n in (nb.stem, nb.name)}
     chosen, unknown = [], []
-    for w in wanted:
-        key = w.zfill(2) if w.isdigit() else lab_id(Path(w).stem)
-        (chosen.append(labs[key]) if key in labs else unknown.append(w))
+    for w in wanted:  # a number, or a notebook's exact name: "01-Nonsense.ipynb" is not lab 01
+        nb = labs.get(w.zfill(2)) if w.isdigit() else by_name.get(w)
+        (chosen.append(nb) if nb else unknown.append(w))
     if unknown:
-        have = ", ".join(labs) or "none"
-        raise ValueError(f"--only {','.join(unknown)}: no such lab notebook in {folder} (labs found: {have})")
+        raise ValueError(f"--only {','.join(unknown)}: no such lab notebook in {folder}; {allowed}")
     return sorted(set(chosen))
 
 
@@ -87,6 +92,22 @@ def kernel_env(results_dir: str | os.PathLike, smoke: bool, gpu_memory_gb: float
     return env
 
 
+OUT_FOLDERS = ("figures", "executed", "artifacts")  # what regenerate writes into, and deletes from, inside --out
+
+
+def linked_folder(out: Path) -> str | None:
+    """Why one of the folders regenerate writes into inside ``out`` cannot be used: a symlink (it would write, or
+    delete a lab's old figures, outside ``out``) or not a folder. None when all are fine (or absent)."""
+    for sub in OUT_FOLDERS:
+        p = out / sub
+        if p.is_symlink():
+            return (f"{p} is a symlink (to {os.readlink(p)}); regenerate never follows links inside --out, so "
+                    "nothing outside it is written or deleted: remove the link or choose another --out")
+        if p.exists() and not p.is_dir():
+            return f"{p} is not a folder: move it away or choose another --out"
+    return None
+
+
 def promote(staging: Path, out: Path, stem: str, expected_mode: str) -> tuple[Path | None, str | None]:
     """Check what a notebook recorded in ``staging`` and move it into ``out``.
 
@@ -105,14 +126,20 @@ def promote(staging: Path, out: Path, stem: str, expected_mode: str) -> tuple[Pa
         data = json.loads(js.read_text(encoding="utf-8"))
     except (ValueError, OSError) as exc:
         return None, f"{js.name} is not readable JSON ({str(exc).splitlines()[0][:120]}): not kept"
-    if not isinstance(data, dict) or data.get("mode") != expected_mode:
-        mode = data.get("mode") if isinstance(data, dict) else None
+    shape = results_shape_error(data)
+    if shape:
+        return None, f"{js.name}: {shape}: not kept"
+    if data.get("mode") != expected_mode:
+        mode = data.get("mode")
         return None, (f"{js.name} was recorded in {mode} mode, not {expected_mode}: not kept"
                       + (" (no CUDA GPU in the kernel?)" if expected_mode == "full" else ""))
     figures = data.get("figures") or []
     missing = [f for f in figures if not (staging / f).is_file()]
     if missing:
         return None, f"{js.name} lists figures that were not written: {', '.join(missing)}"
+    linked = linked_folder(out)
+    if linked:  # appeared since the check before the run: never followed (it could delete files elsewhere)
+        return None, f"{linked}: not kept"
     (out / "figures").mkdir(parents=True, exist_ok=True)
     for old in (out / "figures").glob(f"{stem}-*.png"):  # this lab's figures from an earlier run
         old.unlink(missing_ok=True)  # missing_ok: a run beside this one may have moved it already
@@ -229,12 +256,29 @@ def summary_line(outcomes: list[Outcome], seconds: float) -> str:
     return "\n".join(lines)
 
 
+_OOM = re.compile(r"\bstatus oom\b|OutOfMemoryError|out of memory", re.I)
+
+
+def _not_a_gate(row: dict, gpu_memory_gb: float | None) -> str | None:
+    """Why a failed doctor row does not stop the notebooks, or None when it does. The doctor marks a missed MFU
+    goal ``"gates_regenerate": False``. And the fast path running out of memory under the cap regenerate gave
+    the doctor is not judged: configs/fast_config.yaml is sized for the whole card, the labs never use it, and
+    the cap is regenerate's own choice (``--gpu-memory-gb``). Without a cap it is a real finding, and an
+    out-of-memory in any other check (the labs' own paths) still stops them."""
+    if row.get("gates_regenerate", True) is False:
+        return row.get("detail", "")
+    if gpu_memory_gb and str(row.get("name", "")).startswith("fast path") and _OOM.search(str(row.get("detail"))):
+        return (f"not judged: out of memory under the {gpu_memory_gb:g} GiB cap (--gpu-memory-gb); the fast config "
+                f"is sized for the whole card and the labs do not use it ({str(row.get('detail', ''))[:160]})")
+    return None
+
+
 def run_doctor_first(out: Path, gpu_memory_gb: float | None) -> int:
     """``python -m labutils doctor`` in its own process, with the notebooks' memory budget; its JSON goes to
     ``<out>/doctor.json``. Returns 0 to go on, else the doctor's exit code: a failed row stops the notebooks
-    unless the doctor marked it ``"gates_regenerate": False`` (a missed fast-path MFU goal: a real finding, printed
-    here again, but the labs do not need that speed). Any other failure, or a doctor without a readable report,
-    stops them."""
+    unless :func:`_not_a_gate` says why not (a missed fast-path MFU goal; the fast path out of memory under the
+    cap): a real finding, printed here again, but the labs do not need the fast path. Any other failure, or a
+    doctor without a readable report, stops them."""
     out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "LAB_GPU_MEMORY_GB"}
     if gpu_memory_gb:
@@ -248,13 +292,13 @@ def run_doctor_first(out: Path, gpu_memory_gb: float | None) -> int:
         return code
     try:
         failed = [r for r in json.loads(report.read_text(encoding="utf-8"))["checks"] if r["status"] == "fail"]
-    except (OSError, ValueError, KeyError, TypeError):
+        why = [_not_a_gate(r, gpu_memory_gb) for r in failed]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return code
-    if not failed or any(r.get("gates_regenerate", True) is not False for r in failed):
+    if not failed or any(w is None for w in why):
         return code
-    for r in failed:
-        print(f"regenerate: doctor finding that does not stop the notebooks: {r['name']}: {r.get('detail', '')}",
-              flush=True)
+    for r, w in zip(failed, why):
+        print(f"regenerate: doctor finding that does not stop the notebooks: {r['name']}: {w}", flush=True)
     return 0
 
 
@@ -276,6 +320,10 @@ def cli_regenerate(args) -> int:
     if out == REPO_ROOT:
         return _refuse(f"--out {args.out}: not the repository root (the results would litter it); use "
                        f"{RESULTS_DIR}/ or another folder")
+    in_results = out is not None and (out == results_default or results_default in out.parents)
+    if out is not None and REPO_ROOT in out.parents and not in_results:  # configs/, .git/, labutils/...
+        return _refuse(f"--out {args.out}: inside the repository ({REPO_ROOT}); regenerate writes only to "
+                       f"{RESULTS_DIR}/ (full runs) or to a folder outside the repository")
     gb = args.gpu_memory_gb
     if gb is not None and not (gb >= 0):  # the CLI's type already refuses these; regenerate() may be called too
         return _refuse(f"--gpu-memory-gb {gb:g}: must be >= 0 (0 = no cap: the whole card)")
@@ -287,6 +335,11 @@ def cli_regenerate(args) -> int:
         notebooks = find_notebooks(folder, args.only)
         if out is not None:
             check_output_dir(out, "--out")
+            linked = linked_folder(out)
+            if linked:
+                return _refuse(linked)
+        for nb in notebooks:  # all of them now: a merge conflict in lab 04 must not wait for labs 01-03 to run
+            read_notebook(nb)
     except (ValueError, OutputPathError) as exc:
         return _refuse(str(exc))
     if not notebooks:

@@ -50,11 +50,60 @@ def load_results(out: str | os.PathLike, stems: list[str] | None = None) -> dict
         except (ValueError, OSError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             raise ResultsError(f"{js}: not a readable results file ({str(exc).splitlines()[0][:120]}); "
                                "restore it (git checkout) or delete it") from None
-        if not isinstance(data, dict) or not isinstance(data.get("tables", {}), dict):
-            raise ResultsError(f"{js}: not a results file (a JSON object with 'tables' expected); restore it "
-                               "(git checkout) or delete it")
+        why = results_shape_error(data)
+        if why:
+            raise ResultsError(f"{js}: {why}; restore it (git checkout) or delete it")
         results[lab_id(js.stem)] = data
     return results
+
+
+def _kind(v) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(v), "a number" if isinstance(v, (int, float)) else type(v).__name__)
+
+
+def results_shape_error(data) -> str | None:
+    """Why ``data`` (a parsed ``<stem>.json``) is not what :func:`labutils.results.record_results` writes and the
+    rendering reads, naming the key; None when it is. Checked before any lab runs (a file already in --out) and
+    before a notebook's results are kept, so that rendering never meets a shape it cannot read. Optional keys may
+    be missing or null; what is there must have the shape: ``tables`` {name: [row objects]}, ``env`` and ``notes``
+    objects, ``figures`` [relative paths under figures/], ``claims`` [entries as :func:`labutils.claims.claim_entry`
+    writes them: id, claim, verdict and why strings; measured, conditions, compares, prediction objects]."""
+    if not isinstance(data, dict):
+        return f"not a results file (a JSON object expected, found {_kind(data)})"
+    tables = data.get("tables")
+    if tables is not None:
+        if not isinstance(tables, dict):
+            return f"'tables' must be an object {{name: [rows]}}, found {_kind(tables)}"
+        for name, rows in tables.items():
+            if not isinstance(rows, list):
+                return f"'tables'.{name!r} must be a list of rows, found {_kind(rows)}"
+            bad = [r for r in rows if not isinstance(r, dict)]
+            if bad:
+                return f"'tables'.{name!r}: every row must be an object {{column: value}}, found {_kind(bad[0])}"
+    for key in ("env", "notes"):
+        if data.get(key) is not None and not isinstance(data[key], dict):
+            return f"{key!r} must be an object, found {_kind(data[key])}"
+    figures = data.get("figures")
+    if figures is not None:
+        if not isinstance(figures, list):
+            return f"'figures' must be a list of paths, found {_kind(figures)}"
+        for fig in figures:
+            parts = Path(fig).parts if isinstance(fig, str) else ()
+            if len(parts) != 2 or parts[0] != "figures" or parts[1] in ("..", "."):
+                return f"'figures': {fig!r} is not a path figures/<name> inside the results folder"
+    claims = data.get("claims")
+    if claims is not None:
+        if not isinstance(claims, list):
+            return f"'claims' must be a list of claim entries, found {_kind(claims)}"
+        for e in claims:
+            if not isinstance(e, dict) or any(not isinstance(e.get(k), str) for k in ("id", "claim", "verdict", "why")):
+                return (f"'claims': every entry must be an object with \"id\", \"claim\", \"verdict\" and \"why\" "
+                        f"strings, found {json.dumps(e, default=str)[:60]}")
+            for key in ("measured", "conditions", "compares", "prediction"):
+                if e.get(key) is not None and not isinstance(e[key], dict):
+                    return f"'claims' entry {e['id']}: {key!r} must be an object, found {_kind(e[key])}"
+    return None
 
 
 def _gib(n) -> str:

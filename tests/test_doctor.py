@@ -130,7 +130,7 @@ def test_full_regenerate_goes_on_after_a_missed_mfu_goal_alone(monkeypatch, tmp_
 
 @pytest.mark.parametrize("rows,stale", [
     ([MFU_MISSED, OTHER_FAIL], None),                                  # the MFU miss and something else
-    ([{**MFU_MISSED, "gates_regenerate": True, "detail": "the fast config did not train: status oom"}], None),
+    ([{**MFU_MISSED, "gates_regenerate": True, "detail": "the fast config did not train: status error"}], None),
     ([OTHER_FAIL], None),
     (None, None),                                                      # the doctor crashed: no report
     (None, [PASSED, MFU_MISSED]),                                      # ... and an earlier run's report lies there

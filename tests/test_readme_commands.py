@@ -67,9 +67,12 @@ def test_ci_reads_the_commands_from_the_readme_at_run_time(tmp_path):
     p = subprocess.run(["bash", str(tmp_path / ".ci" / "run"), "--print-commands"], capture_output=True, text=True)
     assert p.returncode != 0 and "兩個指令" in p.stderr  # one block lost: refused, not half run
     script = CI.read_text(encoding="utf-8")
-    assert re.search(r'python -m venv "\$VENV"', script) and 'source "$VENV/bin/activate"' in script
-    assert re.search(r'for cmd in "\$\{COMMANDS\[@\]\}"; do\s+echo "\\\$ \$cmd"\s+bash -euo pipefail -c "\$cmd"', script)
-    assert "--nbval" not in script, "the README's test command belongs in the README only"
+    assert re.search(r'python -m venv "\$WORK/venv"', script) and 'source "$WORK/venv/bin/activate"' in script
+    loop = re.search(r'for i in "\$\{!COMMANDS\[@\]\}"; do\n(.*?)\ndone\n', script, re.S)
+    assert loop, "one loop over the README's commands"
+    assert re.search(r'cmd="\$\{COMMANDS\[\$i\]\}"\s+echo "\\\$ \$cmd"\s+bash -euo pipefail -c "\$cmd"\s*$', loop.group(1))
+    assert "--nbval" not in script and "pytest tests" not in script.split("STEP1_PID=$!")[1], \
+        "the README's test command belongs in the README only"
 
 
 def test_makefile_and_gpu_workflow_run_the_readme_test_command():

@@ -1,8 +1,9 @@
 """``python -m labutils regenerate``: rendering (pure, on stored JSON fixtures), execution (on tiny fixture
 notebooks), the CLI's guards, and end to end on the real lab notebooks in smoke mode.
 
-The end-to-end test runs one lab (``LAB_REGEN_LAB``, default 03) to keep CI short; ``LAB_FULL_REGEN=1`` adds the
-acceptance run of all four notebooks (``make test-regen-all``).
+The end-to-end tests read the session's one ``regenerate --smoke`` run of the real notebooks (tests/regen_once.py):
+one lab (``LAB_REGEN_LAB``, default 03) by default; the acceptance of all four when the session collects the four
+notebooks (``pytest tests *.ipynb``, the README's test command) or with ``LAB_FULL_REGEN=1`` (``make test-regen-all``).
 """
 from __future__ import annotations
 
@@ -273,7 +274,8 @@ def test_smoke_never_writes_results(out, capsys, monkeypatch):
 
 
 def test_cli_usage_errors(capsys, monkeypatch):
-    monkeypatch.setattr(rg, "find_notebooks", lambda folder, only=None: [Path("91-Tiny.ipynb")])  # never run
+    lab = sorted(REPO.glob("01-*.ipynb"))  # a real notebook (it is read before the run), never run here
+    monkeypatch.setattr(rg, "find_notebooks", lambda folder, only=None: lab)
     monkeypatch.setattr(rg, "_cuda_available", lambda: False)
     assert cli.main(["regenerate"]) == 2  # full run without a GPU
     assert "a full run needs a CUDA GPU" in capsys.readouterr().err
@@ -345,31 +347,33 @@ def lab_stems(labs):
     return stems
 
 
-@pytest.mark.skipif(os.environ.get("LAB_FULL_REGEN") == "1",
-                    reason="test_cli_smoke_all_labs runs this lab too (with LAB_FULL_REGEN=1, as in CI)")
-def test_cli_smoke_one_lab(tmp_path):
+@pytest.mark.regen_labs(os.environ.get("LAB_REGEN_LAB", "03"))
+def test_cli_smoke_one_lab():
+    """One lab end to end through the real command (the session's shared run, tests/regen_once.py)."""
+    from tests import regen_once
+
     lab = os.environ.get("LAB_REGEN_LAB", "03")
     stems = lab_stems([lab])
-    status, readme = git_status(), digest(REPO.glob("README.md"))
-    r = run_cli("--smoke", "--only", lab, "--out", str(tmp_path / "out"), timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert re.search(rf"\[1/1\] {stems[0]} +ok", r.stdout) and "1 ok, 0 failed" in r.stdout
-    check_smoke_output(tmp_path / "out", stems)
-    assert git_status() == status and digest(REPO.glob("README.md")) == readme  # the git tree is unchanged
+    run = regen_once.run_for([lab])
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.lab_ok(stems[0]) and re.search(r"summary: \d+ ok, 0 failed", run.stdout), run.stdout
+    check_smoke_output(run.out, stems)
+    assert run.status_after == run.status_before  # the git tree is unchanged, ignored files included
 
 
-@pytest.mark.skipif(os.environ.get("LAB_FULL_REGEN") != "1",
-                    reason="all four notebooks take minutes: set LAB_FULL_REGEN=1 (make test-regen-all)")
-def test_cli_smoke_all_labs(tmp_path):
-    from tests.test_worktree_clean import REPO as TREE, tree_state
+@pytest.mark.regen_labs("all")
+def test_cli_smoke_all_labs():
+    """The acceptance: all four notebooks regenerated in smoke mode (the session's one run of them, which also
+    passes or fails each notebook collected by `pytest tests *.ipynb`)."""
+    from tests import regen_once
 
     stems = lab_stems(LABS)
     assert len(stems) == 4
-    status, before = git_status(), tree_state(TREE)
-    r = run_cli("--smoke", "--out", str(tmp_path / "out"), timeout=1800)
-    assert r.returncode == 0, r.stdout + r.stderr
-    check_smoke_output(tmp_path / "out", stems)
-    assert git_status() == status
+    run = regen_once.run_for(LABS)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "summary: 4 ok, 0 failed" in run.stdout, run.stdout
+    check_smoke_output(run.out, stems)
+    assert run.status_after == run.status_before
     # every file under the repository, ignored ones included, as it was (issue 24: nothing outside --out)
-    after = tree_state(TREE)
+    before, after = run.tree_before, run.tree_after
     assert after == before, sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))[:20]

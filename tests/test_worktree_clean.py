@@ -9,14 +9,14 @@ Breakage that fails it: any notebook or labutils code writing a file, or touchin
 (a relative path such as `Path("runs/...")` resolves there, since regenerate runs kernels in the repository root).
 
 By default lab 04 runs (the one that writes files besides its results: a trace, on a GPU a snapshot and the C7
-folder); LAB_FULL_REGEN=1 runs all four. Notebooks run without regenerate (nbval, JupyterLab) are covered by the
-unit tests below: their default folders are outside the repository.
+folder); all four when the session runs them (tests/regen_once.py: the notebooks collected, or LAB_FULL_REGEN=1).
+Notebooks run without regenerate (nbval, JupyterLab) are covered by the unit tests below: their default folders
+are outside the repository.
 """
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -65,20 +65,17 @@ def test_default_folders_outside_the_repository(monkeypatch, tmp_path):
     assert results.artifacts_dir("lab04") == tmp_path / "a" / "lab04" and (tmp_path / "a" / "lab04").is_dir()
 
 
-def test_smoke_regenerate_leaves_the_worktree_unchanged(tmp_path):
-    labs = "01,02,03,04" if os.environ.get("LAB_FULL_REGEN") == "1" else "04"
-    env = {k: v for k, v in os.environ.items() if k not in ("LAB_SMOKE", "LAB_RESULTS_DIR", "LAB_ARTIFACTS_DIR")}
-    env["PYTHONDONTWRITEBYTECODE"] = "1"  # the interpreter's .pyc caches are not the labs' output
-    before, status = tree_state(REPO), git_status_ignored()
-    out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "labutils", "regenerate", "--smoke", "--only", labs, "--out", str(out)],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
-    assert r.returncode == 0, r.stdout + r.stderr
-    after = tree_state(REPO)
+@pytest.mark.regen_labs("04")
+def test_smoke_regenerate_leaves_the_worktree_unchanged():
+    from tests import regen_once  # the session's one regenerate --smoke run, the tree recorded around it
+
+    run = regen_once.run_for(["01", "02", "03", "04"] if regen_once.ALL else ["04"])
+    assert run.returncode == 0, run.stdout + run.stderr
+    before, after, out = run.tree_before, run.tree_after, run.out
     added = sorted(set(after) - set(before))
     removed = sorted(set(before) - set(after))
     changed = sorted(k for k in set(before) & set(after) if before[k] != after[k])
     assert not (added or removed or changed), f"written in the repository: added {added}, removed {removed}, " \
                                               f"changed {changed}"
-    assert git_status_ignored() == status
+    assert run.status_after == run.status_before
     assert any((out / "artifacts" / "lab04").iterdir()), "lab 04's trace should be under --out/artifacts/lab04"
