@@ -23,4 +23,4 @@ test:
 	LAB_SMOKE=1 $(PYTHON) -m pytest tests *.ipynb
 
 test-regen-all:
-	LAB_FULL_REGEN=1 $(PYTHON) -m pytest -q tests/test_regenerate.py tests/test_one_number.py
+	LAB_FULL_REGEN=1 $(PYTHON) -m pytest -q tests/test_regenerate.py tests/test_one_number.py tests/test_worktree_clean.py

@@ -7,16 +7,14 @@
 (c) In smoke, C1, C3, C4 and C6 are "not judged", with the value measured and the reason; C5 may be judged.
 
 The checks are functions over a regenerate output folder (``<stem>.json`` and ``executed/<stem>.ipynb``), each
-with a unit test on made-up data that shows it fails on the defect it looks for. The folder comes from one
-``python -m labutils regenerate --smoke`` per session (the ``regenerated`` fixture): labs 03 and 04 by default,
-all four with ``LAB_FULL_REGEN=1`` (as CI sets it), or an existing folder named by ``LAB_REGEN_OUT`` (no run).
+with a unit test on made-up data that shows it fails on the defect it looks for. The folder is the session's one
+``regenerate --smoke`` run of all four labs (tests/regen_once.py; it runs when the README's test command collects the
+notebooks, or with ``LAB_FULL_REGEN=1``), or an existing folder named by ``LAB_REGEN_OUT`` (no run).
 
-Labs 01 and 02 (their notebooks are edited on another branch, h7): :data:`ONE_NUMBER_CHECKS` maps a notebook stem
-to its check. Lab 01's reads the speed-up per precision from every table row naming a precision (``run`` or
-``precision``) with ``speedup_vs_fp32`` (table ``precision_comparison``) or ``measured_speedup`` (the course
-expectations table), and C2's fp16 speed-up; lab 02's reads ``time_cost`` from every table row that has it (table
-``accumulation_cost``) and C3's time cost: the keys h7's branch records. A lab that names them differently adds its
-keys to its check here (the extension point); the checks run on whatever labs the folder holds.
+:data:`ONE_NUMBER_CHECKS` maps a notebook stem to its check. Lab 01's reads the speed-up per precision from every
+table row naming a precision (``run`` or ``precision``) with ``speedup_vs_fp32`` (table ``precision_comparison``)
+or ``measured_speedup`` (the course expectations table), and C2's fp16 speed-up; lab 02's reads ``time_cost`` from
+every table row that has it (table ``accumulation_cost``) and C3's time cost.
 """
 from __future__ import annotations
 
@@ -24,13 +22,10 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
 MiB = 2**20
 
 
@@ -235,27 +230,21 @@ def smoke_claim_problems(entries: list[dict]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------ the regenerated folder
-NEEDS_RUN = pytest.mark.skipif(
-    not (os.environ.get("LAB_FULL_REGEN") == "1" or os.environ.get("LAB_REGEN_OUT") or os.environ.get("LAB_ONE_NUMBER")),
-    reason="regenerates notebooks (minutes): set LAB_FULL_REGEN=1 (as CI does), LAB_ONE_NUMBER=1 (labs 03 and 04), "
-           "or LAB_REGEN_OUT=DIR (an existing regenerate --smoke output)")
-
-
-def _labs() -> list[str]:
-    return ["01", "02", "03", "04"] if os.environ.get("LAB_FULL_REGEN") == "1" else ["03", "04"]
+# The session's one regenerate --smoke run of all four labs (tests/regen_once.py: the same run that passes or fails
+# each notebook collected by the README's test command, `pytest tests *.ipynb`, and the all-labs acceptance), or an
+# existing folder named by LAB_REGEN_OUT (no run).
+NEEDS_RUN = pytest.mark.regen_labs("all") if not os.environ.get("LAB_REGEN_OUT") else pytest.mark.usefixtures()
 
 
 @pytest.fixture(scope="session")
-def regenerated(tmp_path_factory) -> Path:
+def regenerated() -> Path:
     if os.environ.get("LAB_REGEN_OUT"):
         return Path(os.environ["LAB_REGEN_OUT"])
-    out = tmp_path_factory.mktemp("one-number") / "out"
-    only = ["--only", ",".join(_labs())]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    r = subprocess.run([sys.executable, "-m", "labutils", "regenerate", "--smoke", *only, "--out", str(out)],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=3000)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return out
+    from tests import regen_once
+
+    run = regen_once.run_for(["01", "02", "03", "04"])
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.out
 
 
 def _found(out: Path):
