@@ -166,6 +166,37 @@ def verdict(ratio: float, device) -> dict:
     return {"goal": GOAL, "judged": True, "met": ratio >= GOAL, "why": None}
 
 
+MFU_GOAL_A100 = 0.45  # issue 28: the fast path's MFU goal on an A100; on H100 / H200 the goal is the reference's MFU
+
+
+def mfu_goal(cfg: Config, device, labutils_step_seconds: float, reference_step_seconds: float) -> dict:
+    """Both sides' MFU (PaLM's model FLOPs, :func:`labutils.flops.model_flops_per_token` at the padded vocabulary the
+    GPU runs, over the card's dense peak, :mod:`labutils.peaks`) from their median step times, and the benchmark's
+    MFU goal: >= 45 % on an A100; on an H100 / H200 >= the reference's MFU (a nanoGPT-class model reaches about 31-40 %
+    there, so a fixed 45 % would be a guess); other cards and the CPU: shown, not judged."""
+    from .flops import model_flops_per_token
+    from .models import padded_vocab_size, vocab_size
+    from .peaks import peak_info
+
+    name = dev.name(device) if torch.device(device).type == "cuda" else None
+    peak, why = peak_info(name, cfg.train.precision)
+    vocab = padded_vocab_size(vocab_size(cfg.model.name), cfg.model.pad_vocab_to)
+    flops = model_flops_per_token(cfg.model.name, cfg.data.seq_length, vocab) * cfg.effective_batch_size \
+        * cfg.data.seq_length
+    if peak is None:
+        return {"labutils": None, "reference": None, "goal": None, "judged": False, "met": None, "why": why}
+    ours, theirs = flops / labutils_step_seconds / (peak * 1e12), flops / reference_step_seconds / (peak * 1e12)
+    gpu = name.lower()
+    if "a100" in gpu:
+        goal, what = MFU_GOAL_A100, f">= {MFU_GOAL_A100:.0%} on an A100"
+    elif "h100" in gpu or "h200" in gpu:
+        goal, what = theirs, "on an H100 / H200 >= the reference's MFU"
+    else:
+        return {"labutils": ours, "reference": theirs, "goal": None, "judged": False, "met": None,
+                "why": f"no MFU goal for {name} (goals: A100, H100, H200): shown, not judged"}
+    return {"labutils": ours, "reference": theirs, "goal": goal, "judged": True, "met": ours >= goal, "why": what}
+
+
 def _print_section(key: str, sec: dict, device) -> None:
     for name in SIDES:
         st, pos = sec[name]["step_time_seconds"], sec[name]["positions_per_second"]
@@ -177,6 +208,14 @@ def _print_section(key: str, sec: dict, device) -> None:
               f"goal >= {v['goal']} on a GPU: not judged ({v['why'].split(': ', 1)[0]})")
     print(f"[{key}] ratio     : {sec['ratio']:.3f} (labutils / reference throughput, from the medians; per "
           f"repeat {rr['median']:.3f}, {rr['min']:.3f}..{rr['max']:.3f}); {judged}")
+    m = sec.get("mfu")
+    if m and m["labutils"] is not None:
+        verdict_text = (f"goal {m['why']} ({m['goal']:.1%}): {'met' if m['met'] else 'MISSED'}" if m["judged"]
+                        else m["why"])
+        print(f"[{key}] MFU       : labutils {m['labutils']:.1%}, reference {m['reference']:.1%} (from the median step "
+              f"times); {verdict_text}")
+    elif m:
+        print(f"[{key}] MFU       : none ({m['why']})")
     tried = sec["labutils"]["num_alloc_retries"] + sec["reference"]["num_alloc_retries"]
     if any(v is not None for v in tried):
         print(f"[{key}] allocator retries per run: reference {sec['reference']['num_alloc_retries']}, labutils "
@@ -194,6 +233,8 @@ def reference_ratio(cfg: Config, repeats: int = 3, device=None, verbose: bool = 
     cfg = cfg.override({"train.timing_warmup_steps": warmup})
     sec = measure(cfg, repeats, device, warmup, cfg.effective_batch_size * cfg.data.seq_length)
     sec["verdict"] = verdict(sec["ratio"], device)
+    sec["mfu"] = mfu_goal(cfg, device, sec["labutils"]["step_time_seconds"]["median"],
+                          sec["reference"]["step_time_seconds"]["median"])
     key = "compiled" if cfg.train.compile else "eager"
     if verbose:
         _print_section(key, sec, device)
@@ -223,10 +264,12 @@ def bench(cfg: Config, repeats: int = 5, device=None, verbose: bool = True) -> d
         key = "compiled" if compiled else "eager"
         sec = measure(cfg.override({"train.compile": compiled}), repeats, device, warmup, positions)
         sec["verdict"] = verdict(sec["ratio"], device)
+        sec["mfu"] = mfu_goal(cfg, device, sec["labutils"]["step_time_seconds"]["median"],
+                              sec["reference"]["step_time_seconds"]["median"])
         out[key] = sec
         if verbose:
             _print_section(key, sec, device)
-    out.update({k: out[headline][k] for k in ("labutils", "reference", "ratio", "ratio_runs", "verdict")})
+    out.update({k: out[headline][k] for k in ("labutils", "reference", "ratio", "ratio_runs", "verdict", "mfu")})
     if cfg.train.compile:
         out["compile_speedup"] = {name: out["eager"][name]["step_time_seconds"]["median"]
                                   / out["compiled"][name]["step_time_seconds"]["median"] for name in SIDES}
