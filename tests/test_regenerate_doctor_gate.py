@@ -13,7 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labutils import cli, doctor
+from labutils import cli
+from labutils.doctor_checks import Checks
+from labutils.doctor_speed import mfu_verdict
 from tests.test_doctor import OTHER_FAIL, PASSED, _doctor_process
 
 FAST = "fast path MFU (fast_config.yaml)"
@@ -21,14 +23,14 @@ CAPPED = ["a memory budget is active (behaving like a 8 GB card)"]
 
 
 def verdict_row(status: str, error: str | None, name: str = FAST) -> dict:
-    ok, detail = doctor.mfu_verdict(None, "NVIDIA H100 80GB HBM3", "bf16", status, error, CAPPED)
+    ok, detail = mfu_verdict(None, "NVIDIA H100 80GB HBM3", "bf16", status, error, CAPPED)
     assert not ok
     return {"name": name, "status": "fail", "value": None, "detail": f"{detail}; 16 x 1 x T1024; value = MFU %"}
 
 
 def raised_row(exc: BaseException, name: str = FAST) -> dict:
     """The row the doctor's Checks writes when the check raises (run() let the error out)."""
-    c = doctor.Checks(verbose=False)
+    c = Checks(verbose=False)
     with c.check(name):
         raise exc
     return c.rows[0]
