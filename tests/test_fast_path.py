@@ -274,6 +274,9 @@ def forward_traffic(overrides, batch=16, seq=1024):
                 if p is not None:
                     moved.setdefault(id(p), torch.nn.Parameter(mode.from_tensor(p).to("cuda")))
                     mod._parameters[k] = moved[id(p)]
+            for k, b in list(mod._buffers.items()):  # the padded vocabulary's constant bias is a buffer
+                if b is not None:
+                    mod._buffers[k] = mode.from_tensor(b).to("cuda")
         ids = torch.randint(0, 50257, (batch, seq), device="cuda")
         with torch.amp.autocast("cuda", dtype=torch.bfloat16), _CudaSdpaChoice(), _Traffic() as traffic:
             model(input_ids=ids, labels=ids, use_cache=False)

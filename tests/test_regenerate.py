@@ -280,7 +280,7 @@ def test_cli_usage_errors(capsys, monkeypatch):
     assert cli.main(["regenerate"]) == 2  # full run without a GPU
     assert "a full run needs a CUDA GPU" in capsys.readouterr().err
     assert cli.main(["regenerate", "--smoke", "--gpu-memory-gb", "-1"]) == 2
-    assert "must be >= 0" in capsys.readouterr().err
+    assert "must be a number of GiB from 0" in capsys.readouterr().err
     assert cli.main(["regenerate", "--smoke", "--out", str(REPO)]) == 2
     assert "not the repository root" in capsys.readouterr().err
     monkeypatch.undo()
