@@ -172,8 +172,8 @@ MFU_GOAL_A100 = 0.45  # issue 28: the fast path's MFU goal on an A100; on H100 /
 def mfu_goal(cfg: Config, device, labutils_step_seconds: float, reference_step_seconds: float) -> dict:
     """Both sides' MFU (PaLM's model FLOPs, :func:`labutils.flops.model_flops_per_token` at the padded vocabulary the
     GPU runs, over the card's dense peak, :mod:`labutils.peaks`) from their median step times, and the benchmark's
-    MFU goal: >= 45 % on an A100; on an H100 / H200 >= the reference's MFU (a nanoGPT-class model reaches about 31-40 %
-    there, so a fixed 45 % would be a guess); other cards and the CPU: shown, not judged."""
+    MFU goal: >= 45 % on an A100; on an H100 / H200 >= the reference's MFU measured beside it (a fixed 45 %
+    there would be a guess: no H100 run of the reference has been measured); other cards and the CPU: shown, not judged."""
     from .flops import model_flops_per_token
     from .models import padded_vocab_size, vocab_size
     from .peaks import peak_info
