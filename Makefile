@@ -20,7 +20,7 @@ smoke-results:
 	$(PYTHON) -m labutils regenerate --smoke --gpu-memory-gb $(GPU_MEMORY_GB) $(if $(ONLY),--only $(ONLY)) $(if $(OUT),--out $(OUT))
 
 test:
-	LAB_SMOKE=1 $(PYTHON) -m pytest tests *.ipynb
+	LAB_SMOKE=1 $(PYTHON) -m pytest -n auto tests *.ipynb
 
 test-regen-all:
 	LAB_FULL_REGEN=1 $(PYTHON) -m pytest -q tests/test_regenerate.py tests/test_one_number.py tests/test_worktree_clean.py

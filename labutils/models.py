@@ -226,7 +226,6 @@ MASK_FIX = (f"{CAUSAL_SDPA} is causal attention without a mask: it can honour on
             "(data.pack: true), or use attn_implementation 'sdpa' for this mask")
 
 
-@torch.compiler.disable  # under torch.compile: runs eagerly on the real mask (a graph break only when one is given)
 def refuse_unhonoured_mask(mask: torch.Tensor) -> None:
     """Raise ValueError unless the 2-D padding mask ``mask`` is one :data:`CAUSAL_SDPA` computes exactly: all ones,
     or right padding (no kept position after a padded one in any row). Left padding, or a hole in the middle,
@@ -251,7 +250,7 @@ def _mask_guard(module, args, kwargs):
     if mask is None and len(args) > module.labutils_mask_position:
         mask = args[module.labutils_mask_position]
     if mask is not None and mask.ndim == 2:
-        refuse_unhonoured_mask(mask)
+        module.labutils_mask_check(mask)
 
 
 def guard_causal_mask(model) -> None:
@@ -267,6 +266,10 @@ def guard_causal_mask(model) -> None:
     names = [n for n, p in inspect.signature(base.forward).parameters.items()
              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     base.labutils_mask_position = names.index("attention_mask")
+    # Under torch.compile the check runs eagerly on the real mask (a graph break only when one is given). Wrapped
+    # here, not at import: torch.compiler.disable imports torch._dynamo, about 2 s of every `import labutils`
+    # (each notebook kernel, each CLI command), most of which never load a sdpa_causal model.
+    base.labutils_mask_check = torch.compiler.disable(refuse_unhonoured_mask)
     base.register_forward_pre_hook(_mask_guard, with_kwargs=True)
     base.labutils_mask_guard = True
 
@@ -353,7 +356,11 @@ def install_loss(model, cfg: ModelConfig):
 def compile_model(model, backend: str | None = None, **kwargs):
     """``torch.compile`` in place (``nn.Module.compile``: same parameters and state_dict keys), returning the
     model. With ``attn_implementation="sdpa_causal"`` the compiled graph calls SDPA with ``is_causal=True`` and
-    no mask (tests/test_fast_path.py reads it from the traced graph). ``backend`` defaults to inductor."""
+    no mask (tests/test_fast_path.py reads it from the traced graph). ``backend`` defaults to inductor.
+    Clears dynamo's state first, as the training loop does (labutils.compiling): a forward that dynamo met under a
+    dispatch mode (the CPU memory tracker, FlopCounterMode) left its code objects marked as skipped, and the
+    blocks would run eagerly, without a word."""
+    torch._dynamo.reset()
     model.compile(**({"backend": backend} if backend else {}), **kwargs)
     return model
 

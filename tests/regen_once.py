@@ -79,8 +79,31 @@ def run_for(labs) -> Run:
         if labs <= key:
             return run
     key = frozenset(labs | _wanted)
+    claim(os.environ.get("PYTEST_XDIST_TESTRUNUID"))
     _runs[key] = _run(sorted(key))
     return _runs[key]
+
+
+def claim(testrun: str | None, folder: Path | None = None) -> None:
+    """Under pytest-xdist the session's run belongs to one worker: conftest.py puts every test that reads it in one
+    xdist group. A second worker starting a run of its own would double the longest piece of CI (it did, silently,
+    while the group marks were added after xdist had read them); here it is an error naming the cause. The first
+    process to run writes its pid into a file named by xdist's test-run id; another pid finding it raises."""
+    if not testrun:
+        return
+    path = (folder or Path(tempfile.gettempdir())) / f"labutils-regen-once-{testrun}"
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:
+        owner = path.read_text().strip()
+        if owner != str(os.getpid()):
+            raise RuntimeError(f"the session's regenerate --smoke run was already started by process {owner}: the "
+                               f"tests that read it are on more than one xdist worker (conftest.py must mark them "
+                               f"with one xdist_group before xdist reads the marks, and --dist must be loadgroup)")
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(str(os.getpid()))
+    atexit.register(lambda: path.unlink(missing_ok=True))
 
 
 def _run(labs: list[str]) -> Run:

@@ -34,6 +34,32 @@ def sdpa_calls(graphs):
     return [n for g in graphs for n in g.graph.nodes if "scaled_dot_product_attention" in str(n.target)]
 
 
+def test_compile_after_a_dispatch_mode_still_traces_every_block():
+    """Breaks if compile_model kept dynamo's skip marks: a forward that dynamo met under a TorchDispatchMode (the
+    CPU memory tracker, FlopCounterMode) marks the model's code objects as skipped for the rest of the process, and
+    a later compile then ran those blocks eagerly, silently (test_compiled_model_calls_causal_sdpa_without_mask
+    saw one SDPA call of two when a tracked test had run before it on the same pytest-xdist worker)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = load_model(tiny(**FAST_MODEL).model).model
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    try:
+        torch._dynamo.reset()
+        with FlopCounterMode(display=False):
+            model.compile(backend="eager")
+            model(input_ids=ids, use_cache=False)  # dynamo meets the model's frames here, and marks them skipped
+        graphs = []
+
+        def capture(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+        compile_model(model, backend=capture)
+        model(input_ids=ids, use_cache=False)
+        assert len(sdpa_calls(graphs)) == 2, graphs  # tiny: 2 blocks, both compiled
+    finally:
+        torch._dynamo.reset()
+
+
 def test_compiled_model_calls_causal_sdpa_without_mask():
     """Breaks if the compiled graph hands SDPA a mask or is_causal=False (today's 'sdpa' path under compile
     traces a 4-D mask: attn_mask=<tensor>, is_causal=False, which rules out CUDA's flash kernel), or if the

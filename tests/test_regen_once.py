@@ -24,3 +24,30 @@ def test_a_notebook_passes_only_on_its_own_ok_line():
     assert not run.lab_ok("01-Mixed")  # a prefix of another notebook's name is not that notebook
     why = run.lab_failure("02-Gradient_Accumulation")
     assert "at cell 14, In [9]: ValueError: boom" in why and "executed/02-Gradient_Accumulation.ipynb" in why
+
+
+def test_a_second_worker_starting_the_run_is_an_error(tmp_path):
+    """Breaks if two xdist workers may each run the notebooks (what happened while conftest.py added the group
+    marks after xdist had read them): the second process to claim the session's run is refused, naming why; the
+    first may claim again (a second, wider run in the same worker), and without xdist nothing is claimed."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    from tests import regen_once
+
+    regen_once.claim("uid-1", tmp_path)
+    regen_once.claim("uid-1", tmp_path)  # the same process again: allowed
+    other = subprocess.run([sys.executable, "-c", "from pathlib import Path; from tests import regen_once; "
+                            f"regen_once.claim('uid-1', Path({str(tmp_path)!r}))"],
+                           cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True)
+    assert other.returncode == 1 and f"already started by process {os.getpid()}" in other.stderr
+    assert "xdist_group" in other.stderr
+    regen_once.claim("uid-2", tmp_path)  # another test run: its own claim
+    regen_once.claim(None, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["labutils-regen-once-uid-1", "labutils-regen-once-uid-2"]
+    with pytest.raises(RuntimeError, match="more than one xdist worker"):
+        (tmp_path / "labutils-regen-once-uid-3").write_text("1")
+        regen_once.claim("uid-3", tmp_path)
