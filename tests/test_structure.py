@@ -104,6 +104,16 @@ def test_every_module_imports_on_its_own():
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
+def test_import_labutils_does_not_load_the_compiler():
+    """`import labutils` (each notebook kernel, each CLI command, each subprocess of the tests) leaves torch._dynamo
+    unloaded: it cost about 2 s of every such process (CI time, issue 29 §5). Breaks if a module applies
+    ``torch.compiler.disable`` or imports torch._dynamo / torch._inductor at import time; compiling code imports
+    them when it compiles (labutils.compiling, models.guard_causal_mask)."""
+    code = "import sys, labutils\nprint(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=PKG.parent)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-3000:]
+
+
 def test_package_docstring_maps_every_module():
     """``labutils.__doc__`` names each module once, at the start of a line, under core / labs / tools."""
     doc = labutils.__doc__
