@@ -52,10 +52,10 @@ def pytest_configure(config):
                                        "(\"all\": all four, when all four notebooks are collected or LAB_FULL_REGEN=1)")
 
 
-
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: pytest without xdist (-p no:xdist) has none
 def pytest_configure_node(node):
     node.workerinput["labutils_loadgroup"] = node.config.getvalue("dist") == "loadgroup"
+
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: pytest without xdist (-p no:xdist) has none
 def pytest_xdist_auto_num_workers(config):
