@@ -139,9 +139,9 @@ def pytest_collection_modifyitems(session, config, items):
             regen_once.want(ALL_LABS)
         else:
             regen_once.want(marker.args)
-    # Under pytest-xdist (`-n auto`; pytest_configure picks --dist loadgroup): every test that reads the session's run goes
-    # to ONE worker, so the run happens once; they are put first, so that the longest piece of work starts first
-    # while the other workers take the rest.
+    # Under pytest-xdist (`-n auto`; pytest_configure picks --dist loadgroup): every test that reads the session's
+    # run goes to ONE worker, so the run happens once; they are put first, so that the longest piece of work starts
+    # first while the other workers take the rest.
     readers = [item for item in items if isinstance(item, LabNotebookRun) or item.get_closest_marker("regen_labs")]
     for item in readers:
         item.add_marker(pytest.mark.xdist_group(REGEN_GROUP))
