@@ -268,7 +268,8 @@ def c1_c2_claims(runs: dict, cond: dict, *, amp: str, speed_rows: list[dict] | N
                  model_state: int | None = None, fp16_matmul_x: float | None = None, sweep_rows=()) -> list[dict]:
     """C1 (memory) and C2 (speed) as recorded claims.
 
-    C1 is judged over the batch sweep (``sweep_rows``: ``amp`` against fp32 at each micro-batch; the value shown
+    Each claim's ``conditions`` name its own pair and batches (the lab's ``cond`` gives model, sequence, hardware,
+    mode). C1 is judged over the batch sweep (``sweep_rows``: ``amp`` against fp32 at each micro-batch; the value shown
     is the median saving, every point is judged), with the reason from the memory breakdown (``model_state``:
     weights + gradients + AdamW bytes, shown as a share of the FP32 peak: what autocast does not shrink). C2 is
     fp16 against fp32 at the config's batch: the speed-up of :func:`speedup_rows` (``speed_rows``, the one
@@ -284,14 +285,18 @@ def c1_c2_claims(runs: dict, cond: dict, *, amp: str, speed_rows: list[dict] | N
                       f"{base.config.get('train', {}).get('micro_batch_size')} and autocast does not shrink them"
                       if model_state is not None and base.ok else None)
         bs = sorted(sweep_savings)
-        c1 = cl.claim_entry("C1", {"memory_saving": median}, cond, reason=mem_reason,
+        accumulation = str(cond.get("batch") or "").partition(" x ")[2] or "1"
+        c1_cond = {**cond, "precision": f"{amp} vs fp32", "batch": " / ".join(f"{b} x {accumulation}" for b in bs)}
+        c1 = cl.claim_entry("C1", {"memory_saving": median}, c1_cond, reason=mem_reason,
                             evidence=cl.Evidence(pair=(f"fp32 at micro-batch {bs}", f"{amp} at micro-batch {bs}"),
                                                  sweep=sweep_savings, note="value shown: the median over the sweep"),
                             extra={f"{amp}_saving_by_micro_batch": sweep_savings,
                                    **({"model_state_share_of_fp32_peak": model_state / base.peak_memory_bytes}
                                       if model_state is not None and base.ok else {})})
     else:
-        c1 = cl.not_measured("C1", f"no micro-batch of the sweep ran in both fp32 and {amp}", cond)
+        c1 = cl.not_measured("C1", f"no micro-batch of the sweep ran in both fp32 and {amp}",
+                             {**cond, "precision": f"{amp} vs fp32"})
+    cond = {**cond, "precision": "fp16 vs fp32"}  # C2: fp16 against fp32 at the config's batch
     if not (r16.ok and base.ok):
         failed = r16 if not r16.ok else base
         why = f"the {'fp16' if failed is r16 else 'fp32'} run ended with status {failed.status} ({failed.error})"

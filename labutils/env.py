@@ -7,6 +7,7 @@ import datetime as _dt
 import platform
 import random
 import sys
+import warnings
 
 import numpy as np
 
@@ -14,6 +15,28 @@ import torch
 
 from . import device
 from .device import detect_mode
+
+
+# torch 2.10 and 2.11 warn "Profiler clears events at the end of each cycle" on every torch.profiler.profile(), even
+# one with no schedule and so no cycles to clear (pytorch/pytorch#180348; fixed in 2.12 by #180387): the first
+# profile of every lab printed it on the H200 run (torch 2.11). Every profile in the course is one cycle, so on those
+# two versions that one message is filtered; on others torch warns only when events are really cleared, and it shows.
+FALSE_PROFILER_WARNING = "Warning: Profiler clears events at the end of each cycle"
+
+
+def quiet_false_profiler_warning(version: str = torch.__version__) -> bool:
+    """Filter torch 2.10/2.11's false profiler warning (above); True when ``version`` is one of those."""
+    try:
+        major_minor = tuple(int(x) for x in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return False
+    if (2, 10) <= major_minor < (2, 12):
+        warnings.filterwarnings("ignore", message=FALSE_PROFILER_WARNING, category=UserWarning)
+        return True
+    return False
+
+
+quiet_false_profiler_warning()
 
 
 def default_device() -> torch.device:

@@ -107,6 +107,18 @@ def test_c1_is_judged_over_the_batch_sweep_not_one_batch():
     assert c1["verdict"] == cl.DOES_NOT_HOLD and c1["evidence"]["memory_saving"]["sweep"] == {"1": 0.1, "8": 0.15}
 
 
+def test_c1_and_c2_conditions_name_the_pair_and_batches_each_compares():
+    """The first GPU run (H200) recorded C1 under "precision: fp16 vs fp32, batch 8 x 1" while it compared bf16 with
+    fp32 over micro-batches 1 and 8. Breaks if a claim's conditions name another pair or batch than its compares."""
+    sweep = [{"micro_batch": 1, "memory_saving": 0.06}, {"micro_batch": 8, "memory_saving": 0.05}]
+    c1, c2 = am.c1_c2_claims(_runs(GPU_ENV, steps=14), FULL, amp="bf16", sweep_rows=sweep)
+    assert c1["conditions"]["precision"] == "bf16 vs fp32" and "bf16" in c1["compares"]["memory_saving"]
+    assert c1["conditions"]["batch"] == "1 x 1 / 8 x 1"
+    assert c2["conditions"]["precision"] == "fp16 vs fp32" and c2["compares"]["speedup"] == "fp32 vs fp16"
+    assert c2["conditions"]["batch"] == "8 x 1"
+    assert cl.table_rows([c1])[0]["conditions"].count("bf16 vs fp32") == 1
+
+
 # ------------------------------------------------------------------------------------------------ lab 03: C4
 def _measured(name, env, step_s, peak, steps=4):
     return cm.Measured(name, "baseline" if name.startswith("no") else "every_n", None,
