@@ -49,12 +49,25 @@ def op_group(name: str) -> str:
     return ELEMENTWISE
 
 
-def _input_dtype(e) -> str | None:
+def _input_dtype(e, kineto: dict) -> str | None:
     """fp32 / fp16 / bf16: the dtype of an event's first floating-point tensor input (needs record_shapes=True)."""
-    for d in getattr(e, "input_dtypes", None) or []:
+    for d in getattr(e, "input_dtypes", None) or kineto.get(e.id) or []:
         if d in _FLOAT_INPUTS:
             return _FLOAT_INPUTS[d]
     return None
+
+
+def _kineto_dtypes(prof) -> dict:
+    """{correlation id: input dtypes} of a profile's CPU ops from the profiler's own kineto events. torch 2.12 gave
+    ``FunctionEvent`` its ``input_dtypes``; before that only the ``KinetoEvent`` behind it has them (``dtypes()``), and
+    the event's ``id`` is that event's correlation id. On the first GPU run (torch 2.11) every dtype read "-" and
+    lab 01 said 0.00 ms of work read FP32 inputs under autocast."""
+    from torch.autograd import DeviceType
+
+    results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if results is None:
+        return {}
+    return {k.correlation_id(): list(k.dtypes()) for k in results.events() if k.device_type() == DeviceType.CPU}
 
 
 @dataclass
@@ -65,6 +78,7 @@ class OpProfile:
     on_gpu: bool
     steps: int
     ops: list
+    dtypes_known: bool = True  # False: this torch gave no input dtypes (torch < 2.12 and only prof.events() passed)
 
     def group_ms(self, group: str) -> float:
         return sum(r["ms"] for r in self.ops if r["group"] == group)
@@ -74,15 +88,19 @@ class OpProfile:
         return sum(r["ms"] for r in self.ops)
 
 
-def op_profile(events, steps: int = 1) -> OpProfile:
-    """Per operator of a ``torch.profiler`` profile (``prof.events()``, recorded with ``record_shapes=True``): its
+def op_profile(prof, steps: int = 1) -> OpProfile:
+    """Per operator of a ``torch.profiler`` profile (``prof``, recorded with ``record_shapes=True``; its
+    ``prof.events()`` also do on torch >= 2.12, where the events carry their input dtypes): its
     group, calls per step, self time per step (each op's own time without its children, so nothing counts twice:
     on a GPU the self *device* time of the kernels it launched, on any thread, as
     :func:`labutils.profiling.range_times` reads it; else self CPU time), and how much of that time had an FP32
     first input outside the optimizer step (``fp32_input_ms``: what autocast left in FP32)."""
     from torch.autograd import DeviceType
 
+    events = prof.events() if callable(getattr(prof, "events", None)) else prof
     cpu_ops = [e for e in events if e.device_type == DeviceType.CPU]
+    kineto = {} if any(hasattr(e, "input_dtypes") for e in cpu_ops[:1]) else _kineto_dtypes(prof)
+    dtypes_known = bool(kineto) or any(getattr(e, "input_dtypes", None) for e in cpu_ops)
     on_gpu = any(e.device_type != DeviceType.CPU for e in events)
     optim = [(e.time_range.start, e.time_range.end) for e in cpu_ops if e.name.startswith("Optimizer.step#")]
     rows: dict[str, dict] = {}
@@ -91,11 +109,11 @@ def op_profile(events, steps: int = 1) -> OpProfile:
         r = rows.setdefault(e.name, {"op": e.name, "group": op_group(e.name), "calls": 0, "ms": 0.0,
                                      "fp32_input_ms": 0.0, "optimizer_ms": 0.0, "dtypes": set()})
         r["calls"] += 1
-        r["dtypes"].add(_input_dtype(e) or "-")
+        r["dtypes"].add(_input_dtype(e, kineto) or "-")
         r["ms"] += us / 1e3
         if any(a <= e.time_range.start and e.time_range.end <= b for a, b in optim):
             r["optimizer_ms"] += us / 1e3
-        elif _input_dtype(e) == "fp32":
+        elif _input_dtype(e, kineto) == "fp32":
             r["fp32_input_ms"] += us / 1e3
     for r in rows.values():
         r["dtypes"] = ", ".join(sorted(r["dtypes"] - {"-"})) or "-"  # every first float input dtype it was called with
@@ -103,7 +121,7 @@ def op_profile(events, steps: int = 1) -> OpProfile:
         for k in ("ms", "fp32_input_ms", "optimizer_ms"):
             r[k] /= steps
     ops = sorted(rows.values(), key=lambda r: -r["ms"])
-    return OpProfile("GPU kernel time" if on_gpu else "CPU time", on_gpu, steps, ops)
+    return OpProfile("GPU kernel time" if on_gpu else "CPU time", on_gpu, steps, ops, dtypes_known)
 
 
 def op_group_rows(profiles: dict, baseline: str = "fp32") -> list[dict]:
@@ -173,11 +191,13 @@ def profile_readings(profiles: dict, amp: str, activation: str, baseline: str = 
         f"casts (aten::_to_copy) per step: {casts[baseline]:.0f} in {baseline}, {casts[amp]:.0f} under {amp} autocast "
         f"({a.group_ms(CASTS):.2f} ms of casts and copies vs {b.group_ms(CASTS):.2f} ms).",
         f"MLP activation of this run: model.config.activation_function = '{activation}'. Under {amp} autocast "
-        f"{fp32_ms:.2f} ms per step of memory-bound forward/backward work still read FP32 inputs"
-        + (": " + ", ".join(f"{r['op']} {r['fp32_input_ms']:.2f} ms"
-                            + (f" (op speed-up {by_name[r['op']]['ms'] / r['ms']:.2f}x)"
-                               if by_name.get(r["op"], {}).get("ms", 0) >= 0.01 else " (next to nothing in fp32)")
-                            for r in fp32_ops[:4]) if fp32_ops else "") + "."]
+        + ((f"{fp32_ms:.2f} ms per step of memory-bound forward/backward work still read FP32 inputs"
+            + (": " + ", ".join(f"{r['op']} {r['fp32_input_ms']:.2f} ms"
+                                + (f" (op speed-up {by_name[r['op']]['ms'] / r['ms']:.2f}x)"
+                                   if by_name.get(r["op"], {}).get("ms", 0) >= 0.01 else " (next to nothing in fp32)")
+                                for r in fp32_ops[:4]) if fp32_ops else "") + ".")
+           if a.dtypes_known else "which ops still read FP32 inputs is not known: this profile has no input dtypes "
+                                  "(pass the profile itself to op_profile, recorded with record_shapes=True).")]
     if not a.on_gpu:
         lines.append("these are CPU times (CPU timing, not a GPU result): no GPU conclusion is drawn from them; on a GPU "
                      "this cell reads the tensor-core lesson from the GPU kernel times.")

@@ -2,6 +2,8 @@
 the tiny GPT-2 on the CPU, fp32 and under bf16 autocast (CPU autocast runs bfloat16 on every CPU, emulated or
 native). The oracles are the profiler's own events and totals and autocast's documented behaviour, not the
 grouping code's own arithmetic."""
+import copy
+
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -37,7 +39,7 @@ def _profile(precision: str):
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for _ in range(STEPS):
             step()
-    return prof, am.op_profile(prof.events(), STEPS), model.config.activation_function
+    return prof, am.op_profile(prof, STEPS), model.config.activation_function
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +93,40 @@ def test_input_dtypes_show_what_autocast_cast(profiles):
     assert f32["aten::mm"]["fp32_input_ms"] == pytest.approx(f32["aten::mm"]["ms"])
     assert b16["aten::mm"]["fp32_input_ms"] == 0
     assert b16["aten::_to_copy"]["calls"] > f32["aten::_to_copy"]["calls"]
+
+
+class _Torch211Profile:
+    """The same profile as torch < 2.12 hands it over: its ``events()`` carry no ``input_dtypes`` (pytorch#179714 added
+    them in 2.12), its kineto results are the real ones."""
+
+    def __init__(self, prof):
+        self.profiler = prof.profiler
+        self._events = []
+        for e in prof.events():
+            old = copy.copy(e)
+            del old.input_dtypes
+            self._events.append(old)
+
+    def events(self):
+        return self._events
+
+
+def test_input_dtypes_without_torchs_input_dtypes_field(profiles):
+    """The first GPU run (torch 2.11) read every dtype as "-" and lab 01 said 0.00 ms of work read FP32 inputs under
+    autocast. Oracle: this torch's own ``input_dtypes`` of the same events. Breaks if the kineto fallback is dropped
+    or keyed to the wrong events; and, given only the bare events, the reading must say the dtypes are unknown
+    instead of printing 0.00 ms."""
+    for precision in ("fp32", "bf16"):
+        prof, new, _ = profiles[precision]
+        old = am.op_profile(_Torch211Profile(prof), STEPS)
+        assert old.dtypes_known
+        assert [(r["op"], r["dtypes"], r["fp32_input_ms"]) for r in old.ops] == \
+            [(r["op"], r["dtypes"], r["fp32_input_ms"]) for r in new.ops]
+    bare = am.op_profile(_Torch211Profile(profiles["bf16"][0]).events(), STEPS)
+    assert not bare.dtypes_known and all(r["dtypes"] == "-" for r in bare.ops)
+    ops = {"fp32": profiles["fp32"][1], "bf16": bare}
+    text = " ".join(am.profile_readings(ops, "bf16", activation="gelu_new"))
+    assert "is not known" in text and "work still read FP32 inputs" not in text
 
 
 def test_cpu_reading_names_the_activation_and_draws_no_gpu_conclusion(profiles):

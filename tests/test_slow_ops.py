@@ -45,7 +45,7 @@ def _run(keys: dict):
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for _ in range(STEPS):
             step()
-    return {"prof": prof, "ops": am.op_profile(prof.events(), STEPS), "times": timed_steps(step, TIMED, device),
+    return {"prof": prof, "ops": am.op_profile(prof, STEPS), "times": timed_steps(step, TIMED, device),
             "activation": model.config.activation_function}
 
 
