@@ -20,7 +20,7 @@ import math
 
 from . import claims as cl
 from .figures import legend_outside
-from .memory import fmt_bytes as fmt
+from .memory import budget_words, fmt_bytes as fmt
 from .models import vocab_size
 
 MiB = 2**20
@@ -276,7 +276,7 @@ def spec_check(cfg, info: dict, *, off, on, saving, overhead, hw: str, flops_rat
     gb = (lambda s: s) if info["mode"] == "full" else (lambda s: "(a GPU size: full mode only)")
     return [
         {"quantity": f"peak, no checkpointing ({B} x {T})", "course README": gb("~12 GB"),
-         "this run": fmt(off.peak) if off.ok else f"OOM on {hw}"},
+         "this run": fmt(off.peak) if off.ok else f"OOM within {budget_words()}"},
         {"quantity": "peak, checkpointing", "course README": gb("~7 GB"), "this run": fmt(on.peak) if on.ok else "OOM"},
         {"quantity": f"memory saving ({B} x {T})", "course README": "42%", "this run": f"{saving:.0%}" if saving is not None else "-"},
         {"quantity": f"step time ({B} x {T}, median of timed steps" + (", CPU timing)" if info["device"].type != "cuda" else ")"),
@@ -306,7 +306,7 @@ def spec_conclusions(cfg, info: dict, *, off, on, saving, overhead, state_bytes:
                    f"precision; the saving grows with the share of block activations in the peak (here "
                    f"{(off.peak - state_bytes) / off.peak:.0%} is not state).")
     else:
-        out.append(f"- memory: the baseline did not fit on this device at batch {B} x {T}, which is the course README's point; "
+        out.append(f"- memory: the baseline did not fit within {budget_words()} at batch {B} x {T}, which is the course README's point; "
                    f"with checkpointing the peak was {fmt(on.peak) if on.ok else 'OOM too'}.")
     if overhead is not None:
         reason = ("negative: with these few short steps the timing noise is larger than the recompute itself"

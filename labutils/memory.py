@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import re
 import weakref
 from dataclasses import dataclass, field
 
@@ -208,9 +209,31 @@ def release(*objs) -> None:
     dev.empty_caches()
 
 
+def oom_text(exc: BaseException) -> str:
+    """An out-of-memory error as one short line for a table row or a sentence. torch's CUDA message goes on to
+    name the whole card's capacity and free memory: on the H200 run, "a total capacity of 139.80 GiB of which
+    132.14 GiB is free" under a 7 GiB cap, which reads as if the card were full. Kept: what ran out, the request,
+    and the cap ("X allowed", present when a memory fraction is set); any other message: its first line."""
+    lines = str(exc).strip().splitlines()
+    text = lines[0] if lines else type(exc).__name__
+    head = re.match(r"(.*?out of memory\.)\s*(Tried to allocate [\d.]+ \w+)", text)
+    if head is None:
+        return text[:300]
+    allowed = re.search(r"([\d.]+ \w+) allowed", text)
+    return f"{head[1]} {head[2]}" + (f" ({allowed[1]} allowed by the memory cap)" if allowed else "")
+
+
+def budget_words() -> str:
+    """What a run that did not fit ran out of, in words: the emulated card's budget when the GPU is capped (the H200
+    run said "did not fit on this device" of a 140 GiB card capped to an 8 GB card's share), else the memory this
+    run could use. No number: the budget line printed at setup holds it."""
+    b = dev.current_budget()
+    return f"the {b['card_gib']:g} GB card's memory budget" if b else "the memory this run could use"
+
+
 class CaughtOOM:
     """What :func:`oom_caught` caught: falsy until an out-of-memory error ends its block; then ``error`` is the
-    error's first line (for a table row). The error itself is not kept: its traceback holds the frames of the
+    error in one short line (:func:`oom_text`, for a table row). The error itself is not kept: its traceback holds the frames of the
     step that failed, and with them the activations that :func:`release` must be able to free."""
 
     def __init__(self):
@@ -223,7 +246,7 @@ class CaughtOOM:
 @contextlib.contextmanager
 def oom_caught():
     """``with oom_caught() as oom: ...`` then ``if oom: ... oom.error``: an out-of-memory error ends the block
-    and its first line is kept, the allocator's (``torch.OutOfMemoryError``) and one raised outside it as a plain
+    and it is kept as one short line (:func:`oom_text`), the allocator's (``torch.OutOfMemoryError``) and one raised outside it as a plain
     RuntimeError (cuBLAS handle creation, a lazily loaded kernel: :func:`labutils.device.is_oom`); any other error
     propagates. What every sweep uses to turn an OOM into a row."""
     caught = CaughtOOM()
@@ -232,5 +255,4 @@ def oom_caught():
     except RuntimeError as exc:  # torch.OutOfMemoryError is a RuntimeError
         if not dev.is_oom(exc):
             raise
-        text = str(exc).strip().splitlines()
-        caught.error = (text[0] if text else type(exc).__name__)[:300]
+        caught.error = oom_text(exc)

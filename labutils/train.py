@@ -30,7 +30,7 @@ from . import env as _env
 from .config import Config, validate
 from .data import LMDataset, build_dataset
 from .compiling import CompileRun, compile_for_training, compiled_graphs, cpu_compile_untracked
-from .memory import MemoryTracker, release, state_bytes
+from .memory import MemoryTracker, oom_text, release, state_bytes
 from .flops import AttentionProbe, account_flops, attention_kernel
 from .models import count_parameters, enable_checkpointing, load_model
 
@@ -417,7 +417,7 @@ def run(cfg: Config, device: torch.device | str | None = None, *, progress: bool
     except RuntimeError as exc:  # torch.OutOfMemoryError, or an OOM outside the allocator (cuBLAS, kernel load)
         if not dev.is_oom(exc):
             raise
-        oom = str(exc).strip().splitlines()[0][:300]
+        oom = oom_text(exc)
         oom_peak = getattr(exc, "peak_memory_bytes", None)  # CPU: the tracker's peak when the budget was hit
     except NonFiniteLossError as exc:
         diverged = str(exc)

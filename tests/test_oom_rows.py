@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
+import labutils as lu
 import labutils.accumulation as acc
 import labutils.checkpoint_measure as cm
 import labutils.checkpointing as ck
@@ -39,6 +40,31 @@ def test_oom_caught_keeps_every_out_of_memory(exc):
     with oom_caught() as oom:
         raise exc
     assert oom and oom.error == str(exc)
+
+
+# torch 2.11's message on the first GPU run (H200, capped to an 8 GB card's share), as lab 03 printed it
+H200_OOM = ("CUDA out of memory. Tried to allocate 394.00 MiB. GPU 0 has a total capacity of 139.80 GiB of which "
+            "132.14 GiB is free. Including non-PyTorch memory, this process has 7.66 GiB memory in use. 7.04 GiB "
+            "allowed; Of the allocated memory 6.75 GiB is allocated by PyTorch, and 167.66 MiB is reserved by PyTorch "
+            "but unallocated.")
+
+
+def test_an_oom_row_names_the_cap_not_the_whole_cards_free_memory():
+    """Lab 03 on the H200 printed "did not fit on this device: ... a total capacity of 139.80 GiB of which 132.14
+    GiB is free" under a 7 GiB cap: it read as if the 140 GiB card were full. Breaks if the row keeps the card's
+    free memory, or loses the request or the cap."""
+    with oom_caught() as oom:
+        raise torch.OutOfMemoryError(H200_OOM)
+    assert oom.error == "CUDA out of memory. Tried to allocate 394.00 MiB (7.04 GiB allowed by the memory cap)"
+    assert "132.14" not in lu.memory.oom_text(torch.OutOfMemoryError(H200_OOM))
+
+
+def test_budget_words_name_the_emulated_card_when_capped(monkeypatch):
+    """Breaks if a capped run says "this device" (the H200 run) instead of the card it behaves as."""
+    monkeypatch.setattr(lu.device, "current_budget", lambda: {"card_gib": 8.0})
+    assert lu.memory.budget_words() == "the 8 GB card's memory budget"
+    monkeypatch.setattr(lu.device, "current_budget", lambda: None)
+    assert lu.memory.budget_words() == "the memory this run could use"
 
 
 def test_oom_caught_raises_any_other_error():
