@@ -157,7 +157,7 @@ def print_summary(result) -> None:
                  ("peak memory", fmt_bytes(result.peak_memory_bytes)), ("skipped steps", result.skipped_steps)]
     elif result.ok:
         rows += [
-            ("step time", f"{result.step_time_seconds * 1000:.1f} ms (mean of the last {result.timed_steps} steps)"),
+            ("step time", f"{result.step_time_seconds * 1000:.1f} ms (median of the last {result.timed_steps} steps)"),
             ("throughput", f"{result.target_tokens_per_second:,.0f} target tokens/s (tokens that count in the loss; "
                            f"{result.positions_per_second:,.0f} positions/s, {result.padding_fraction:.0%} padding), "
                            f"{result.achieved_tflops:.3f} TFLOP/s"),

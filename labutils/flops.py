@@ -207,7 +207,7 @@ def account_flops(result, cfg, seq_length: int, device: torch.device, n_timed: i
                                vocab=padded_vocab_size(vocab_size(m.name), m.pad_vocab_to),
                                head_recompute=m.loss == "chunked" and not uses_liger(device))
     targets = result.target_tokens[-n_timed:]
-    seconds = sum(result.step_times[-n_timed:])
+    step = result.step_time_seconds  # the median timed step: the one step time every speed reads
     result.model_flops_per_step = model_flops_per_token(m.name, seq_length) * sum(targets) / len(targets)
     result.executed_flops_per_step = executed * result.tokens_per_step
     result.achieved_tflops = executed * result.tokens_per_second / 1e12
@@ -215,5 +215,5 @@ def account_flops(result, cfg, seq_length: int, device: torch.device, n_timed: i
     if peak is not None:
         result.peak_tflops = peak
         total = peak * 1e12 * result.env.get("world_size", 1)  # every process's GPU
-        result.mfu = result.model_flops_per_step * len(targets) / seconds / total
-        result.hfu = result.executed_flops_per_step * len(targets) / seconds / total
+        result.mfu = result.model_flops_per_step / step / total
+        result.hfu = result.executed_flops_per_step / step / total
