@@ -133,6 +133,15 @@ def conditions(*, model: str | None, batch: str | None, sequence: int | None, pr
             "hardware": hardware, "mode": mode, **extra}
 
 
+def smoke_tag(cond: dict) -> str:
+    """The tag a smoke measurement's why carries: the tiny model, and where it ran (a CPU, or the GPU that
+    LAB_SMOKE=1 ran it on: the first GPU run's lab 04 said "on CPU" beside "NVIDIA H200")."""
+    hw = str(cond.get("hardware") or "cpu")
+    if hw.lower().startswith("cpu"):
+        return " [smoke measurement: tiny model on CPU, not a GPU result]"
+    return f" [smoke measurement: tiny model on {hw}, not a result for GPT-2's sizes]"
+
+
 def claim_entry(claim_id: str, values: dict | None, cond: dict, *, reason: str | None = None,
                 not_measured: str | None = None, prediction: dict | None = None, lab: str | None = None,
                 extra: dict | None = None, prediction_for: str | None = None, evidence=None) -> dict:
@@ -163,7 +172,7 @@ def claim_entry(claim_id: str, values: dict | None, cond: dict, *, reason: str |
                 f"'{pv}' (a prediction, not a measurement)")
     smoke = cond.get("mode") != "full"
     if smoke and v != NOT_MEASURED:
-        why += " [smoke measurement: tiny model on CPU, not a GPU result]"
+        why += smoke_tag(cond)
     entry = {"id": claim_id, "claim": claim.claim, "source": claim.source, "expected": claim.expected(),
              "expected_ranges": claim.expected_ranges(),
              "measured": _measured(claim, values, parts) or None,
@@ -213,7 +222,7 @@ def not_judged(claim_id: str, why: str, cond: dict, values: dict | None = None, 
         item["judged"] = NOT_JUDGED
     smoke = cond.get("mode") != "full"
     e["why"] = (f"Not judged: {why.rstrip('.')}" + (f"; this run measured {shown} (shown, not judged)" if shown else "")
-                + (" [smoke measurement: tiny model on CPU, not a GPU result]" if smoke and shown else "") + ".")
+                + (smoke_tag(cond) if smoke and shown else "") + ".")
     return e
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .models import N_POSITIONS, PRESETS, padded_vocab_size, vocab_size
-from .replay import CUBLAS_WORKSPACE_BYTES, KINDS, Replay
+from . import device as dev
+from .replay import CUBLAS_WORKSPACE_BYTES, KINDS, Replay, cublas_workspace_bytes
 
 GiB = 2**30
 CUDA_CONTEXT_BYTES = int(0.5 * GiB)   # CUDA context + kernels outside PyTorch's allocator (typical 0.3-0.6 GiB)
@@ -70,8 +71,15 @@ def plan_from_config(cfg, device: str = "cuda", **overrides) -> Plan:
                 precision=t.precision, checkpointing=t.gradient_checkpointing, every_n=t.checkpoint_every_n_layers,
                 attn=m.attn_implementation, dropout=(m.dropout is None or m.dropout > 0), padded=not d.pack,
                 num_samples=d.num_samples, device=device, activation=m.activation, pad_vocab_to=m.pad_vocab_to,
-                compile=t.compile, loss=m.loss, loss_chunk=m.loss_chunk_size)
+                compile=t.compile, loss=m.loss, loss_chunk=m.loss_chunk_size, workspace_bytes=gpu_workspace_bytes(device))
     return replace(plan, **overrides)
+
+
+def gpu_workspace_bytes(device: str = "cuda") -> int:
+    """The two cuBLAS workspaces of a training step (the forward's thread and autograd's each get one) on the GPU
+    the prediction is for: this machine's when it has one, else a student's pre-Hopper card's."""
+    cap = dev.capability("cuda") if device == "cuda" and dev.cuda_available() else None
+    return 2 * cublas_workspace_bytes(cap[0] if cap else None)
 
 
 def parameter_count(model: str, pad_vocab_to: int | None = None) -> int:

@@ -34,6 +34,15 @@ from .models import CAUSAL_SDPA, FAST_GELU, N_POSITIONS, PRESETS, padded_vocab_s
 CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8   # cuBLAS default workspace per (handle, stream)
 
 
+def cublas_workspace_bytes(major: int | None = None) -> int:
+    """torch's default cuBLAS workspace per (handle, stream) on a GPU of compute capability ``major``
+    (aten/src/ATen/cuda/CublasHandlePool.cpp, ``parseChosenWorkspaceSize`` without CUBLAS_WORKSPACE_CONFIG):
+    ":4096:2:16:8" (8.125 MiB) before Hopper, 32 MiB on Hopper and Blackwell (9.x and on, the RTX 50 GeForce
+    cards too). None: a card not named, taken as a student's pre-Hopper GeForce. The first GPU run (H200) measured
+    the 32 MiB: the estimator's fixed cost was short by twice the difference."""
+    return 32 * 2**20 if major is not None and major >= 9 else CUBLAS_WORKSPACE_BYTES
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The ledger: live tensors, current and peak bytes, by kind
 # ----------------------------------------------------------------------------------------------------------

@@ -334,11 +334,17 @@ def show_table(rows: list[dict], columns: list[str] | None = None, *, adapt_unit
 SMOKE_BANNER = ("SMOKE MODE: a tiny GPT-2 for a few steps, on the CPU. Every number this notebook prints only shows "
                 "that the code runs: none is a GPU result, and nothing is extrapolated to GPU sizes or cards. Run it "
                 "on a CUDA GPU (without LAB_SMOKE=1) for the real measurements.")
+SMOKE_BANNER_GPU = ("SMOKE MODE (LAB_SMOKE=1): a tiny GPT-2 for a few steps, on this GPU. Every number this notebook "
+                    "prints only shows that the code runs: none is a result for GPT-2's sizes, and nothing is "
+                    "extrapolated to them. Run it without LAB_SMOKE=1 for the real measurements.")
 
 
 def mode_banner(mode: str) -> str:
-    """The one banner a notebook's setup cell prints in smoke mode (instead of a tag on every line); "" when full."""
+    """The one banner a notebook's setup cell prints in smoke mode (instead of a tag on every line); "" when full.
+    Smoke on a CUDA machine (LAB_SMOKE=1) runs on the GPU: the first GPU run's lab 04 said "on the CPU" there."""
     if mode == "full":
         return ""
+    from . import device as dev
+
     rule = "=" * 100
-    return f"{rule}\n{SMOKE_BANNER}\n{rule}"
+    return f"{rule}\n{SMOKE_BANNER_GPU if dev.cuda_available() else SMOKE_BANNER}\n{rule}"

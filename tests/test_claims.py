@@ -195,3 +195,21 @@ def test_rendered_claims_tables(tmp_path, monkeypatch):
     assert "## Claims C1-C7 across the labs" in page
     assert "| C7 | not measured | prediction: peak-memory saving 41 % | - |" in page.replace("GPU peak", "peak")
     assert "| C5 | not measured | - | - |" in page
+
+
+def test_a_smoke_run_on_a_gpu_says_so():
+    """LAB_SMOKE=1 on the first GPU machine (H200): lab 04's claims said "[smoke measurement: tiny model on CPU]"
+    beside "NVIDIA H200", and its banner "on the CPU". Breaks if the tag or the banner ignores where it ran."""
+    import labutils as lu
+    from tests import fake_cuda
+
+    on_gpu = cl.conditions(model="tiny", batch="4 x 1", sequence=64, precision="bf16 vs fp32",
+                           hardware="NVIDIA H200", mode="smoke")
+    e = cl.claim_entry("C1", {"memory_saving": 0.12}, on_gpu, evidence=SWEEP)
+    assert "tiny model on NVIDIA H200" in e["why"] and "on CPU" not in e["why"]
+    assert "tiny model on CPU" in cl.claim_entry("C1", {"memory_saving": 0.12}, SMOKE, evidence=SWEEP)["why"]
+    assert "on the CPU" in lu.mode_banner("smoke")
+    with pytest.MonkeyPatch.context() as mp:
+        fake_cuda.install(mp, "h100")
+        banner = lu.mode_banner("smoke")
+    assert "on this GPU" in banner and "on the CPU" not in banner
