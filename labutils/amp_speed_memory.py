@@ -22,8 +22,9 @@ from .amp_memory import (HALF_DTYPES, SavedTensorCensus, dtype_report, dtype_row
 from .env import matmul_precision
 from .figures import step_axis, step_numbers
 from .memory import fmt_bytes
-from .op_profile import (MEMORY_BOUND, OP_GROUPS, SUSPECTS, OpProfile, aten_ops, op_group, op_group_rows,  # noqa: F401
-                         op_profile, profile_readings, slow_op_readings, slowest_op_rows, step_time_rows, top_op_rows)
+from .op_profile import (MEMORY_BOUND, OP_GROUPS, SUSPECTS, OpProfile, aten_ops, gpu_busy, op_group,  # noqa: F401
+                         op_group_rows, op_profile, profile_readings, slow_op_readings, slowest_op_rows,
+                         step_time_rows, top_op_rows)
 from .peaks import peak_info
 from .precision import COLORS
 from .results import byte_unit
@@ -34,10 +35,12 @@ SPEEDUP = "speedup_vs_fp32"            # by "run" = the precision), in this colu
 
 
 # --------------------------------------------------------------------------------------------- each run timed once
-def speed_evidence(base, r, names: tuple[str, str]) -> tuple[float | None, cl.Evidence]:
+def speed_evidence(base, r, names: tuple[str, str], gpu_busy: float | None = None) -> tuple[float | None, cl.Evidence]:
     """The speed-up of run ``r`` over ``base`` (median step time over median step time) and its evidence: the
-    pair compared, the hardware, the timed steps behind each and the noise (from their inter-quartile ranges)."""
+    pair compared, the hardware, the timed steps behind each and the noise (from their inter-quartile ranges);
+    ``gpu_busy``: the share of ``r``'s step its GPU kernels fill (:func:`labutils.op_profile.gpu_busy`), if known."""
     ratio, ev = cl.run_pair_evidence(base, r, names)
+    ev = replace(ev, gpu_busy=gpu_busy)
     if ratio is None:
         return None, ev
     return 1 / ratio, replace(ev, spread=None if ev.spread is None else ev.spread / ratio ** 2)
@@ -232,12 +235,14 @@ def plot_comparison(runs: dict, title: str):
 
 
 # --------------------------------------------------------------------------------------------- claims C1, C2
-def course_rows(runs: dict, speed_rows: list[dict], expected: dict, baseline: str = "fp32") -> list[dict]:
+def course_rows(runs: dict, speed_rows: list[dict], expected: dict, baseline: str = "fp32",
+                gpu_busy: float | None = None) -> list[dict]:
     """The original course's expected results (``expected``: {precision: (peak GB, speed vs FP32)}, quoted in the
     notebook from the Lab-1.4 course README) next to what this run measured: the peak-memory saving at the config's
     batch and the step speed-up of :func:`speedup_rows` (``speed_rows``: read, not measured again), with what the
     course's one rule (:mod:`labutils.claims`) makes of them: memory (C1) is "not judged" at one batch size (C1 is
-    judged over the batch sweep), speed (C2) only on a GPU with enough timed steps."""
+    judged over the batch sweep), speed (C2) only on a GPU with enough timed steps whose half-precision step kept
+    the GPU busy (``gpu_busy``, from the profiled AMP step; None: not known)."""
     base = runs[baseline]
     speed = {r["precision"]: r for r in speed_rows}
     claimed_base = expected[baseline][0]
@@ -253,7 +258,7 @@ def course_rows(runs: dict, speed_rows: list[dict], expected: dict, baseline: st
             verdict = "baseline"
         else:
             hw = cl.hardware(base.env)
-            ev = speed_evidence(base, r, (baseline, p))[1]
+            ev = speed_evidence(base, r, (baseline, p), gpu_busy if p in ("fp16", "bf16") else None)[1]
             verdict = (f"memory: {cl.verdict('C1', {'memory_saving': saving}, cl.Evidence(sweep={0: saving}), hardware=hw)[0]} "
                        f"(one batch size; C1 is judged over the sweep); "
                        f"speed: {cl.verdict('C2', {'speedup': speedup}, ev)[0]}")
@@ -265,7 +270,8 @@ def course_rows(runs: dict, speed_rows: list[dict], expected: dict, baseline: st
 
 
 def c1_c2_claims(runs: dict, cond: dict, *, amp: str, speed_rows: list[dict] | None = None,
-                 model_state: int | None = None, fp16_matmul_x: float | None = None, sweep_rows=()) -> list[dict]:
+                 model_state: int | None = None, fp16_matmul_x: float | None = None, sweep_rows=(),
+                 gpu_busy: float | None = None) -> list[dict]:
     """C1 (memory) and C2 (speed) as recorded claims.
 
     Each claim's ``conditions`` name its own pair and batches (the lab's ``cond`` gives model, sequence, hardware,
@@ -274,8 +280,9 @@ def c1_c2_claims(runs: dict, cond: dict, *, amp: str, speed_rows: list[dict] | N
     weights + gradients + AdamW bytes, shown as a share of the FP32 peak: what autocast does not shrink). C2 is
     fp16 against fp32 at the config's batch: the speed-up of :func:`speedup_rows` (``speed_rows``, the one
     measurement, computed from ``runs`` when not given; its evidence is the same two runs' timed steps), judged only on a GPU with enough timed steps
-    (CPU fp16 is an emulation: the CPU ratio is shown, not judged), with the matmul table's fp16 speed-up
-    (``fp16_matmul_x``) as the reason."""
+    (CPU fp16 is an emulation: the CPU ratio is shown, not judged) and, where ``gpu_busy`` is known (the share of
+    the profiled half-precision step that GPU kernels fill), only when the GPU, not the host, set the step's pace;
+    with the matmul table's fp16 speed-up (``fp16_matmul_x``) as the reason."""
     base, r16 = runs["fp32"], runs["fp16"]
     sweep_savings = {r["micro_batch"]: r["memory_saving"] for r in sweep_rows if r["memory_saving"] is not None}
     if sweep_savings:
@@ -302,7 +309,7 @@ def c1_c2_claims(runs: dict, cond: dict, *, amp: str, speed_rows: list[dict] | N
         why = f"the {'fp16' if failed is r16 else 'fp32'} run ended with status {failed.status} ({failed.error})"
         return [c1, cl.not_measured("C2", why, cond)]
     x16 = speedups(speed_rows if speed_rows is not None else speedup_rows(runs)).get("fp16")
-    ev = speed_evidence(base, r16, ("fp32", "fp16"))[1]
+    ev = speed_evidence(base, r16, ("fp32", "fp16"), gpu_busy)[1]
     judged_here = cl.judge("C2", {"speedup": x16}, ev)[0] in cl.JUDGED
     speed_reason = (None if fp16_matmul_x is None or not judged_here else
                     f"this device's largest fp16 matmul runs at {fp16_matmul_x:.2f}x FP32"
@@ -320,4 +327,4 @@ __all__ = ["PRECISION_DTYPES", "SPEED_TABLE", "SPEEDUP", "speed_evidence", "spee
            "HALF_DTYPES", "SavedTensorCensus", "saved_tensor_census", "dtype_report", "measure_step_memory",
            "memory_breakdown_rows", "dtype_rows", "OP_GROUPS", "MEMORY_BOUND", "op_group", "OpProfile", "op_profile",
            "op_group_rows", "top_op_rows", "profile_readings", "SUSPECTS", "aten_ops", "slowest_op_rows",
-           "step_time_rows", "slow_op_readings"]
+           "step_time_rows", "slow_op_readings", "gpu_busy"]

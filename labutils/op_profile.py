@@ -124,6 +124,15 @@ def op_profile(prof, steps: int = 1) -> OpProfile:
     return OpProfile("GPU kernel time" if on_gpu else "CPU time", on_gpu, steps, ops, dtypes_known)
 
 
+def gpu_busy(profile: OpProfile, step_seconds: float | None) -> float | None:
+    """The share of a training step that its GPU kernels fill: the profile's kernel time per step over the timed
+    run's median step time (None on the CPU, or without a step time). Far below 1 the host (Python, kernel launches)
+    sets the pace: the first GPU run's bf16 step of GPT-2 small at 8 x 256 on an H200 kept its GPU busy 43 %."""
+    if not profile.on_gpu or not step_seconds:
+        return None
+    return profile.total_ms / 1e3 / step_seconds
+
+
 def op_group_rows(profiles: dict, baseline: str = "fp32") -> list[dict]:
     """One row per op group (then memory-bound = elementwise + casts, then all ops): time per step in each
     profile of ``profiles`` ``{precision: OpProfile}``, its share of that profile's total, and the op-time speed-up of
@@ -325,4 +334,5 @@ def slow_op_readings(profiles: dict, times: dict, n: int = 8, before: str = "bef
 
 
 __all__ = ["OP_GROUPS", "MEMORY_BOUND", "op_group", "OpProfile", "op_profile", "op_group_rows", "top_op_rows",
-           "profile_readings", "SUSPECTS", "aten_ops", "slowest_op_rows", "step_time_rows", "slow_op_readings"]
+           "profile_readings", "SUSPECTS", "aten_ops", "slowest_op_rows", "step_time_rows", "slow_op_readings",
+           "gpu_busy"]

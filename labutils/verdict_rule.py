@@ -49,6 +49,10 @@ VERDICTS = (HOLDS, PARTLY, DOES_NOT_HOLD, NOT_MEASURED, NOT_JUDGED, NOT_DECIDED)
 JUDGED = (HOLDS, PARTLY, DOES_NOT_HOLD)
 MIN_TIMED_STEPS = 10   # timed steps after warm-up (or repeats) behind a timed comparison
 MIN_LAYERS = 8         # depth below which O(sqrt L) cannot fail (at L=2 every segment length is within 0.5-2 sqrt L)
+# a step whose GPU kernels fill less than this share of its wall time waits on the host (Python, kernel launches):
+# a faster number format shortens only the kernels, so such a run could not show a format's speed-up (the first GPU
+# run: GPT-2 small at 8 x 256 on an H200, whose bf16 step kept the GPU busy 43 % of the time)
+MIN_GPU_BUSY = 0.8
 
 @dataclass(frozen=True)
 class Evidence:
@@ -63,7 +67,8 @@ class Evidence:
     run of the pair. ``note``: anything more about how it was measured (kept in the entry). ``mode`` and ``model``:
     the run's recorded mode ("full" or "smoke") and model name (None: taken from the entry's conditions).
     ``state_share``: the FP32 weights, gradients and AdamW state as a fraction of the peak the value compares (the
-    reason a smoke memory ratio is not judged, shown with it)."""
+    reason a smoke memory ratio is not judged, shown with it). ``gpu_busy``: for a GPU speed-up, the share of the
+    faster run's step that its GPU kernels fill (below :data:`MIN_GPU_BUSY` the host sets the pace: not judged)."""
     pair: tuple[str, str] | None = None
     hardware: str | None = None
     timed_steps: int | None = None
@@ -75,6 +80,7 @@ class Evidence:
     mode: str | None = None
     model: str | None = None
     state_share: float | None = None
+    gpu_busy: float | None = None  # profiled GPU kernel time over the median step time of the faster run (speed)
 
     def record(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if v is not None}
@@ -96,6 +102,11 @@ def _need_gpu(q, ev: Evidence) -> str | None:
         return "the run does not say which hardware timed it"
     if on_cpu(ev.hardware):
         return "it was timed on a CPU, and CPU timing says nothing about GPU speed"
+    if q.kind == "speed" and ev.gpu_busy is not None and ev.gpu_busy < MIN_GPU_BUSY:
+        return (f"its GPU kernels filled only {ev.gpu_busy:.0%} of the step (profiled kernel time over the median "
+                f"step time; a speed-up needs >= {MIN_GPU_BUSY:.0%}): the host (Python, kernel launches) set the "
+                f"pace, which no number format changes; a larger micro-batch or a slower GPU gives the kernels the "
+                f"step")
     return None
 
 

@@ -284,3 +284,21 @@ def test_c4_headline_is_the_batch_it_buys_and_its_numbers_are_the_pairs():
     assert e["measured"]["memory_saving"]["value"] == pytest.approx(0.4)
     assert e["measured"]["time_overhead"]["value"] == pytest.approx(pair[1].step_time / pair[0].step_time - 1)
     assert e["verdict"] == cl.HOLDS, e["why"]
+
+
+def test_a_host_bound_gpu_step_takes_no_speed_verdict():
+    """The first GPU run (GPT-2 small, 8 x 256, H200): the profiled bf16 step's kernels took 16.5 ms of its 38.1 ms
+    median step, so the host (Python, launches) set the pace and the course table said "speed: does not hold".
+    Breaks if a host-bound speed-up is judged, or if a GPU-bound one (94 %) is no longer judged."""
+    prof = am.OpProfile("GPU kernel time", True, 2, [{"op": "aten::mm", "group": "matmul", "ms": 16.5}])
+    busy = am.gpu_busy(prof, 0.0381)
+    assert busy == pytest.approx(0.433, abs=1e-3)
+    assert am.gpu_busy(am.OpProfile("CPU time", False, 2, prof.ops), 0.0381) is None  # CPU: not known
+    runs = _runs(GPU_ENV, steps=14, fp16_step=1 / 1.26)
+    c2 = am.c1_c2_claims(runs, FULL, amp="fp16", sweep_rows=SWEEP_ROWS, gpu_busy=busy)[1]
+    assert c2["verdict"] == cl.NOT_JUDGED and "filled only 43%" in c2["why"] and "1.26x" in c2["why"]
+    assert c2["evidence"]["speedup"]["gpu_busy"] == busy
+    row = am.course_rows(runs, am.speedup_rows(runs), {"fp32": (8.0, 1.0), "fp16": (4.5, 2.2)}, gpu_busy=busy)[1]
+    assert row["verdict"].endswith("speed: not judged")
+    bound = am.c1_c2_claims(runs, FULL, amp="fp16", sweep_rows=SWEEP_ROWS, gpu_busy=0.94)[1]
+    assert bound["verdict"] == cl.DOES_NOT_HOLD  # 1.26x, judged: the GPU set the pace
