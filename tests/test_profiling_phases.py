@@ -65,3 +65,23 @@ def test_markers_use_the_snapshots_clock():
     marks("after forward")
     (when, label), = marks.phases
     assert label == "backward" and abs(when - time.time() * 1e6) < 5e6
+
+
+def test_operator_table_leaves_the_ranges_out():
+    """The first GPU run's lab 04 "top operators" table was headed by `forward` (a record_function span, 570 % of the
+    device time). Breaks if a range the step opened stays among the operators, or an operator is dropped."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from labutils.profiling import operators_only
+
+    model, x = torch.nn.Linear(8, 8), torch.randn(4, 8)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("forward"):
+            loss = model(x).sum()
+        with record_function("backward"):
+            loss.backward()
+    keys = {e.key for e in operators_only(prof.key_averages())}
+    assert not keys & {"forward", "backward"}
+    assert {e.key for e in prof.key_averages() if e.key.startswith("aten::")} <= keys and "aten::addmm" in keys
+    assert "aten::addmm" in operators_only(prof.key_averages()).table(sort_by="self_cpu_time_total", row_limit=50)
