@@ -191,11 +191,17 @@ def total_memory(device=None) -> int | None:
 
 
 def empty_caches(device=None) -> None:
-    """Return cached blocks to the driver: the device allocator's, and pinned host memory (``save_on_cpu``
-    pins host RAM through a caching host allocator that ``empty_cache`` alone never frees)."""
+    """Return cached blocks to the driver: the device allocator's, pinned host memory (``save_on_cpu`` pins host
+    RAM through a caching host allocator that ``empty_cache`` alone never frees), and the cuBLAS workspaces. Those
+    are allocated tensors (CublasHandlePool.cpp ``getNewWorkspace``), one per thread's handle and stream, made at
+    the first matmul of each: the autograd thread's appears at the first backward, and the first GPU run's lab 02
+    called that 33 MiB "left over from an earlier section". Cleared (``clearCublasWorkspaces``), they come back at
+    the next matmul, inside whatever region measures it."""
     if not cuda_available():
         return
     synchronize(device)
+    if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):  # CUDA builds (torch >= 1.13)
+        torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
     if hasattr(torch._C, "_host_emptyCache"):  # torch >= 2.5
         torch._C._host_emptyCache()

@@ -252,6 +252,13 @@ class FakeGPU:
         self.empty_cache_calls += 1
         self.release_cached()
 
+    def _clear_workspaces(self):
+        """CublasHandlePool.cpp ``clearCublasWorkspaces``: the map of (handle, stream) -> workspace is cleared, each
+        workspace's DataPtr freed back to the caching allocator (a cached block until ``empty_cache``)."""
+        for addr in self.workspaces.values():
+            self.free(addr)
+        self.workspaces.clear()
+
     def _host_empty(self):
         self.host_empty_calls += 1
         self.host_pinned = 0
@@ -310,6 +317,7 @@ class FakeGPU:
             "_cuda_maybeExchangeDevice": lambda i: 0,
             "_cuda_synchronize": lambda: setattr(self, "sync_calls", self.sync_calls + 1),
             "_cuda_emptyCache": self._empty_cache,
+            "_cuda_clearCublasWorkspaces": self._clear_workspaces,
             "_cuda_memoryStats": self._stats,
             "_cuda_resetPeakMemoryStats": self._reset_peak,
             "_cuda_resetAccumulatedMemoryStats": lambda d: None,

@@ -128,3 +128,21 @@ def test_the_fitted_fixed_memory_is_the_training_state():
     assert state / n_params == pytest.approx(16, rel=0.01)
     assert per_sample > 0
     assert fixed == pytest.approx(state, rel=0.25), (fixed / n_params, state / n_params)
+
+
+def test_cublas_workspaces_are_not_called_leftovers(monkeypatch):
+    """On the H200, lab 02 said "33.00 MiB more: left over from an earlier section": the cuBLAS workspaces torch
+    allocates (through the caching allocator, counted as allocated) at the first matmul of the main thread and of
+    autograd's thread. Breaks if the baseline line counts them as a leftover again (torch frees them with
+    clearCublasWorkspaces, which the pretend driver implements as CublasHandlePool.cpp does)."""
+    from tests import fake_cuda
+    import labutils.accumulation as acc
+
+    gpu = fake_cuda.install(monkeypatch, "h100")
+    cuda = torch.device("cuda")
+    baseline = acc.memory_in_use(cuda)
+    gpu.cublas_workspace("main")      # the first forward's matmul
+    gpu.cublas_workspace("autograd")  # the first backward, on autograd's thread
+    assert gpu.allocated == baseline + 2 * fake_cuda.cublas_workspace_bytes(9)
+    now, line = acc.baseline_line(cuda, baseline, "section 4")
+    assert now == baseline and "nothing left over" in line, line
