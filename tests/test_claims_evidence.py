@@ -302,3 +302,17 @@ def test_a_host_bound_gpu_step_takes_no_speed_verdict():
     assert row["verdict"].endswith("speed: not judged")
     bound = am.c1_c2_claims(runs, FULL, amp="fp16", sweep_rows=SWEEP_ROWS, gpu_busy=0.94)[1]
     assert bound["verdict"] == cl.DOES_NOT_HOLD  # 1.26x, judged: the GPU set the pace
+
+
+def test_a_memory_saving_the_state_leaves_no_room_for_is_not_judged():
+    """The first GPU run (GPT-2 medium, fp32, micro-batch 1 within an 8 GB card's budget): the FP32 state was 92 % of
+    the baseline peak, so checkpointing "saved 0 %" and C4 said "does not hold" on a run that could not have shown
+    30 %. Breaks if such a saving is judged, or if one with room (C1's 40 % state share on the H200) is not."""
+    c4_mem = cl.CLAIMS["C4"].quantities[0]
+    stuck = cl.Evidence(pair=("no checkpointing, micro-batch 1", "checkpointing, micro-batch 1"),
+                        hardware="NVIDIA H200", mode="full", model="gpt2-medium", state_share=0.92)
+    verdict, why = cl.judge_quantity(c4_mem, 0.0, stuck)
+    assert verdict == cl.NOT_JUDGED and "92%" in why and "at most 8%" in why
+    roomy = cl.Evidence(pair=stuck.pair, hardware="NVIDIA H200", mode="full", model="gpt2-medium", state_share=0.40)
+    assert cl.judge_quantity(c4_mem, 0.0, roomy)[0] == cl.DOES_NOT_HOLD
+    assert cl.judge_quantity(c4_mem, 0.35, roomy)[0] == cl.HOLDS
