@@ -153,6 +153,11 @@ def test_one_cost_of_accumulating_read_by_the_lines_and_c3():
                                           hardware="NVIDIA H100 80GB HBM3", mode="full"), grad_buffer=10)
     assert c3["measured"]["time_cost"]["value"] == cost["time_cost"]
     assert c3["measured"]["memory_increase"]["value"] == cost["memory_increase"]
+    # the reason follows the measured extra (100 B here), never "at most" a buffer it exceeds (the H200 run)
+    assert "the extra measured here is 100 B" in c3["why"] and "at most" not in c3["why"]
+    near = acs.c3_claim(cost, cl.conditions(model="gpt2", batch=None, sequence=256, precision="bf16",
+                                            hardware="NVIDIA H100 80GB HBM3", mode="full"), grad_buffer=98)
+    assert "the extra 100 B is about one FP32 gradient buffer (98 B)" in near["why"]
     lines = acs.cost_readings(runs, 2, cost)
     assert "+20 %" in lines[0] and "2 x 1 vs 2 x 16" in lines[0]
     cpu_cost = acs.accumulation_cost({1: _run(1, 1.0), 16: _run(16, 1.2)}, 2)
