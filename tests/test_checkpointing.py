@@ -270,3 +270,28 @@ def test_a_pair_has_one_step_time_and_one_overhead():
     assert row["time_overhead_pct"] == pytest.approx(100 * (ratio - 1)) == pytest.approx(100 * cm.overhead(off, on))
     assert row["memory_saving_pct"] == pytest.approx(100 * cm.saving(off, on)) == pytest.approx(20)
     assert row["step_spread_pct"] is not None
+
+
+def test_every_k_figure_has_one_legend_inside_the_figure():
+    """The H200 run's every_k figure had two legends side by side below its panels: they overlapped and the right
+    one ran off the figure. Breaks if a legend is drawn per panel again or any legend leaves the canvas."""
+    from types import SimpleNamespace
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    import labutils.checkpoint_report as cr
+
+    ks = [1, 2, 3, 4]
+    run = lambda ok, peak=0, t=0.0: SimpleNamespace(ok=ok, peak=peak, step_time=t)  # noqa: E731
+    every = {k: run(k < 3, 5e9 + k * 1e8, 0.16) for k in ks}
+    segs = {k: run(k < 4, 5e9 + k * 2e8, 0.158) for k in ks}
+    pred = {k: 5e9 + k * 1e8 for k in ks}
+    fig = cr.plot_every_k(ks, every, segs, pred, pred, run(False), 7 * 2**30, "Peak memory vs k", 24)
+    fig.canvas.draw()
+    assert len(fig.legends) == 1 and all(ax.get_legend() is None for ax in fig.axes)
+    box, canvas = fig.legends[0].get_window_extent(), fig.bbox
+    assert canvas.x0 <= box.x0 and box.x1 <= canvas.x1 and canvas.y0 <= box.y0
+    assert fig.axes[1].get_ylim()[0] == 0  # step time drawn from zero
+    plt.close(fig)
