@@ -335,6 +335,11 @@ def judge_quantity(q: Quantity, v, ev: Evidence | None) -> tuple[str, str]:
         if ev.spread is not None and ev.spread >= q.effect(v):
             return NOT_DECIDED, (f"{q.label} {q.fmt(v)}: not decided (noise {q.fmt_spread(ev.spread)} is as large "
                                  f"as the effect)")
+        if ev.spread and q.judge(v - ev.spread) != q.judge(v + ev.spread):
+            # the noise range crosses a verdict's bound: the H200 run's C4 time, +70 % +-30 %, reached from the
+            # 'partly' band (<= +60 %) into 'does not hold' and was called 'does not hold'
+            return NOT_DECIDED, (f"{q.label} {q.fmt(v)}: not decided (its noise range, {q.fmt(v - ev.spread)} to "
+                                 f"{q.fmt(v + ev.spread)}, crosses a bound of the claim: {q.rule()})")
         if ev.sweep:
             # the verdict is that of the value shown; the sweep is listed beside it, as context
             listed = ", ".join(f"{q.fmt(x)} at {b}" for b, x in sorted(ev.sweep.items()))

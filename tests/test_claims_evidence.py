@@ -316,3 +316,17 @@ def test_a_memory_saving_the_state_leaves_no_room_for_is_not_judged():
     roomy = cl.Evidence(pair=stuck.pair, hardware="NVIDIA H200", mode="full", model="gpt2-medium", state_share=0.40)
     assert cl.judge_quantity(c4_mem, 0.0, roomy)[0] == cl.DOES_NOT_HOLD
     assert cl.judge_quantity(c4_mem, 0.35, roomy)[0] == cl.HOLDS
+
+
+def test_a_noise_range_across_a_verdict_bound_is_not_decided():
+    """The H200 run's C4 time overhead, +70 % +-30 %, spans 'partly' (<= +60 %) and 'does not hold' and was called
+    'does not hold'. Breaks if a value whose noise range crosses a bound of the claim takes a verdict, or if one whose
+    range stays inside a band (+70 % +-5 %) does not."""
+    time_q = cl.CLAIMS["C4"].quantities[1]
+    ev = cl.Evidence(pair=("no checkpointing", "checkpointing"), hardware="NVIDIA H200", timed_steps=10,
+                     spread=0.30, mode="full", model="gpt2-medium")
+    verdict, why = cl.judge_quantity(time_q, 0.70, ev)
+    assert verdict == cl.NOT_DECIDED and "+40 % to +100 %" in why
+    tight = cl.Evidence(pair=ev.pair, hardware=ev.hardware, timed_steps=10, spread=0.05, mode="full",
+                        model="gpt2-medium")
+    assert cl.judge_quantity(time_q, 0.70, tight)[0] == cl.DOES_NOT_HOLD
