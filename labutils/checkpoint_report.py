@@ -311,7 +311,8 @@ def spec_conclusions(cfg, info: dict, *, off, on, saving, overhead, state_bytes:
                    f"precision; the saving grows with the share of block activations in the peak (here "
                    f"{(off.peak - state_bytes) / off.peak:.0%} is not state).")
     else:
-        out.append(f"- memory: the baseline did not fit within {budget_words()} at batch {B} x {T}, which is the course README's point; "
+        out.append(f"- memory: the baseline did not fit within {budget_words()} at batch {B} x {T}, which is the course "
+                   f"README's point; "
                    f"with checkpointing the peak was {fmt(on.peak) if on.ok else 'OOM too'}.")
     if overhead is not None:
         reason = ("negative: with these few short steps the timing noise is larger than the recompute itself"

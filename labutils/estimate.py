@@ -71,7 +71,8 @@ def plan_from_config(cfg, device: str = "cuda", **overrides) -> Plan:
                 precision=t.precision, checkpointing=t.gradient_checkpointing, every_n=t.checkpoint_every_n_layers,
                 attn=m.attn_implementation, dropout=(m.dropout is None or m.dropout > 0), padded=not d.pack,
                 num_samples=d.num_samples, device=device, activation=m.activation, pad_vocab_to=m.pad_vocab_to,
-                compile=t.compile, loss=m.loss, loss_chunk=m.loss_chunk_size, workspace_bytes=gpu_workspace_bytes(device))
+                compile=t.compile, loss=m.loss, loss_chunk=m.loss_chunk_size,
+                workspace_bytes=gpu_workspace_bytes(device))
     return replace(plan, **overrides)
 
 

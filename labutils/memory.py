@@ -233,8 +233,8 @@ def budget_words() -> str:
 
 class CaughtOOM:
     """What :func:`oom_caught` caught: falsy until an out-of-memory error ends its block; then ``error`` is the
-    error in one short line (:func:`oom_text`, for a table row). The error itself is not kept: its traceback holds the frames of the
-    step that failed, and with them the activations that :func:`release` must be able to free."""
+    error in one short line (:func:`oom_text`, for a table row). The error itself is not kept: its traceback holds
+    the frames of the step that failed, and with them the activations that :func:`release` must be able to free."""
 
     def __init__(self):
         self.error: str | None = None
@@ -246,9 +246,9 @@ class CaughtOOM:
 @contextlib.contextmanager
 def oom_caught():
     """``with oom_caught() as oom: ...`` then ``if oom: ... oom.error``: an out-of-memory error ends the block
-    and it is kept as one short line (:func:`oom_text`), the allocator's (``torch.OutOfMemoryError``) and one raised outside it as a plain
-    RuntimeError (cuBLAS handle creation, a lazily loaded kernel: :func:`labutils.device.is_oom`); any other error
-    propagates. What every sweep uses to turn an OOM into a row."""
+    and it is kept as one short line (:func:`oom_text`), the allocator's (``torch.OutOfMemoryError``) and one raised
+    outside it as a plain RuntimeError (cuBLAS handle creation, a lazily loaded kernel:
+    :func:`labutils.device.is_oom`); any other error propagates. What every sweep uses to turn an OOM into a row."""
     caught = CaughtOOM()
     try:
         yield caught
