@@ -135,9 +135,27 @@ def technique_claims(by: dict, cond: dict, amp: str = "fp16") -> list[dict]:
                 "C2": (amp, lambda r: {"speedup": r[SPEED] / base[SPEED]}),
                 "C4": ("checkpointing", lambda r: {"memory_saving": 1 - r["peak (GiB)"] / base["peak (GiB)"],
                                                    "time_overhead": base[SPEED] / r[SPEED] - 1})}
-    return [cl.claim_entry(cid, measure(by[name]), cond, lab=LAB) if by[name]["status"] == "ok" else
-            cl.not_measured(cid, f"the '{name}' row of section 8 ended with {by[name]['status']}", cond, lab=LAB)
-            for cid, (name, measure) in measures.items()]
+    def evidence(cid: str, name: str, values: dict) -> dict:
+        # what stands behind the row's numbers: the timed steps of both runs (the H200 run's C2 said only "the run
+        # does not say how many timed steps stand behind it") and, for C1, its one batch size (C1 is judged over
+        # lab 01's sweep)
+        pair, hw = ("baseline (fp32)", name), cond.get("hardware")
+        steps = [x.get("timed steps") for x in (base, by[name])]
+        timed = cl.Evidence(pair=pair, hardware=hw, timed_steps=min(steps) if None not in steps else None,
+                            note="the technique table's runs: target tokens/s over their timed steps")
+        micro = int(str(by[name]["micro x accum"]).split(" x ")[0])
+        memory = cl.Evidence(pair=pair, hardware=hw, sweep={micro: values["memory_saving"]} if cid == "C1" else None)
+        return {q: (memory if q == "memory_saving" else timed) for q in values}
+
+    out = []
+    for cid, (name, measure) in measures.items():
+        if by[name]["status"] != "ok":
+            out.append(cl.not_measured(cid, f"the '{name}' row of section 8 ended with {by[name]['status']}", cond,
+                                       lab=LAB))
+            continue
+        values = measure(by[name])
+        out.append(cl.claim_entry(cid, values, cond, lab=LAB, evidence=evidence(cid, name, values)))
+    return out
 
 
 def c7_claim(config_path: str, tech_cfg, info: dict, workdir) -> dict:

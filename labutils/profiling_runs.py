@@ -179,7 +179,7 @@ def technique_rows(tech_cfg, techniques, runs: MeasuredRuns, budget: int, **run_
                      "status": res.status, "peak (GiB)": gib(res.peak_memory_bytes) if res.ok else None,
                      "estimate (GiB)": gib(runs.estimate_for(res, e)),
                      "fits the budget (estimate)": est.fits(e, budget, context),
-                     "target tokens/s": res.target_tokens_per_second, "mfu": res.mfu,
+                     "target tokens/s": res.target_tokens_per_second, "timed steps": res.timed_steps, "mfu": res.mfu,
                      "peak phase (estimate)": e["peak_phase"],
                      "device": res.env.get("gpu_name") or res.env.get("device"), "weights": res.env.get("weights"),
                      "error": (res.error or "")[:60]})

@@ -110,3 +110,18 @@ def test_lab04_rows_on_a_pretend_gpu(monkeypatch):
     assert row["largest batch (fit)"] == (8 * GiB - gpu.profile.outside - fixed) // per_sample
     key = "recommended (estimator, 10% headroom, CUDA context)"
     assert key in row and row[key] <= row["largest batch (estimator, raw peak)"]
+
+
+def test_table_claims_name_their_timed_steps_on_a_gpu():
+    """On the H200, lab 04's C2 from the technique table said "not judged: the run does not say how many timed steps
+    stand behind it". The rows carry their timed steps; on a GPU with 2 of them C2 and C4's time say so (needs 10),
+    and C1 says it was measured at one batch size. Breaks if the evidence is dropped again."""
+    row = lambda speed, peak: {"status": "ok", "peak (GiB)": peak, "target tokens/s": speed,  # noqa: E731
+                               "timed steps": 2, "micro x accum": "4 x 1"}
+    by = {"baseline (fp32)": row(100.0, 4.0), "fp16": row(250.0, 2.0), "checkpointing": row(80.0, 3.0)}
+    cond = cl.conditions(model="gpt2", batch="4 x 1", sequence=512, precision="fp32 vs techniques",
+                         hardware="NVIDIA H200", mode="full")
+    c1, c2, c4 = technique_claims(by, cond)
+    assert c2["verdict"] == cl.NOT_JUDGED and "2 timed steps" in c2["why"] and "does not say" not in c2["why"]
+    assert "2 timed steps" in c4["parts"]["time_overhead"]["why"]
+    assert c1["verdict"] == cl.NOT_JUDGED and "one batch size" in c1["why"]
