@@ -330,3 +330,25 @@ def test_a_noise_range_across_a_verdict_bound_is_not_decided():
     tight = cl.Evidence(pair=ev.pair, hardware=ev.hardware, timed_steps=10, spread=0.05, mode="full",
                         model="gpt2-medium")
     assert cl.judge_quantity(time_q, 0.70, tight)[0] == cl.DOES_NOT_HOLD
+
+
+def test_lab03_baseline_oom_names_the_emulated_cards_budget(monkeypatch):
+    """A GPU-only branch (the baseline runs out of memory at the config's batch): the H200 run said "OOM on NVIDIA
+    H200" and "did not fit on this device" of a 140 GiB card capped to an 8 GB card's share. Breaks if either
+    text names the device again, or if the branch fails (CI's smoke baseline always fits, so only this test runs it)."""
+    from types import SimpleNamespace
+
+    import labutils.device as dev
+
+    monkeypatch.setattr(dev, "current_budget", lambda: {"card_gib": 8.0})
+    cfg = load_config("configs/lab03_checkpointing.yaml", mode="full")
+    off = SimpleNamespace(ok=False, peak=None)
+    on = _measured("checkpointing", GPU_ENV, 1.2, 700)
+    info = _info("cuda")
+    rows = cr.spec_check(cfg, info, off=off, on=on, saving=None, overhead=None, hw="NVIDIA H200", flops_ratio=1.3,
+                         block_ratio=29, k_seg=1)
+    assert rows[0]["this run"] == "OOM within the 8 GB card's memory budget"
+    text = "\n".join(cr.spec_conclusions(cfg, info, off=off, on=on, saving=None, overhead=None, state_bytes=200,
+                                         flops_ratio=1.3, block_ratio=29, k_star=0.2, k_seg=1, sqrt_note="-",
+                                         k_chain=8))
+    assert "did not fit within the 8 GB card's memory budget at batch" in text and "this device" not in text

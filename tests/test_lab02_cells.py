@@ -192,3 +192,31 @@ def test_the_small_micro_batch_line_names_itself_and_the_one_cost():
     assert "gives up 40% of the throughput" in line and "not of accumulating (that is +5 %" in line
     cpu_cost = acs.accumulation_cost({1: _run(1, 1.0), 16: _run(16, 1.05)}, 2)
     assert "not read here" in acs.small_micro_batch_line(scan, 2, 32, cpu_cost)
+
+
+def test_the_advice_cell_runs_on_a_gpu_and_its_card_rows_mean_what_the_budget_means(monkeypatch, capsys):
+    """The advice cell's full-mode branch only runs on a GPU (CI never takes it): the notebook's own cell, run here
+    under the pretend GPU (an H100 capped like an 8 GB card) with a measured line of made-up numbers. On the H200
+    its "8 GiB" row (raw GiB) and "this device" (the capped 8 GB card) advised different micro-batches; now both are
+    what an 8 GB card's allocator gets. Breaks if the cell fails on a GPU or the two rows disagree."""
+    from types import SimpleNamespace
+
+    import labutils as lu
+    import labutils.accumulation_sweeps as acs
+    from tests import fake_cuda
+
+    fake_cuda.install(monkeypatch, "h100")
+    device = torch.device("cuda")
+    lu.set_memory_budget(8, device)
+    cell = next("".join(c["source"]) for c in nbformat.read(NOTEBOOK, as_version=4).cells
+                if c.cell_type == "code" and "acs.recommend(" in "".join(c["source"]))
+    ns = {"MODE": "full", "lu": lu, "acc": acc, "acs": acs, "device": device, "info": {"gpu_name": "pretend H100"},
+          "cfg": lu.load_config(NOTEBOOK.parent / "configs" / "lab02_accumulation.yaml", mode="full"),
+          "fixed": 2.4 * 2**30, "per_sample": 0.3 * 2**30, "TARGET": 32, "AMP": "bf16", "TABLES": {},
+          "scan_ok": {2: SimpleNamespace(target_tokens_per_second=5000.0),
+                      4: SimpleNamespace(target_tokens_per_second=9000.0)}}
+    exec(compile(cell, str(NOTEBOOK), "exec"), ns)
+    rows = {r["memory"]: r for r in ns["TABLES"]["recommendation"]}
+    mine = next(r for name, r in rows.items() if name.startswith("this device"))
+    assert rows["8 GB card"]["max_micro_batch"] == mine["max_micro_batch"]
+    assert rows["8 GB card"]["micro_batch"] == mine["micro_batch"]
