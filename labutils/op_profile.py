@@ -99,7 +99,7 @@ def op_profile(prof, steps: int = 1) -> OpProfile:
 
     events = prof.events() if callable(getattr(prof, "events", None)) else prof
     cpu_ops = [e for e in events if e.device_type == DeviceType.CPU]
-    kineto = {} if any(hasattr(e, "input_dtypes") for e in cpu_ops[:1]) else _kineto_dtypes(prof)
+    kineto = {} if cpu_ops and hasattr(cpu_ops[0], "input_dtypes") else _kineto_dtypes(prof)  # torch >= 2.12: none
     dtypes_known = bool(kineto) or any(getattr(e, "input_dtypes", None) for e in cpu_ops)
     on_gpu = any(e.device_type != DeviceType.CPU for e in events)
     optim = [(e.time_range.start, e.time_range.end) for e in cpu_ops if e.name.startswith("Optimizer.step#")]
