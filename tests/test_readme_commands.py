@@ -71,6 +71,10 @@ def test_ci_reads_the_commands_from_the_readme_at_run_time(tmp_path):
     loop = re.search(r'for i in "\$\{!COMMANDS\[@\]\}"; do\n(.*?)\ndone\n', script, re.S)
     assert loop, "one loop over the README's commands"
     assert re.search(r'cmd="\$\{COMMANDS\[\$i\]\}"\s+echo "\\\$ \$cmd"\s+bash -euo pipefail -c "\$cmd"\s*$', loop.group(1))
+    # the first install may skip pip's one-core bytecode compile (compileall does it on every core), the test command
+    # installs as written: breaks if PIP_NO_COMPILE reached the tests' processes (each would compile what it imports)
+    tests_branch = re.search(r'if \[\[ \$i -eq 1 \]\]; then(.*?)\n    fi\n', loop.group(1), re.S)
+    assert tests_branch and "unset PIP_NO_COMPILE" in tests_branch.group(1) and "compileall" in tests_branch.group(1)
     assert "--nbval" not in script and "pytest tests" not in script.split("STEP1_PID=$!")[1], \
         "the README's test command belongs in the README only"
 
