@@ -14,19 +14,29 @@ def run(code: str) -> str:
     return proc.stdout.strip()
 
 
-def test_import_leaves_the_collector_little_to_scan():
+def test_import_leaves_the_collector_little_to_scan_and_later_garbage_is_still_freed():
     """The oracle is the collector's own count: objects in its generations (what a full collection walks) before
     and after the import. Breaks if the freeze went away (everything torch and transformers made stays in the
-    generations: well over 100 thousand objects)."""
+    generations: well over 100 thousand objects). Then a model in a reference cycle, dropped after the import (what
+    every lab section does before the next one measures): ``release()`` frees it. Breaks if objects made later
+    were frozen too (a leak that would inflate the next section's memory)."""
     out = run("""
-        import gc, json
+        import gc, weakref
         import torch, transformers  # what labutils imports, made before the freeze
         before = len(gc.get_objects())
-        import labutils
-        print(json.dumps([before, len(gc.get_objects()), gc.get_freeze_count()]))
+        import labutils as lu
+        after, frozen = len(gc.get_objects()), gc.get_freeze_count()
+        m = torch.nn.Linear(512, 512)
+        m.me = [m]  # a cycle: only the collector frees it
+        alive = weakref.ref(m.weight)
+        del m
+        lu.release()
+        print(before, after, frozen, alive() is None)
     """)
-    before, after, frozen = map(int, out.strip("[]").split(","))
+    before, after, frozen, freed = out.split()
+    before, after, frozen = int(before), int(after), int(frozen)
     assert before > 100_000 and after < before // 10 and frozen > before // 2, (before, after, frozen)
+    assert freed == "True"
 
 
 def test_no_freeze_while_a_tensor_is_alive_so_the_cpu_tracker_still_counts_it():
@@ -42,21 +52,3 @@ def test_no_freeze_while_a_tensor_is_alive_so_the_cpu_tracker_still_counts_it():
         print(gc.get_freeze_count(), mt.start_bytes >= 4 * 2**20, mt.peak_bytes - mt.start_bytes == 4 * 2**20)
     """)
     assert out == "0 True True", out
-
-
-def test_garbage_made_after_the_import_is_still_freed_by_release():
-    """A model in a reference cycle, dropped after the import (what every lab section does before the next one
-    measures): ``release()`` frees it. Breaks if objects made later were frozen too (a leak that would inflate the
-    next section's memory)."""
-    out = run("""
-        import weakref
-        import torch
-        import labutils as lu
-        m = torch.nn.Linear(512, 512)
-        m.me = [m]  # a cycle: only the collector frees it
-        alive = weakref.ref(m.weight)
-        del m
-        lu.release()
-        print(alive() is None)
-    """)
-    assert out == "True", out
