@@ -200,22 +200,6 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None 
             "optimizer": tensor_bytes(opt)}
 
 
-def freeze_import_state() -> bool:
-    """Take what exists now out of the garbage collector's full scans (``gc.freeze``), when nothing of it can hold
-    memory: called once, when labutils is imported, where it is the imported modules' own state (torch,
-    transformers, matplotlib, the kernel: 200-300 thousand objects). Every experiment calls ``gc.collect()`` twice
-    (:class:`MemoryTracker` and :func:`release`, for honest baselines), and each call walked all of them: 0.1-0.4 s
-    a call, measured: 157 s of the test suite's CPU time (17 %), 17 s of lab 04's 40 s smoke run. Frozen objects are
-    never collected, so the freeze happens only while no tensor is alive (a tensor frozen here would stay out of the
-    CPU tracker's census, and a cycle through it would never be freed); objects made later are collected as before.
-    Returns whether it froze."""
-    gc.collect()
-    if any(issubclass(type(o), torch.Tensor) for o in gc.get_objects()):  # type(): no lazy-module side effects
-        return False
-    gc.freeze()
-    return True
-
-
 def release(*objs) -> None:
     """Drop references, collect garbage and return cached memory to the driver (the GPU allocator's blocks and
     pinned host memory, which CPU offload fills): call after every experiment."""
