@@ -122,6 +122,7 @@ class FakeGPU:
     live: dict = field(default_factory=dict)       # address -> Block handed out
     segments: dict = field(default_factory=dict)   # address -> [Block, ...] in address order
     small_segments: set = field(default_factory=set)  # addresses of the small pool's segments
+    cached: dict = field(default_factory=dict)     # id(block) -> Block: the free blocks of every segment (the pools)
     workspaces: dict = field(default_factory=dict)  # (thread, stream) -> address of its cuBLAS workspace
     next_address: int = 0x7F0000000000  # segments are laid out one after another, never overlapping
 
@@ -142,15 +143,17 @@ class FakeGPU:
 
     def _free_block(self, size: int, small: bool) -> Block | None:
         """``get_free_block``: the smallest cached free block of the request's pool that holds it (best fit)."""
-        fits = [b for seg, blocks in self.segments.items() for b in blocks
-                if not b.allocated and b.size >= size and (seg in self.small_segments) == small]
+        fits = [b for b in self.cached.values() if b.size >= size and (b.segment in self.small_segments) == small]
         return min(fits, key=lambda b: (b.size, b.segment, b.offset), default=None)
 
     def release_cached(self) -> int:
         """``release_cached_blocks``: every segment with no block in use goes back to the driver (``emptyCache``,
         and ``malloc``'s last retry before an out-of-memory error). Returns the bytes released."""
         freed = [a for a, blocks in self.segments.items() if not any(b.allocated for b in blocks)]
-        released = sum(sum(b.size for b in self.segments.pop(a)) for a in freed)
+        popped = [b for a in freed for b in self.segments.pop(a)]
+        for b in popped:
+            del self.cached[id(b)]
+        released = sum(b.size for b in popped)
         self.small_segments.difference_update(freed)
         self.reserved -= released
         return released
@@ -187,8 +190,10 @@ class FakeGPU:
             blocks = self.segments[block.segment]
             rest = Block(block.segment, block.offset + size, remaining)
             blocks.insert(blocks.index(block) + 1, rest)
+            self.cached[id(rest)] = rest
             block.size = size
         block.allocated = True
+        self.cached.pop(id(block), None)  # (a new segment's block was never cached)
         addr = block.segment + block.offset
         self.live[addr] = block
         self.allocated += block.size
@@ -203,6 +208,7 @@ class FakeGPU:
         (``try_merge_blocks``); the segment stays reserved."""
         block = self.live.pop(addr)
         block.allocated = False
+        self.cached[id(block)] = block
         self.allocated -= block.size
         blocks = self.segments[block.segment]
         i = blocks.index(block)
@@ -211,6 +217,7 @@ class FakeGPU:
                 a, b = sorted((blocks[i], blocks[j]), key=lambda x: x.offset)
                 a.size += b.size
                 blocks.remove(b)
+                del self.cached[id(b)]
                 i = blocks.index(a)
         if self.recording is not None:
             self.trace.append({"action": "free_completed", "addr": addr, "size": block.size, "stream": 0,
