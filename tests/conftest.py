@@ -78,6 +78,15 @@ def ragged_corpus(tmp_path_factory) -> Path:
     return path
 
 
+# The tests that compile with inductor (gcc on the CPU: 10-30 s a cold graph on the 2-core CI box) run on one
+# pytest-xdist worker, one after another, so that a graph another of them compiled is read from inductor's on-disk
+# caches (FX graph and AOT autograd caches, keyed by the graph, its shapes and the settings) instead of compiled
+# again beside it (issue 29, §5). Tests that train the tiny model compiled use COMPILED_TINY's overrides: one graph
+# for all of them. (test_reference turns those caches off on purpose: it counts what inductor generates.)
+INDUCTOR = pytest.mark.xdist_group("inductor")
+COMPILED_TINY = {"data__pack": True, "train__steps": 3, "train__compile": True}
+
+
 def tiny_config(corpus=None, **overrides):
     """A smoke-mode config for unit tests: tiny model, fp32, no dropout."""
     base = {"model.dropout": 0.0, "data.seq_length": 48, "data.num_samples": 64, "train.steps": 3,

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import COMPILED_TINY, INDUCTOR, tiny_config
 
 import labutils as lu
 from tests import fake_cuda
@@ -86,10 +86,11 @@ def test_compile_key_is_validated_and_off_by_default():
         lu.load_config(None, overrides=["train.compile=maybe"], mode="smoke")
 
 
+@INDUCTOR
 @TORCH_INTERNAL
 def test_training_loop_compiles_the_model_when_asked(ragged_corpus):
     """A real torch.compile of the tiny model on the CPU (inductor + gcc); measured ~10-30 s on the 2-core CI box."""
-    cfg = tiny_config(ragged_corpus, train__steps=3)
+    cfg = tiny_config(ragged_corpus, **{**COMPILED_TINY, "train__compile": False})
     eager, ds = lu.prepare(cfg, "cpu", verbose=False)
     compiled, _ = lu.prepare(cfg, "cpu", verbose=False)
     start = time.perf_counter()
@@ -111,11 +112,12 @@ def test_bench_refuses_steps_at_or_below_the_warmup(root, capsys, monkeypatch):
     assert "--repeats" in capsys.readouterr().err
 
 
+@INDUCTOR
 @TORCH_INTERNAL
 def test_bench_compares_eager_and_compiled(ragged_corpus):
     from labutils.bench import bench
 
-    cfg = tiny_config(ragged_corpus, train__steps=3, train__compile=True)
+    cfg = tiny_config(ragged_corpus, **COMPILED_TINY)
     out = bench(cfg, repeats=1, device="cpu", verbose=False)
     for key in ("eager", "compiled"):
         assert out[key]["ratio"] > 0 and out[key]["reference"]["positions_per_second"]["median"] > 0

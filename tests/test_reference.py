@@ -5,6 +5,7 @@ import logging
 
 import pytest
 import torch
+from conftest import INDUCTOR
 
 from labutils import reference as R
 from labutils.config import load_config
@@ -86,6 +87,7 @@ def compiled_bytes(step) -> tuple[int, list[int]]:
         torch._dynamo.reset()
 
 
+@INDUCTOR  # on one worker with the other compiling tests (tests/conftest.py)
 @TORCH_INTERNAL
 def test_compiled_traffic_of_the_fast_model_equals_the_reference():
     """One compiled BF16-autocast forward + backward of the fast model (transformers' GPT-2 with the fast keys)

@@ -8,7 +8,7 @@ import labutils as lu
 from labutils.cli import main
 from labutils.train import NonFiniteLossError
 
-from conftest import tiny_config
+from conftest import COMPILED_TINY, INDUCTOR, tiny_config
 
 
 def _train(cfg, **kw):
@@ -233,6 +233,7 @@ def test_no_timed_steps_is_said_not_filled_with_warm_up(capsys, root, tmp_path, 
     assert d["timed_steps"] == 0 and d["step_time_seconds"] is None
 
 
+@INDUCTOR
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.real_kernels(reason="torch.compile on the CUDA build asks the driver whether the current stream is being "
                                  "captured (torch.cuda.graphs), past the entry points the pretend driver replaces")
@@ -242,8 +243,7 @@ def test_compile_seconds_apart_from_step_times(ragged_corpus):
     (timing_warmup_steps is 0 here, so only the compile rule keeps step 0 out) or compile time goes unreported."""
     # packed: every window has the same target count. (Padded windows differ, and dynamo recompiles the step
     # whose int num_items_in_batch is new: that step is then left out too.)
-    cfg = tiny_config(ragged_corpus, data__pack=True, train__steps=3, train__compile=True,
-                      train__timing_warmup_steps=0)
+    cfg = tiny_config(ragged_corpus, **COMPILED_TINY, train__timing_warmup_steps=0)
     res, _ = _train(cfg, track_memory=False)  # (on the CPU the memory-tracked steps are not timed either)
     assert res.ok and res.timed_steps == 2  # step 0 compiled: left out although the warm-up is 0
     median = statistics.median(res.step_times[1:])
