@@ -67,11 +67,4 @@ from .peaks import peak_info, peak_tflops
 from .results import format_table, mode_banner, read_results, record_results, show_table
 from .train import RunResult, autocast_for, make_optimizer, prepare, run, scaler_for, step_scheduler, train
 
-import sys as _sys
-
-if "ipykernel" in _sys.modules:  # a notebook's kernel: the modules just imported are no garbage
-    from .memory import freeze_import_state as _freeze_import_state
-
-    _freeze_import_state()
-
 __all__ = [n for n in dir() if not n.startswith("_")]

@@ -203,8 +203,8 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None 
 
 def freeze_import_state() -> bool:
     """Take what exists now out of the garbage collector's full scans (``gc.freeze``), when nothing of it can hold
-    memory: called once, when labutils is imported in a notebook's kernel, where it is the imported modules' own
-    state (torch, transformers, matplotlib, the kernel: 300-450 thousand objects). Every experiment calls
+    memory: called by :func:`labutils.setup` (every lab's setup cell) in a notebook's kernel, where it is the imported
+    modules' own state (torch, transformers, matplotlib, the kernel: 300-450 thousand objects). Every experiment calls
     ``gc.collect()`` twice (:class:`MemoryTracker` and :func:`release`, for honest baselines), and each call walked
     all of them: about 0.2 s a call, 43 s of the four labs' 170 s smoke run on the 2-core CI box; and the CPU
     tracker's census of live tensors (``gc.get_objects``) another 0.1 s. Frozen objects are never collected, so the
@@ -213,15 +213,16 @@ def freeze_import_state() -> bool:
     unfrozen, so the interpreter's last collection sees what it saw without the freeze.
     Kernels only: in the process that drives kernels (``regenerate``: jupyter_client's zmq sockets) a freeze at import
     was followed, under load, by a libzmq abort at exit (``signaler.cpp:238``, 1 run in 20; reverted in 023f631).
+    Called more than once, it freezes what is new, under the same rule.
     Returns whether it froze."""
+    if any(issubclass(type(o), torch.Tensor) for o in gc.get_objects()):  # type(): no lazy-module side effects
+        return False  # (a tensor in uncollected garbage counts too: no freeze, the safe side)
     # what every lab imports on first use, imported here so that it is frozen too: transformers' GPT-2 classes (its
-    # lazy import structure: 200 thousand objects) and pyplot (40 thousand)
+    # lazy import structure: 200 thousand objects) and pyplot (40 thousand); classes and modules, no tensor
     import matplotlib.pyplot  # noqa: F401
     from transformers import GPT2LMHeadModel  # noqa: F401
 
-    gc.collect()
-    if any(issubclass(type(o), torch.Tensor) for o in gc.get_objects()):  # type(): no lazy-module side effects
-        return False
+    gc.collect()  # the garbage made so far is collected, not frozen
     gc.freeze()
     atexit.register(gc.unfreeze)
     return True

@@ -1,9 +1,9 @@
-"""``import labutils`` in a notebook's kernel takes the imported modules' own objects out of the garbage collector's
-full scans (``memory.freeze_import_state``): every experiment calls ``gc.collect()`` for an honest baseline, and in a
-kernel each call walked 300-450 thousand module objects (about 0.2 s a call, a quarter of the four labs' smoke run).
-Outside a kernel nothing is frozen: the process that drives the kernels (``regenerate``) aborted in libzmq at exit
-under load with a freeze (023f631). Each check runs in a fresh interpreter, since the freeze happens once per
-process, at import; ``import ipykernel`` first is what a kernel has imported when a notebook imports labutils."""
+"""``lu.setup()`` (every lab's setup cell) in a notebook's kernel takes the imported modules' own objects out of the
+garbage collector's full scans (``memory.freeze_import_state``): every experiment calls ``gc.collect()`` for an honest
+baseline, and in a kernel each call walked 300-450 thousand module objects (about 0.2 s a call, a quarter of the four
+labs' smoke run). Outside a kernel nothing is frozen: the process that drives the kernels (``regenerate``) aborted in
+libzmq at exit under load with a freeze (023f631). Each check runs in a fresh interpreter, since the freeze is
+process state; ``import ipykernel`` first is what a kernel has imported when a lab's setup cell runs."""
 import subprocess
 import sys
 import textwrap
@@ -22,13 +22,14 @@ def test_a_kernel_leaves_the_collector_little_to_scan_and_later_garbage_is_still
     model in a reference cycle, dropped after the import (what every lab section does before the next one
     measures): ``release()`` frees it. Breaks if objects made later were frozen too (a leak that would inflate the
     next section's memory). Last, the interpreter's final collection sees what it would see without the freeze: an
-    exit handler registered before ``import labutils`` runs after labutils' own (last in, first out) and finds
+    exit handler registered before ``lu.setup()`` runs after labutils' own (last in, first out) and finds
     nothing frozen. Breaks if the unfreeze at exit went away."""
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent("""
         import atexit, gc, weakref
         import ipykernel
         atexit.register(lambda: print("at exit:", gc.get_freeze_count()))
         import labutils as lu
+        lu.setup(verbose=False)
         from transformers import GPT2LMHeadModel
         import matplotlib.pyplot
         left, frozen = len(gc.get_objects()), gc.get_freeze_count()
@@ -47,13 +48,14 @@ def test_a_kernel_leaves_the_collector_little_to_scan_and_later_garbage_is_still
 
 
 def test_no_freeze_while_a_tensor_is_alive_so_the_cpu_tracker_still_counts_it():
-    """A tensor made before ``import labutils`` (a student's cell order) must stay where the CPU tracker's census
+    """A tensor made before the setup cell (a student's cell order) must stay where the CPU tracker's census
     finds it (``gc.get_objects`` does not list frozen objects). Breaks if the freeze ignored live tensors: the
     tracker's baseline would miss the 4 MB below."""
     out = run("""
         import gc, ipykernel, torch
         x = torch.ones(2**20)
         import labutils as lu
+        lu.setup(verbose=False)
         with lu.MemoryTracker("cpu") as mt:
             y = x * 2
         print(gc.get_freeze_count(), mt.start_bytes >= 4 * 2**20, mt.peak_bytes - mt.start_bytes == 4 * 2**20)
@@ -64,4 +66,4 @@ def test_no_freeze_while_a_tensor_is_alive_so_the_cpu_tracker_still_counts_it():
 def test_outside_a_kernel_nothing_is_frozen():
     """``python -m labutils regenerate`` (the kernels' driver, jupyter_client over zmq), the CLI and scripts keep the
     collector as it was. Breaks if the freeze were applied in every process again."""
-    assert run("import gc, labutils; print(gc.get_freeze_count())") == "0"
+    assert run("import gc, labutils; labutils.setup(verbose=False); print(gc.get_freeze_count())") == "0"
