@@ -200,8 +200,8 @@ def setup(seed: int = 42, verbose: bool = True) -> dict:
                                "they are there, else random weights of the same architecture; the tokenizer "
                                "(GPT-2's BPE), data, shapes, memory and speed are those of an online run, only "
                                "loss values differ"))
-    if "ipykernel" in sys.modules:  # a notebook's kernel: what the labs import is no garbage (after the hub probe,
-        from .memory import freeze_import_state  # which must come before transformers is imported)
+    if "ipykernel" in sys.modules:  # a notebook's kernel: what the labs import is no garbage (memory.py says why)
+        from .memory import freeze_import_state
 
         freeze_import_state()
     return {"mode": mode, "device": dev, **{k: v for k, v in info.items() if k not in ("mode", "device")}}

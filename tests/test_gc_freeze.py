@@ -4,6 +4,7 @@ baseline, and in a kernel each call walked 300-450 thousand module objects (abou
 labs' smoke run). Outside a kernel nothing is frozen: the process that drives the kernels (``regenerate``) aborted in
 libzmq at exit under load with a freeze (023f631). Each check runs in a fresh interpreter, since the freeze is
 process state; ``import ipykernel`` first is what a kernel has imported when a lab's setup cell runs."""
+import os
 import subprocess
 import sys
 import textwrap
@@ -15,7 +16,7 @@ def run(code: str) -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
-def test_a_kernel_leaves_the_collector_little_to_scan_and_later_garbage_is_still_freed():
+def test_a_kernel_leaves_the_collector_little_to_scan_and_later_garbage_is_still_freed(tmp_path):
     """The oracle is the collector's own count: objects in its generations (what a full collection walks) and in
     the permanent generation (``gc.get_freeze_count``). Breaks if the freeze went away, or came before transformers'
     GPT-2 classes were imported (their lazy import structure alone is 200 thousand objects left to scan). Then a
@@ -23,13 +24,19 @@ def test_a_kernel_leaves_the_collector_little_to_scan_and_later_garbage_is_still
     measures): ``release()`` frees it. Breaks if objects made later were frozen too (a leak that would inflate the
     next section's memory). Last, the interpreter's final collection sees what it would see without the freeze: an
     exit handler registered before ``lu.setup()`` runs after labutils' own (last in, first out) and finds
-    nothing frozen. Breaks if the unfreeze at exit went away."""
+    nothing frozen. Breaks if the unfreeze at exit went away. And with the hub unreachable, huggingface_hub (which the
+    freeze imports, through transformers) reads the offline switch setup's hub probe sets. Breaks if the probe's
+    switch stopped reaching it (every later download attempt would wait on the network)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_ENDPOINT="https://hub.invalid", HF_HOME=str(tmp_path / "hf"))
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent("""
         import atexit, gc, weakref
         import ipykernel
         atexit.register(lambda: print("at exit:", gc.get_freeze_count()))
         import labutils as lu
         lu.setup(verbose=False)
+        from huggingface_hub import constants
+        assert constants.HF_HUB_OFFLINE is True, "the hub probe's offline switch did not reach huggingface_hub"
         from transformers import GPT2LMHeadModel
         import matplotlib.pyplot
         left, frozen = len(gc.get_objects()), gc.get_freeze_count()
@@ -39,7 +46,7 @@ def test_a_kernel_leaves_the_collector_little_to_scan_and_later_garbage_is_still
         del m
         lu.release()
         print(left, frozen, alive() is None)
-    """)], capture_output=True, text=True, timeout=180)
+    """)], capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     left, frozen, freed, *at_exit = proc.stdout.split()
     assert int(frozen) > 200_000 and int(left) < 20_000, (left, frozen)
