@@ -1,0 +1,131 @@
+"""A lesson, not a lab report (issue 36, shared/NOTEBOOKS.md "A lesson, not a report"), checked on the session's one
+``regenerate --smoke`` run of the real notebooks (tests/regen_once.py):
+
+- at most 100 printed lines per lab: stream output, text and markdown tables, table rows counted, separator lines
+  not (a figure prints nothing);
+- no cell prints more than 15 lines or 2,000 characters;
+- at most 500 code lines per notebook (read from the committed notebooks, no run needed);
+- smoke is a scale model of the 8 GB run: every row a lab records in its ``scale_model`` table ran out of memory in
+  smoke exactly when the estimator predicts that its full-mode config runs out on an 8 GB card.
+
+What would fail them: a cell that prints a table of every sweep point, a raw profiler dump, a notebook that grows a
+copy of a library loop; a smoke budget scaled by parameters alone (lab 03's two rows both ran out, lab 04's §8 all
+fit); a lab that records a row's status from the prediction instead of from its run.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+LABS = ("01", "02", "03", "04")
+MAX_LAB_LINES, MAX_CELL_LINES, MAX_CELL_CHARS, MAX_CODE_LINES = 100, 15, 2000, 500
+LABS_WITH_BUDGET = ("02", "03", "04")  # each runs rows under a memory budget that a student's 8 GB card sets
+TABLE_SEPARATOR = re.compile(r"^\s*\|?\s*:?-{3,}:?\s*(\|\s*:?-{3,}:?\s*)*\|?\s*$")
+
+
+def _text(value) -> str:
+    return value if isinstance(value, str) else "".join(value)
+
+
+def output_text(output: dict) -> str:
+    """What a reader reads of one cell output: a stream, a markdown table, plain text; a figure's text/plain
+    ("<Figure size ...>") stands in for the picture, not beside it, so it counts nothing."""
+    kind = output.get("output_type")
+    if kind == "stream":
+        return _text(output.get("text", ""))
+    if kind == "error":
+        return "\n".join(output.get("traceback", []))
+    data = output.get("data", {})
+    if "text/markdown" in data:
+        return _text(data["text/markdown"])
+    if any(k.startswith("image/") for k in data):
+        return ""
+    return _text(data.get("text/plain", ""))
+
+
+def printed_lines(cell: dict) -> list[str]:
+    """The lines a cell prints: blank lines and table separator rows do not count."""
+    lines = []
+    for output in cell.get("outputs", []):
+        lines += [l for l in output_text(output).splitlines() if l.strip() and not TABLE_SEPARATOR.match(l)]
+    return lines
+
+
+def test_counting_rules():
+    """The counter itself: table rows count, separators and figures do not."""
+    cell = {"outputs": [
+        {"output_type": "stream", "name": "stdout", "text": "one\n\ntwo\n"},
+        {"output_type": "display_data", "data": {"text/markdown": "| a | b |\n|---|---|\n| 1 | 2 |\n",
+                                                 "text/plain": "<IPython.core.display.Markdown object>"}},
+        {"output_type": "display_data", "data": {"image/png": "...", "text/plain": "<Figure size 640x480>"}},
+        {"output_type": "execute_result", "data": {"text/plain": "42"}},
+    ]}
+    assert printed_lines(cell) == ["one", "two", "| a | b |", "| 1 | 2 |", "42"]
+    assert TABLE_SEPARATOR.match("|:---|---:|") and not TABLE_SEPARATOR.match("| -1 | 2 |")
+
+
+def notebook(lab: str, folder: Path = REPO) -> tuple[Path, dict]:
+    paths = sorted(folder.glob(f"{lab}-*.ipynb"))
+    assert len(paths) == 1, f"one notebook {lab}-*.ipynb expected in {folder}, found {paths}"
+    return paths[0], json.loads(paths[0].read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_code_lines(lab):
+    path, nb = notebook(lab)
+    n = sum(len(_text(c["source"]).splitlines()) for c in nb["cells"] if c["cell_type"] == "code")
+    assert n <= MAX_CODE_LINES, f"{path.name}: {n} code lines (at most {MAX_CODE_LINES})"
+
+
+def _regen(lab: str):
+    from tests import regen_once
+
+    run = regen_once.run_for([lab])
+    path, _ = notebook(lab)
+    assert run.lab_ok(path.stem), run.lab_failure(path.stem)
+    return run, path.stem
+
+
+@pytest.mark.parametrize("lab", [pytest.param(lab, marks=pytest.mark.regen_labs(lab)) for lab in LABS])
+def test_printed_output_budget(lab):
+    run, stem = _regen(lab)
+    _, nb = notebook(lab, run.out / "executed")
+    total, over = 0, []
+    for i, cell in enumerate(nb["cells"]):
+        if cell["cell_type"] != "code":
+            continue
+        lines = printed_lines(cell)
+        total += len(lines)
+        chars = sum(len(l) for l in lines)
+        if len(lines) > MAX_CELL_LINES or chars > MAX_CELL_CHARS:
+            over.append(f"cell {i}: {len(lines)} lines, {chars} characters, starting {lines[0][:80]!r}")
+    assert not over, f"{stem}: cells over {MAX_CELL_LINES} lines or {MAX_CELL_CHARS} characters:\n" + "\n".join(over)
+    assert total <= MAX_LAB_LINES, f"{stem}: {total} printed lines (at most {MAX_LAB_LINES})"
+
+
+@pytest.mark.parametrize("lab", [pytest.param(lab, marks=pytest.mark.regen_labs(lab)) for lab in LABS_WITH_BUDGET])
+def test_smoke_is_a_scale_model_of_8gb(lab):
+    """The oracle is the estimator's full-mode prediction for the card (labutils.estimate.fits with the card table's
+    total), recomputed here from each row's recorded full-mode config, against the status the smoke run measured."""
+    import labutils as lu
+    from labutils.cards import card_total_bytes
+    from labutils.estimate import estimate_memory, fits
+
+    run, stem = _regen(lab)
+    results = json.loads((run.out / f"{stem}.json").read_text(encoding="utf-8"))
+    rows = results["tables"].get("scale_model")
+    assert rows, f"{stem}: no 'scale_model' table in its results (rows run under the smoke budget, with status)"
+    card_bytes, _ = card_total_bytes(8)
+    fit_seen = oom_seen = False
+    for r in rows:
+        cfg = lu.load_config(None, overrides=r["full_config"], mode="full")
+        expected = "ok" if fits(estimate_memory(cfg), card_bytes) else "oom"
+        assert r["status"] == expected, (f"{stem}, row {r['row']!r}: smoke measured {r['status']!r}, the 8 GB card "
+                                         f"(estimator, full mode) {expected!r}")
+        fit_seen |= expected == "ok"
+        oom_seen |= expected == "oom"
+    assert fit_seen and oom_seen, f"{stem}: its rows show no boundary (every row {'fits' if fit_seen else 'OOMs'})"
