@@ -23,7 +23,7 @@ Labs (the technique itself is written out in the notebook; these hold what its e
   amp_memory          lab 01: where one step's memory goes under AMP: saved tensors by kind, dtypes of the state
   amp_speed_memory    lab 01: each precision timed once (the one speed-up), matmul speed, comparison, C1/C2
   op_profile          labs 01, 04: a training step op by op from torch.profiler: op groups, slowest ops, a fix
-  accumulation        lab 02: bookkeeping of the cells' gradient experiments (memory, OOM rows, comparisons); clipping
+  accumulation        lab 02: bookkeeping of the cells' gradient experiments (memory, OOM rows), the smoke budget
   accumulation_sweeps lab 02: the batch-split sweeps read out: fits, stability, learning rate, advice, C3
   checkpointing       lab 03: the variants (every k, segments, selective, offload) a student switches on
   checkpoint_measure  lab 03: each variant trained under a budget and checked (gradients, FLOPs, calls)

@@ -15,7 +15,6 @@ from .figures import step_axis, step_numbers
 from .memory import fmt_bytes
 
 
-# --------------------------------------------------------------------------- numbers of one run
 def tail_loss(r) -> float | None:
     """Mean loss over the last 10% of steps: one number per run, less noisy than the last step."""
     n = max(1, len(r.losses) // 10)
@@ -27,24 +26,19 @@ def median_step(r) -> tuple[float | None, float | None]:
     times = cl.timed_step_times(r) if getattr(r, "ok", True) else []
     if not times:
         return None, None
-    med = statistics.median(times)
     q = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else None
-    return med, ((q[2] - q[0]) / 2 / med if q else None)
+    return statistics.median(times), ((q[2] - q[0]) / 2 / statistics.median(times) if q else None)
 
 
 def run_row(r, **extra) -> dict:
     """``RunResult.row`` with the median step time (``median_step_s``) and its spread (``step_noise``), not the mean."""
-    row = r.row(**extra)
-    row.pop("step_time_s", None)
-    med, noise = median_step(r)
-    return {**row, "median_step_s": med, "step_noise": noise}
+    row = {k: v for k, v in r.row(**extra).items() if k != "step_time_s"}
+    return {**row, **dict(zip(("median_step_s", "step_noise"), median_step(r)))}
 
 
 def moving_average(x, window: int) -> np.ndarray:
     """Trailing mean over ``window`` points (shorter at the start), same length as ``x``."""
-    x = np.asarray(x, float)
-    c = np.cumsum(np.insert(x, 0, 0.0))
-    idx = np.arange(1, len(x) + 1)
+    c, idx = np.cumsum(np.insert(np.asarray(x, float), 0, 0.0)), np.arange(1, len(x) + 1)
     lo = np.maximum(0, idx - window)
     return (c[idx] - c[lo]) / (idx - lo)
 
@@ -55,53 +49,47 @@ def step_noise(losses) -> float:
     return float(np.std(d) / math.sqrt(2)) if len(d) >= 2 else math.nan
 
 
-def at_equal_tokens(runs: dict, tokens: int, window: int, tolerance: float = 0.1) -> dict:
-    """``{key: (moving-average loss, tokens seen) or None}`` at each run's first step that had seen ``tokens`` target
-    tokens; None when no step is within ``tolerance`` of it (a large batch's first step may have seen far more)."""
-    out = {}
-    for key, r in runs.items():
+def loss_comparison(runs: dict, micro: int, window: int, judge_steps: int, tolerance: float = 0.1) -> tuple[dict, str]:
+    """The sweep ``{k: run}`` read at equal optimizer steps (tail loss) and at equal target tokens, those of the
+    smallest batch's whole run: the moving-average loss at each run's first step within ``tolerance`` of them (None
+    when its first step already saw far more). Returns ({k: {"loss_at_equal_tokens", "tokens_at_comparison"}}, one
+    line); under ``judge_steps`` steps per run the line says "not judged", as in the stability and LR sections."""
+    steps, tokens = min(len(r.losses) for r in runs.values()), int(np.sum(runs[min(runs)].target_tokens))
+    values = {}
+    for k, r in runs.items():
         seen = np.cumsum(r.target_tokens)
         i = min(int(np.searchsorted(seen, tokens)), len(seen) - 1)
-        out[key] = ((float(moving_average(r.losses, window)[i]), int(seen[i])) if abs(seen[i] / tokens - 1) <= tolerance
-                    else None)
-    return out
-
-
-# --------------------------------------------------------------------------- the sweep at a fixed micro-batch
-def loss_comparison(runs: dict, micro: int, window: int, judge_steps: int) -> tuple[dict, str]:
-    """The sweep ``{k: run}`` read at equal optimizer steps (tail loss) and at equal target tokens (those of the
-    smallest batch's whole run): ({k: {"loss_at_equal_tokens", "tokens_at_comparison"}}, one line). Under
-    ``judge_steps`` steps per run the line says "not judged", as the stability and learning-rate sections do."""
-    steps = min(len(r.losses) for r in runs.values())
-    tokens = int(np.sum(runs[min(runs)].target_tokens))
-    at = at_equal_tokens(runs, tokens, window)
-    values = {k: {"loss_at_equal_tokens": v[0] if v else None, "tokens_at_comparison": v[1] if v else None}
-              for k, v in at.items()}
+        near = abs(seen[i] / tokens - 1) <= tolerance
+        values[k] = {"loss_at_equal_tokens": float(moving_average(r.losses, window)[i]) if near else None,
+                     "tokens_at_comparison": int(seen[i]) if near else None}
     if steps < judge_steps:
         return values, (f"equal steps or equal tokens: not judged ({steps} steps per run; needs >= {judge_steps}); "
                         f"the losses are in the results table 'sweep'")
-    best = min(runs, key=lambda k: tail_loss(runs[k]))
-    same = {k: v for k, v in at.items() if v is not None}
-    low = min(same, key=lambda k: same[k][0])
+    same = {k: v["loss_at_equal_tokens"] for k, v in values.items() if v["tokens_at_comparison"] is not None}
+    best, low = min(runs, key=lambda k: tail_loss(runs[k])), min(same, key=same.get)
     return values, (f"after {steps} steps B={micro * best} has the lowest loss ({tail_loss(runs[best]):.3f}); at equal "
-                    f"tokens ({tokens:,}) B={micro * low} is lowest ({same[low][0]:.3f}) of "
+                    f"tokens ({tokens:,}) B={micro * low} is lowest ({same[low]:.3f}) of "
                     + ", ".join(f"B={micro * k}" for k in same)
-                    + ("" if len(same) == len(at) else " (the others' first step already saw more tokens)"))
+                    + ("" if len(same) == len(runs) else " (the others' first step already saw more tokens)"))
 
 
-def plot_sweep(runs: dict, micro: int, title: str):
-    """The sweep ``{accumulation steps: finished run}`` at micro-batch ``micro``: loss per optimizer step and per
-    target token seen (its peak memory and throughput are the sweep table's columns)."""
+def plot_sweep(runs: dict, micro: int, window: int, title: str):
+    """The sweep ``{k: run}`` at micro-batch ``micro``: loss per optimizer step (thin: each step; thick: trailing mean
+    over ``window`` steps) and per target token seen (peak memory and throughput are the sweep table's columns)."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
     for k, r in runs.items():
-        axes[0].plot(step_numbers(r.losses), r.losses, label=f"{micro} x {k} (B={micro * k})", alpha=0.85)
+        (line,) = axes[0].plot(step_numbers(r.losses), r.losses, lw=1, alpha=0.35)
+        axes[0].plot(step_numbers(r.losses), moving_average(r.losses, window), color=line.get_color(),
+                     label=f"{micro} x {k} (B={micro * k})")
         axes[1].plot(np.cumsum(r.target_tokens), r.losses, label=f"{micro} x {k} (B={micro * k})", alpha=0.85)
     step_axis(axes[0], "Optimizer step")
-    axes[0].set(ylabel="Training loss (nats/token)", title="Loss per optimizer step")
+    axes[0].set(ylabel="Training loss (nats/token)", title=f"Loss per optimizer step (thick: mean over {window} steps)")
     axes[1].set(xlabel="Target tokens seen (log scale)", ylabel="Training loss (nats/token)", xscale="log",
                 title="Loss per token seen (same data budget)")
+    axes[1].xaxis.set_minor_formatter(NullFormatter())
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend()
@@ -115,45 +103,39 @@ def stability_rows(runs: dict, micro: int, max_grad_norm: float | None) -> list[
     mean and std, steps above the clip threshold."""
     rows = []
     for k, r in runs.items():
-        E, L, G = micro * k, np.array(r.losses), np.array(r.grad_norms)
-        noise = step_noise(L)
-        rows.append({"run": f"{micro} x {k}", "effective_batch": E, "loss_std": float(L.std()),
-                     "loss_cv": float(L.std() / L.mean()), "step_noise": noise, "noise_x_sqrtB": noise * math.sqrt(E),
-                     "grad_norm_mean": float(G.mean()), "grad_norm_std": float(G.std()),
-                     "clipped_steps": int((G > (max_grad_norm or math.inf)).sum())})
+        noise, G = step_noise(r.losses), np.array(r.grad_norms)
+        rows.append({"run": f"{micro} x {k}", "effective_batch": micro * k, "loss_std": float(np.std(r.losses)),
+                     "loss_cv": float(np.std(r.losses) / np.mean(r.losses)), "step_noise": noise,
+                     "noise_x_sqrtB": noise * math.sqrt(micro * k), "grad_norm_mean": float(G.mean()),
+                     "grad_norm_std": float(G.std()), "clipped_steps": int((G > (max_grad_norm or math.inf)).sum())})
     return rows
 
 
-def plot_stability(runs: dict, rows: list[dict], micro: int, window: int, max_grad_norm: float | None):
-    """Moving-average loss and gradient norm per step of each run, and the step-to-step noise against 1/sqrt(B)."""
+def plot_stability(runs: dict, rows: list[dict], micro: int, max_grad_norm: float | None):
+    """The gradient norm per step of each run, and the step-to-step loss noise against 1/sqrt(B)."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     for k, r in runs.items():
-        lbl = f"B={micro * k}"
-        axes[0].plot(step_numbers(r.losses), moving_average(r.losses, window), label=lbl)  # steps from 1
-        axes[1].plot(step_numbers(r.grad_norms), r.grad_norms, label=lbl, alpha=0.8)
+        axes[0].plot(step_numbers(r.grad_norms), r.grad_norms, label=f"B={micro * k}", alpha=0.8)
+    axes[0].axhline(max_grad_norm or np.nan, color="red", ls=":", label="clip threshold")
+    step_axis(axes[0], "Optimizer step")
+    axes[0].set(ylabel="Gradient L2 norm (before clipping)", title="Gradient norm per step")
     Es, noises = np.array([s["effective_batch"] for s in rows]), np.array([s["step_noise"] for s in rows])
-    axes[2].loglog(Es, noises, "o-", label="measured step-to-step noise")
-    axes[2].loglog(Es, noises[0] * np.sqrt(Es[0] / Es), "k--", label="1/sqrt(B) from the smallest B")
-    axes[0].set(ylabel="Loss, moving average", title=f"Loss, trailing mean over {window} steps")
-    axes[1].set(ylabel="Gradient L2 norm (before clipping)", title="Gradient norm per step")
-    axes[1].axhline(max_grad_norm or np.nan, color="red", ls=":", label="clip threshold")
-    axes[2].set(xlabel="Effective batch B (samples, log scale)", ylabel="Loss noise (nats/token, log scale)",
+    axes[1].loglog(Es, noises, "o-", label="measured step-to-step noise")
+    axes[1].loglog(Es, noises[0] * np.sqrt(Es[0] / Es), "k--", label="1/sqrt(B) from the smallest B")
+    axes[1].set(xlabel="Effective batch B (samples, log scale)", ylabel="Loss noise (nats/token, log scale)",
                 title="Step-to-step loss noise")
-    axes[2].set_xticks(Es, [str(e) for e in Es])
-    axes[2].xaxis.set_minor_formatter(NullFormatter())
+    axes[1].set_xticks(Es, [str(e) for e in Es])
+    axes[1].xaxis.set_minor_formatter(NullFormatter())
     for ax in axes:
         ax.legend()
         ax.grid(alpha=0.3)
-    for ax in axes[:2]:
-        step_axis(ax, "Optimizer step")
     fig.tight_layout()
     return fig
 
 
-# --------------------------------------------------------------------------- learning-rate scaling
 def lr_rows(runs: dict, plan: dict) -> list[dict]:
     """Per run ``{name: result}`` of the plan ``{name: config}``: lr, warm-up, batch, steps, samples, tail loss."""
     return [r.row(run=name, lr=plan[name].train.lr, warmup_steps=plan[name].train.warmup_steps,
@@ -179,76 +161,63 @@ def plot_lr_scaling(runs: dict, plan: dict, window: int, b0: int, b1: int):
     return fig
 
 
-# --------------------------------------------------------------------------- memory fit, advice, cost, C3
 def linear_fit(x, y) -> tuple[float, float]:
     """Least-squares y = a + b x; returns (a, b). Needs two distinct x values."""
-    x, y = np.asarray(x, float), np.asarray(y, float)
-    if len(set(x.tolist())) < 2:
+    if len(set(x)) < 2:
         raise ValueError("a line needs measurements at two or more distinct x values")
-    b, a = np.polyfit(x, y, 1)
+    b, a = np.polyfit(np.asarray(x, float), np.asarray(y, float), 1)
     return float(a), float(b)
 
 
 def recommend(fixed_bytes: float, per_sample_bytes: float, budgets: dict, target_batch: int,
               measured: dict | None = None) -> list[dict]:
-    """Per budget ``{label: bytes the allocator gets}`` (the CUDA context already outside them): the largest
-    micro-batch whose fitted peak (fixed + per_sample x micro) plus the estimator's fragmentation headroom
-    (labutils.estimate.HEADROOM, as in :func:`labutils.estimate.fits`) fits, the power of two at or below it
-    (at most ``target_batch``) and the accumulation that reaches ``target_batch``; ``measured``: {micro: tokens/s}."""
+    """Per budget ``{label: bytes the allocator gets}`` (the CUDA context already off): the largest micro-batch whose
+    fitted peak plus the estimator's fragmentation headroom (HEADROOM, as :func:`labutils.estimate.fits`) fits, the
+    power of two at or below it (<= ``target_batch``), the accumulation to ``target_batch``; ``measured``: tokens/s."""
     rows = []
     for label, budget in budgets.items():
         max_micro = int((budget / (1 + HEADROOM) - fixed_bytes) // per_sample_bytes) if per_sample_bytes > 0 \
             else target_batch
-        if max_micro < 1:
-            rows.append({"memory": label, "max_micro_batch": 0, "micro_batch": None, "accum_steps": None,
-                         "effective_batch": None, "predicted_peak_bytes": fixed_bytes + per_sample_bytes,
-                         "tokens_per_s_measured": None,
-                         "advice": "micro-batch 1 does not fit: add checkpointing (lab 03) or a smaller model"})
-            continue
-        micro = 2 ** int(math.log2(min(max_micro, target_batch)))
-        accum = -(-target_batch // micro)
-        rows.append({"memory": label, "max_micro_batch": max_micro, "micro_batch": micro, "accum_steps": accum,
-                     "effective_batch": micro * accum, "predicted_peak_bytes": fixed_bytes + per_sample_bytes * micro,
-                     "tokens_per_s_measured": (measured or {}).get(micro),
-                     "advice": "no accumulation needed" if accum == 1 else f"accumulate {accum} micro-batches"})
+        micro = 2 ** int(math.log2(min(max_micro, target_batch))) if max_micro >= 1 else None
+        accum = -(-target_batch // micro) if micro else None
+        rows.append({"memory": label, "max_micro_batch": max(0, max_micro), "micro_batch": micro, "accum_steps": accum,
+                     "effective_batch": micro * accum if micro else None,
+                     "predicted_peak_bytes": fixed_bytes + per_sample_bytes * (micro or 1),
+                     "tokens_per_s_measured": (measured or {}).get(micro), "advice":
+                     "micro-batch 1 does not fit: add checkpointing (lab 03) or a smaller model" if not micro else
+                     "no accumulation needed" if accum == 1 else f"accumulate {accum} micro-batches"})
     return rows
 
 
 def accumulation_cost(runs: dict, micro: int) -> dict:
     """The cost of accumulating, measured once: the sweep ``{k: run}`` at the FIXED micro-batch ``micro``, fewest
-    against most accumulation steps. Time per micro-batch (median step time / k; ``time_cost`` = hi / lo - 1, noise
-    from the inter-quartile ranges): a difference is the accumulating itself, not a small micro-batch. Memory: the
-    two peaks. The results table ``accumulation_cost``, which :func:`cost_line` and :func:`c3_claim` read."""
-    k_lo, k_hi = min(runs), max(runs)
-    lo, hi = runs[k_lo], runs[k_hi]
+    against most accumulation steps: time per micro-batch (median step time / k; ``time_cost`` = hi / lo - 1, noise
+    from the inter-quartile ranges) and the two peaks. What :func:`cost_line` and :func:`c3_claim` read."""
+    (k_lo, lo), (k_hi, hi) = min(runs.items()), max(runs.items())
     t = cl.timed_ratio([x / k_lo for x in cl.timed_step_times(lo)], [x / k_hi for x in cl.timed_step_times(hi)])
     return {"compares": f"{micro} x {k_lo} vs {micro} x {k_hi}", "micro_batch": micro, "k_lo": k_lo, "k_hi": k_hi,
             "time_cost": t["ratio"] - 1 if t["ratio"] else None, "time_cost_noise": t["spread"],
             "timed_steps": t["timed_steps"], "seconds_per_micro_batch_lo": t["median_a"],
-            "seconds_per_micro_batch_hi": t["median_b"],
-            "peak_lo_bytes": lo.peak_memory_bytes, "peak_hi_bytes": hi.peak_memory_bytes,
+            "seconds_per_micro_batch_hi": t["median_b"], "peak_lo_bytes": lo.peak_memory_bytes,
+            "peak_hi_bytes": hi.peak_memory_bytes, "hardware": cl.hardware(lo.env),
             "memory_increase": hi.peak_memory_bytes / lo.peak_memory_bytes - 1
-            if lo.peak_memory_bytes and hi.peak_memory_bytes else None,
-            "hardware": cl.hardware(lo.env)}
+            if lo.peak_memory_bytes and hi.peak_memory_bytes else None}
 
 
 def cost_line(cost: dict) -> str:
-    """``cost`` (:func:`accumulation_cost`) in words that follow its sign and noise on a GPU; from a CPU the number
-    only, labelled (CPU timing says nothing about a GPU)."""
-    if cost["time_cost"] is None:
-        return f"the cost of accumulating ({cost['compares']}): no timed steps, not measured"
-    change, noise = cost["time_cost"], cost["time_cost_noise"]
-    head = (f"the cost of accumulating ({cost['compares']}, time per micro-batch, medians of {cost['timed_steps']} "
-            f"timed steps): {1e3 * cost['seconds_per_micro_batch_lo']:.1f} -> "
-            f"{1e3 * cost['seconds_per_micro_batch_hi']:.1f} ms, {100 * change:+.0f} %"
-            + (f" +-{100 * noise:.0f} %" if noise is not None else ""))
-    if cl.on_cpu(cost["hardware"]):
-        return f"{head} (CPU timing, not a GPU result: not read)"
-    if noise is None or abs(change) <= noise:
-        return f"{head} on {cost['hardware']}: within the noise, no measurable cost"
-    return f"{head} on {cost['hardware']}: " + (
-        "each micro-batch got cheaper, the step's fixed work (AdamW, clipping, zero_grad) being shared by more of them"
-        if change < 0 else "each micro-batch got MORE expensive with more accumulation steps")
+    """``cost`` (:func:`accumulation_cost`), worded by its sign and noise on a GPU; from a CPU the number, labelled."""
+    change, noise, where = cost["time_cost"], cost["time_cost_noise"], cost["hardware"]
+    head = f"the cost of accumulating ({cost['compares']}, time per micro-batch"
+    if change is None:
+        return f"{head}): no timed steps, not measured"
+    head += (f", medians of {cost['timed_steps']} timed steps): {1e3 * cost['seconds_per_micro_batch_lo']:.1f} -> "
+             f"{1e3 * cost['seconds_per_micro_batch_hi']:.1f} ms, {100 * change:+.0f} %"
+             + (f" +-{100 * noise:.0f} %" if noise is not None else ""))
+    return head + (" (CPU timing, not a GPU result: not read)" if cl.on_cpu(where) else
+                   f" on {where}: within the noise, no measurable cost" if noise is None or abs(change) <= noise else
+                   f" on {where}: each micro-batch got cheaper, the step's fixed work (AdamW, clipping, zero_grad) "
+                   f"shared by more of them" if change < 0 else
+                   f" on {where}: each micro-batch got MORE expensive with more accumulation steps")
 
 
 def small_micro_batch_line(scan: dict, micro: int, target: int, cost: dict) -> str:
@@ -268,22 +237,19 @@ def c3_claim(cost: dict, cond: dict, *, grad_buffer: int) -> dict:
     """C3, "accumulation costs 0 % memory and ~5 % time", by the course's one rule (labutils.claims) on the one
     measured cost (``cost``, at a FIXED micro-batch); the extra memory is set beside one FP32 gradient buffer
     (``grad_buffer`` bytes). Time is judged only from a GPU with enough timed steps."""
-    micro = cost["micro_batch"]
-    pair = tuple(cost["compares"].split(" vs "))
+    micro, pair = cost["micro_batch"], tuple(cost["compares"].split(" vs "))
     values, evidence = {"memory_increase": cost["memory_increase"]}, {}
     if cost["time_cost"] is not None:
-        values["time_cost"] = cost["time_cost"]
-        hw = cond.get("hardware")
+        values["time_cost"], hw = cost["time_cost"], cond.get("hardware")
         evidence = {"time_cost": cl.Evidence(pair=pair, hardware=hw, timed_steps=cost["timed_steps"],
                                              spread=cost["time_cost_noise"], micro_batches=(micro, micro),
                                              note="median step time / accumulation steps, timed steps only"),
                     "memory_increase": cl.Evidence(pair=pair, hardware=hw, micro_batches=(micro, micro))}
     mem = cost["memory_increase"]
-    extra = (cost["peak_hi_bytes"] - cost["peak_lo_bytes"]
-             if cost.get("peak_hi_bytes") is not None and cost.get("peak_lo_bytes") is not None else None)
+    extra = cost["peak_hi_bytes"] - cost["peak_lo_bytes"] if mem is not None else None
     # the words follow the measured extra: the H200 run said "at most one FP32 gradient buffer (474.70 MiB)" of a
     # measured +476.64 MiB
-    reason = None if mem is None or mem <= 0 or extra is None else (
+    reason = None if mem is None or mem <= 0 else (
         f"the extra {fmt_bytes(extra)} is about one FP32 gradient buffer ({fmt_bytes(grad_buffer)}), which lives next "
         f"to the activations of micro-batches 2..k" if abs(extra - grad_buffer) <= 0.1 * grad_buffer else
         f"one FP32 gradient buffer ({fmt_bytes(grad_buffer)}) lives next to the activations of micro-batches 2..k; "

@@ -98,7 +98,7 @@ def test_naive_normalisation_does_not_match_on_padded_data(padded_cfg):
 
 def test_equal_tokens_compares_only_runs_that_saw_equal_tokens():
     """Issue 24: 'equal tokens' runs compared a B=32 run after its first step (16x the tokens) with B=2's whole run.
-    A run whose steps skip past the token count by more than 10 % is left out (None), not compared."""
+    A run whose steps skip past the token count (the smallest batch's whole run) by more than 10 % is left out."""
     from types import SimpleNamespace
 
     import labutils.accumulation_sweeps as acs
@@ -106,8 +106,10 @@ def test_equal_tokens_compares_only_runs_that_saw_equal_tokens():
     small = SimpleNamespace(target_tokens=[100] * 4, losses=[4.0, 3.0, 2.0, 1.0])    # 400 tokens after step 4
     large = SimpleNamespace(target_tokens=[1600] * 4, losses=[4.0, 3.5, 3.0, 2.5])   # 1,600 after step 1
     near = SimpleNamespace(target_tokens=[205] * 4, losses=[4.0, 3.0, 2.0, 1.0])     # 410 after step 2
-    got = acs.at_equal_tokens({2: small, 32: large, 4: near}, 400, window=1)
-    assert got[32] is None and got[2] == (1.0, 400) and got[4] == (3.0, 410)
+    got, _ = acs.loss_comparison({2: small, 32: large, 4: near}, 2, window=1, judge_steps=20)
+    assert got[32] == {"loss_at_equal_tokens": None, "tokens_at_comparison": None}
+    assert got[2] == {"loss_at_equal_tokens": 1.0, "tokens_at_comparison": 400}
+    assert got[4] == {"loss_at_equal_tokens": 3.0, "tokens_at_comparison": 410}
 
 
 def _run(k, per_micro_s, steps=12, warm=1, peak=1000, hardware=None, jitter=0.0):
