@@ -253,6 +253,6 @@ def scale_model_budget(full_cfg, smoke_cfg, rows: dict, card_gb: float = 8.0, sm
         rule = f"the card's usable bytes x (smoke / full peak of '{near['row']}')"
     for r in out:
         r["smoke_fits"] = r["smoke_peak_bytes"] <= budget
-    why = (f"a scale model of a {card_gb:g} GB card ({card_rule}): {budget / 2**20:.2f} MiB, {rule}; "
+    why = (f"a scale model of the {card_gb:g} GB card ({card_rule}): {budget / 2**20:.2f} MiB, {rule}; "
            f"{len(fit)} of {len(out)} rows fit the card in full mode")
     return {"budget_bytes": budget, "why": why, "card_gb": card_gb, "rows": out}
