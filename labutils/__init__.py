@@ -20,7 +20,7 @@ Core (every lab and command builds on these):
   figures             conventions every lab's figures follow (step axis, legends)
 Labs (the technique itself is written out in the notebook; these hold what its experiments need):
   precision           lab 01: number formats, underflow and overflow, loss scaling
-  amp_memory          lab 01: where one step's memory goes under AMP: saved tensors by kind, dtypes of the state
+  amp_memory          lab 01: where one step's memory goes under AMP (saved tensors, dtypes, peak phase); batch sweep
   amp_speed_memory    lab 01: each precision timed once (the one speed-up), matmul speed, comparison, C1/C2
   op_profile          labs 01, 04: a training step op by op from torch.profiler: op groups, slowest ops, a fix
   accumulation        lab 02: bookkeeping of the cells' gradient experiments (memory, OOM rows), the smoke budget

@@ -1,10 +1,6 @@
-"""Lab 01, where one training step's memory goes under mixed precision: what autograd saves for backward, by kind
-(references to the FP32 weights, autocast's half-precision weight copies, FP32 and half activations:
-:func:`saved_tensor_census`), the dtypes the training state is held in (:func:`dtype_report`), and one measured
-step of the notebook's own ``amp_step`` (:func:`measure_step_memory`) with its tables.
-
-The speed comparison of the precisions is in :mod:`labutils.amp_speed_memory`, the numerics (formats, underflow,
-loss scaling) in :mod:`labutils.precision`. ``import labutils.amp_memory as amem`` (lab 01 reaches it as ``am.``).
+"""Lab 01, where the memory goes under mixed precision: what autograd saves for backward, by kind, in one measured
+step of the notebook's ``amp_step`` (and the phase its peak falls in), and the batch sweep of FP32 against AMP on an
+8 GB card (in smoke its scale model, :func:`labutils.estimate.scale_model_budget`). Lab 01 reaches it as ``am.``.
 """
 from __future__ import annotations
 
@@ -15,23 +11,21 @@ import torch
 
 from .env import matmul_precision, seed_everything
 from .memory import MemoryTracker, state_bytes
-from .precision import AMP_DTYPES, DTYPE_NAMES
+from .precision import AMP_DTYPES, COLORS, DTYPE_NAMES
+from .results import byte_unit
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+_VIEW_FNS = {"TBackward0", "TransposeBackward0", "TransposeBackward1", "ViewBackward0", "UnsafeViewBackward0",
+             "PermuteBackward0", "ExpandBackward0", "AliasBackward0", "ReshapeAliasBackward0"}
+PHASES = {"after forward": "forward", "after backward": "backward", "after optimizer step": "optimizer step"}
 
 
 # --------------------------------------------------------------------------------------------- saved tensors
-_VIEW_FNS = {"TBackward0", "TransposeBackward0", "TransposeBackward1", "ViewBackward0", "UnsafeViewBackward0",
-             "PermuteBackward0", "ExpandBackward0", "AliasBackward0", "ReshapeAliasBackward0"}
-
-
 def _skip_views(fn):
     """Follow single-input view/transpose nodes (F.linear saves ``weight.t()``, a view of the cast copy)."""
     for _ in range(8):
-        if fn is None or type(fn).__name__ not in _VIEW_FNS:
-            return fn
-        nxt = [f for f, _ in fn.next_functions if f is not None]
-        if len(nxt) != 1:
+        nxt = [f for f, _ in fn.next_functions if f is not None] if fn is not None else []
+        if fn is None or type(fn).__name__ not in _VIEW_FNS or len(nxt) != 1:
             return fn
         fn = nxt[0]
     return fn
@@ -47,16 +41,13 @@ def _is_weight_copy(t: torch.Tensor) -> bool:
 
 @dataclass
 class SavedTensorCensus:
-    """Bytes autograd saves for backward, by kind, each storage counted once.
-
-    kinds: ``parameter`` (a reference to an FP32 weight: no new memory), ``half weight copy`` (autocast's
-    FP16/BF16 cast of a weight, kept alive for backward), ``activation fp32`` and ``activation half``.
-    """
+    """Bytes autograd saves for backward, each storage once, by kind: ``parameter`` (an FP32 weight: no new memory),
+    ``half weight copy`` (autocast's cast of a weight), ``activation half``, ``activation fp32`` (the rest)."""
     param_ptrs: set
     by_kind: dict = field(default_factory=dict)
     _seen: set = field(default_factory=set)
-    log_softmax_dtypes: set = field(default_factory=set)  # dtypes of the log-softmax outputs autograd keeps: the
-    #                                                       logits as the loss's cross-entropy reads them
+    log_softmax_dtypes: set = field(default_factory=set)  # the dtype the loss's log-softmax kept: the logits' dtype
+    #                                                       as the loss reads them
 
     def pack(self, t: torch.Tensor):
         try:
@@ -69,38 +60,26 @@ class SavedTensorCensus:
         if key in self._seen or st.nbytes() == 0:
             return t
         self._seen.add(key)
-        if key in self.param_ptrs:
-            kind = "parameter"
-        elif _is_weight_copy(t):
-            kind = "half weight copy"
-        elif t.dtype in HALF_DTYPES:
-            kind = "activation half"
-        else:
-            kind = "activation fp32"
+        kind = ("parameter" if key in self.param_ptrs else "half weight copy" if _is_weight_copy(t) else
+                "activation half" if t.dtype in HALF_DTYPES else "activation fp32")
         self.by_kind[kind] = self.by_kind.get(kind, 0) + st.nbytes()
         return t
 
     def get(self, kind: str) -> int:
         return self.by_kind.get(kind, 0)
 
-    @property
-    def new_bytes(self) -> int:
-        """Saved bytes that are new memory (everything except references to the weights)."""
-        return sum(v for k, v in self.by_kind.items() if k != "parameter")
-
 
 @contextlib.contextmanager
 def saved_tensor_census(model: torch.nn.Module):
-    """``with saved_tensor_census(model) as census: loss = model(...)`` then ``census.by_kind`` (and
-    ``census.log_softmax_dtypes``: the dtype the loss's log-softmax ran in, from the output it keeps)."""
+    """``with saved_tensor_census(model) as census: loss = model(...)`` then ``census.by_kind``."""
     census = SavedTensorCensus({p.untyped_storage().data_ptr() for p in model.parameters()})
     with torch.autograd.graph.saved_tensors_hooks(census.pack, lambda t: t):
         yield census
 
 
 def dtype_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
-    """The dtypes the training state is held in: weights, gradients, optimizer state (sets of names)."""
-    name = lambda d: DTYPE_NAMES.get(d, str(d))
+    """The dtypes the training state is held in: weights, gradients, optimizer state (names, comma-separated)."""
+    name = lambda d: DTYPE_NAMES.get(d, str(d))  # noqa: E731
     out = {"weights": {name(p.dtype) for p in model.parameters()},
            "gradients": {name(p.grad.dtype) for p in model.parameters() if p.grad is not None}}
     if optimizer is not None:
@@ -111,15 +90,11 @@ def dtype_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
 
 # --------------------------------------------------------------------------------------------- one step's memory
 def measure_step_memory(cfg, precision: str, step_fn, device) -> dict:
-    """Two training steps with ``step_fn`` (the notebook's ``amp_step``); the second one (AdamW state already
-    allocated) is measured: weights, gradients, optimizer state, what autograd saves (activations FP32 / half,
-    half weight copies), what the forward adds, the peak, and the dtype of each part of the training state.
-
-    ``step_fn(model, window, optimizer, scaler, amp_dtype, max_grad_norm, mark)`` calls ``mark(label)`` after
-    the forward, after the backward and after the optimizer step."""
+    """Two steps of ``step_fn`` (the notebook's ``amp_step``, calling ``mark(label)`` after forward, backward and
+    optimizer step), the second measured: weights, gradients, optimizer state, saved tensors by kind, the tracker's
+    growth over the forward (``forward_leaves``: what the census should account for), the peak, its phase, dtypes."""
     from .train import make_optimizer, prepare
 
-    amp_dtype = AMP_DTYPES.get(precision)
     seed_everything(cfg.train.seed)
     loaded, dataset = prepare(cfg, device, verbose=False)
     model = loaded.model.train()
@@ -142,46 +117,169 @@ def measure_step_memory(cfg, precision: str, step_fn, device) -> dict:
             marks["gradient bytes"] = state_bytes(model)["grads"]
             seen.update(dtype_report(model, optimizer))
 
+    amp_dtype, args = AMP_DTYPES.get(precision), (cfg.train.max_grad_norm,)
     with matmul_precision(tf32=False):
-        step_fn(model, next(windows), optimizer, scaler, amp_dtype, cfg.train.max_grad_norm)  # step 1: Adam state
+        step_fn(model, next(windows), optimizer, scaler, amp_dtype, *args)  # step 1: AdamW's state
         with MemoryTracker(device) as mt, saved_tensor_census(model) as saved:
             mark("step start")
-            loss = step_fn(model, next(windows), optimizer, scaler, amp_dtype, cfg.train.max_grad_norm, mark)
+            loss = step_fn(model, next(windows), optimizer, scaler, amp_dtype, *args, mark)
     for h in hooks:
         h.remove()
-    # the model's loss upcasts the logits (transformers' ForCausalLMLoss: logits.float()) before cross-entropy:
-    # the log-softmax output autograd keeps for the loss's backward shows the dtype the loss really reads
+    # transformers' loss upcasts the logits (ForCausalLMLoss: logits.float()) before cross-entropy: the log-softmax
+    # output autograd keeps shows the dtype the loss really reads
     seen["logits as the loss reads them"] = ", ".join(sorted(saved.log_softmax_dtypes)) or "-"
     seen["loss"] = DTYPE_NAMES[loss.dtype]
+    phase = next((PHASES.get(lb, lb) for lb, _, pk in mt.timeline if pk >= mt.peak_bytes), "end of the step")
     state = state_bytes(model, optimizer)
-    return {"precision": precision, "weights": state["params"], "gradients": marks["gradient bytes"],
-            "optimizer": state["optimizer"], "half_weight_copies": saved.get("half weight copy"),
-            "activations_fp32": saved.get("activation fp32"), "activations_half": saved.get("activation half"),
-            "forward_adds": marks["after forward"] - marks["step start"], "peak": mt.peak_bytes,
-            "step_start": marks["step start"], "dtypes": seen,
-            "n_params": sum(p.numel() for p in model.parameters()),
+    return {"precision": precision, "micro_batch": cfg.train.micro_batch_size, "weights": state["params"],
+            "gradients": marks["gradient bytes"], "optimizer": state["optimizer"],
+            "half_weight_copies": saved.get("half weight copy"), "activations_fp32": saved.get("activation fp32"),
+            "activations_half": saved.get("activation half"),
+            "forward_leaves": marks["after forward"] - marks["step start"], "peak": mt.peak_bytes,
+            "peak_phase": phase, "dtypes": seen, "n_params": sum(p.numel() for p in model.parameters()),
             "matmul_weight_numel": sum(p.numel() for n, p in model.named_parameters()
                                        if p.dim() == 2 and "wpe" not in n)}
 
 
 def memory_breakdown_rows(mem: dict) -> list[dict]:
-    """One row (bytes) per precision of :func:`measure_step_memory`'s results ``{precision: result}``."""
-    return [{"precision": p, "weights_bytes": m["weights"], "gradients_bytes": m["gradients"],
-             "optimizer_bytes": m["optimizer"],
+    """One row (bytes) per measurement of :func:`measure_step_memory` (``mem``: {key: result})."""
+    return [{"precision": m["precision"], "micro_batch": m["micro_batch"], "weights_bytes": m["weights"],
+             "gradients_bytes": m["gradients"], "optimizer_bytes": m["optimizer"],
              "saved_activations_bytes": m["activations_fp32"] + m["activations_half"],
-             "half_weight_copies_bytes": m["half_weight_copies"], "forward_adds_bytes": m["forward_adds"],
-             "model_state_bytes": m["weights"] + m["gradients"] + m["optimizer"], "peak_bytes": m["peak"],
-             # model state during the step = weights + gradients + AdamW state: what autocast does not shrink
-             "peak_minus_model_state_bytes": m["peak"] - m["weights"] - m["gradients"] - m["optimizer"]}
-            for p, m in mem.items()]
+             "half_weight_copies_bytes": m["half_weight_copies"], "forward_leaves_bytes": m["forward_leaves"],
+             "peak_bytes": m["peak"], "peak_phase": m["peak_phase"]} for m in mem.values()]
 
 
 def dtype_rows(mem: dict) -> list[dict]:
-    """One row per part of the training state (weights ... loss), one column per precision: its dtype."""
-    return [{"tensor": k, **{p: m["dtypes"].get(k, "-") for p, m in mem.items()}}
+    """One row per part of the training state (weights ... loss), one column per measurement: its dtype."""
+    return [{"tensor": k, **{m["precision"]: m["dtypes"].get(k, "-") for m in mem.values()}}
             for k in ("weights", "gradients", "optimizer state", "matmul output", "logits (lm_head output)",
                       "logits as the loss reads them", "loss")]
 
 
-__all__ = ["HALF_DTYPES", "SavedTensorCensus", "saved_tensor_census", "dtype_report", "measure_step_memory",
-           "memory_breakdown_rows", "dtype_rows"]
+def plot_memory_breakdown(mem: dict, title: str):
+    """One stacked bar per measurement (model state, weight copies, saved activations; the dtypes measured in the
+    legend) and its peak as a black line, with the phase it falls in."""
+    import matplotlib.pyplot as plt
+
+    d = lambda k: "/".join(sorted({m["dtypes"].get(k, "-") for m in mem.values()}))  # noqa: E731
+    parts = [(f"weights ({d('weights')})", "weights", "#34495e"),
+             (f"optimizer state ({d('optimizer state')})", "optimizer", "#7f8c8d"),
+             (f"gradients ({d('gradients')})", "gradients", "#95a5a6"),
+             ("half-precision weight copies", "half_weight_copies", "#f39c12"),
+             ("saved activations, FP32", "activations_fp32", "#3498db"),
+             ("saved activations, half", "activations_half", "#e74c3c")]
+    ms = list(mem.values())
+    unit, size = byte_unit(m["peak"] for m in ms)
+    labels = [f"{m['precision']}\nmicro-batch {m['micro_batch']}" for m in ms]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    bottom = [0.0] * len(ms)
+    for name, key, color in parts:
+        vals = [m[key] / size for m in ms]
+        ax.bar(labels, vals, bottom=bottom, label=name, color=color, width=0.5)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    for i, m in enumerate(ms):
+        ax.hlines(m["peak"] / size, i - 0.3, i + 0.3, color="black", lw=2.5, zorder=3,
+                  label="measured peak" if i == 0 else None)
+        ax.text(i, max(bottom[i], m["peak"] / size), f"peak in\n{m['peak_phase']}", ha="center", va="bottom",
+                fontsize=8)
+    ax.set_ylim(0, 1.2 * max(bottom + [m["peak"] / size for m in ms]))
+    ax.set(ylabel=f"memory [{unit}]", title=title)
+    ax.legend(fontsize=8, bbox_to_anchor=(1.02, 1), loc="upper left")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+# --------------------------------------------------------------------------------------------- the batch sweep
+def batch_sweep(cfgs: dict, rows: dict, reuse: dict, device, amp: str, budget_bytes: int | None = None,
+                steps: int = 12) -> tuple[dict, list[dict]]:
+    """Each of ``rows`` ({label: overrides with train.precision and train.micro_batch_size}) trained by ``lu.run`` for
+    ``steps`` steps, or the run of ``reuse`` ({precision: RunResult}) at that micro-batch (measured once). On a CPU
+    ``budget_bytes`` is the simulated card (tensors alive now on top); on CUDA the allocator's cap decides. Returns
+    ({label: RunResult}, one row per micro-batch: status and peak of each precision, ``amp``'s saving, throughput,
+    MFU and speed-up over fp32, as lab 01's one timing computes it: median over median step time)."""
+    from . import claims as cl
+    from .train import run
+
+    kw, results, by = {}, {}, {}
+    if budget_bytes is not None and torch.device(device).type == "cpu":
+        with MemoryTracker(device) as alive:
+            pass
+        kw["cpu_budget_bytes"] = alive.start_bytes + budget_bytes
+    for label, ov in rows.items():
+        p, b = ov["train.precision"], ov["train.micro_batch_size"]
+        if p in reuse and reuse[p].config["train"]["micro_batch_size"] == b:
+            results[label] = reuse[p]
+        else:
+            c = cfgs[p].override({**ov, "train.steps": steps,
+                                  "train.timing_warmup_steps": min(cfgs[p].train.timing_warmup_steps, steps - 1)})
+            results[label] = run(c, device, desc=label, verbose=False, **kw)
+        by[p, b] = results[label]
+    table = []
+    for b in sorted({b for _, b in by}):
+        r32, ra = by["fp32", b], by[amp, b]
+        ok = r32.ok and ra.ok
+        ratio = cl.run_pair_evidence(r32, ra, ("fp32", amp))[0] if ok else None
+        table.append({"micro_batch": b, "fp32_status": r32.status, f"{amp}_status": ra.status,
+                      "fp32_peak_bytes": r32.peak_memory_bytes if r32.ok else None,
+                      f"{amp}_peak_bytes": ra.peak_memory_bytes if ra.ok else None,
+                      "memory_saving": 1 - ra.peak_memory_bytes / r32.peak_memory_bytes if ok else None,
+                      "fp32_target_tokens_per_s": r32.target_tokens_per_second,
+                      f"{amp}_target_tokens_per_s": ra.target_tokens_per_second,
+                      "speedup_vs_fp32": 1 / ratio if ratio else None, "fp32_mfu": r32.mfu, f"{amp}_mfu": ra.mfu})
+    return results, table
+
+
+def plot_batch_sweep(rows: list[dict], amp: str, budget_bytes: int | None, timed_on: str, title: str):
+    """Peak memory (OOM rows marked at the budget), the saving and the throughput against the micro-batch."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    unit, size = byte_unit([r[f"{p}_peak_bytes"] for r in rows for p in ("fp32", amp)] + [budget_bytes])
+    for p in ("fp32", amp):
+        ok = [r for r in rows if r[f"{p}_status"] == "ok"]
+        oom = [r["micro_batch"] for r in rows if r[f"{p}_status"] == "oom"]
+        axes[0].plot([r["micro_batch"] for r in ok], [r[f"{p}_peak_bytes"] / size for r in ok], "o-",
+                     color=COLORS[p], label=p)
+        if oom and budget_bytes:  # x and + stay apart where both precisions ran out at one micro-batch
+            axes[0].scatter(oom, [budget_bytes / size] * len(oom), marker="x" if p == "fp32" else "+", s=120,
+                            color=COLORS[p], label=f"{p}: out of memory")
+        axes[2].plot([r["micro_batch"] for r in ok], [r[f"{p}_target_tokens_per_s"] for r in ok], "o-",
+                     color=COLORS[p], label=p)
+    if budget_bytes:
+        axes[0].axhline(budget_bytes / size, color="red", ls=":", label="memory budget")
+    both = [r for r in rows if r["memory_saving"] is not None]
+    axes[1].plot([r["micro_batch"] for r in both], [100 * r["memory_saving"] for r in both], "o-", color=COLORS[amp])
+    axes[1].axhline(50, color="gray", ls=":", label='"halves memory"')
+    axes[0].set(title="Peak memory vs batch", ylabel=f"peak memory [{unit}]")
+    axes[1].set(title=f"Peak memory saved by {amp} vs FP32", ylabel="saving [%]")
+    axes[2].set(title=f"Throughput vs batch ({timed_on})", ylabel="target tokens / s")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([r["micro_batch"] for r in rows], [str(r["micro_batch"]) for r in rows])
+        ax.set_xlabel("micro-batch [sequences]")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def sweep_sentence(rows: list[dict], amp: str, mem: dict) -> str:
+    """The sweep in one sentence: the saving per micro-batch, where the smallest one's FP32 peak falls and what it
+    holds then (``mem``: :func:`measure_step_memory` results), the OOM rows."""
+    saved = [r for r in rows if r["memory_saving"] is not None]
+    text = f"{amp} saves " + ", ".join(f"{r['memory_saving']:.0%} at micro-batch {r['micro_batch']}" for r in saved)
+    small = min((m for m in mem.values() if m["precision"] == "fp32"), key=lambda m: m["micro_batch"], default=None)
+    if small is not None:
+        state = (small["weights"] + small["gradients"] + small["optimizer"]) / small["peak"]
+        acts = (small["activations_fp32"] + small["activations_half"]) / small["peak"]
+        opt = small["peak_phase"] == "optimizer step"
+        text += (f"; at micro-batch {small['micro_batch']} the FP32 step peaks in its {small['peak_phase']}"
+                 + (f", after backward freed the saved activations ({acts:.0%} of the peak)" if opt else "")
+                 + f": model state, which autocast does not shrink, is {state:.0%} of that peak"
+                 + ("" if opt else f", the saved activations {acts:.0%}"))
+    oom = [f"{r['micro_batch']} ({', '.join(p for p in ('fp32', amp) if r[f'{p}_status'] == 'oom')})" for r in rows
+           if "oom" in (r["fp32_status"], r[f"{amp}_status"])]
+    return text + (f"; out of memory at micro-batch {', '.join(oom)}" if oom else "") + "."

@@ -1,11 +1,9 @@
 """One training step op by op, from a ``torch.profiler`` profile: each ATen op's group (matmul-like ops against the
 memory-bound rest: :func:`op_group`), its self time per step and input dtypes (:func:`op_profile`), the groups side
-by side (:func:`op_group_rows`) and what they say (:func:`profile_readings`, lab 01); the slowest ops of a step before
-and after a fix of the same maths (:func:`slowest_op_rows`, :func:`step_time_rows`, :func:`slow_op_readings`, lab 04).
-
-Op time here is the sum of the ops' self times under the profiler: it is not a wall-clock step time (the profiler
-adds work per op and leaves out the time between ops), so a ratio of op times is not the step speed-up of a timed
-run. ``import labutils.op_profile as opp`` (lab 01 and lab 04 reach it as ``am.``).
+by side (:func:`op_group_rows`, :func:`plot_op_groups`, :func:`profile_reading`: lab 01); the slowest ops of a step
+before and after a fix of the same maths (:func:`slowest_op_rows`, :func:`step_time_rows`, :func:`slow_op_readings`:
+lab 04). Op time is the sum of the ops' self times under the profiler, not a wall-clock step time: a ratio of op
+times is not the step speed-up of a timed run. ``import labutils.op_profile as opp`` (labs 01 and 04: ``am.``).
 """
 from __future__ import annotations
 
@@ -13,6 +11,7 @@ import statistics
 from dataclasses import dataclass
 
 from . import claims as cl
+from .figures import legend_outside
 
 # --------------------------------------------------------------------------------------------- one step, op by op
 # How the profile of a training step is grouped (op_group): matmul-like ops run on tensor cores in half precision;
@@ -35,6 +34,7 @@ MATMUL, ELEMENTWISE, CASTS, OTHER = ("matmul", "elementwise / reductions", "cast
                                      "other (views, allocation, framework)")
 OP_GROUPS = (MATMUL, ELEMENTWISE, CASTS, OTHER)
 MEMORY_BOUND = (ELEMENTWISE, CASTS)
+GROUP_COLORS = {MATMUL: "#3498db", ELEMENTWISE: "#e67e22", CASTS: "#e74c3c", OTHER: "#bdc3c7"}
 _FLOAT_INPUTS = {"float": "fp32", "c10::Half": "fp16", "c10::BFloat16": "bf16"}
 
 
@@ -60,8 +60,7 @@ def _input_dtype(e, kineto: dict) -> str | None:
 def _kineto_dtypes(prof) -> dict:
     """{correlation id: input dtypes} of a profile's CPU ops from the profiler's own kineto events. torch 2.12 gave
     ``FunctionEvent`` its ``input_dtypes``; before that only the ``KinetoEvent`` behind it has them (``dtypes()``), and
-    the event's ``id`` is that event's correlation id. On the first GPU run (torch 2.11) every dtype read "-" and
-    lab 01 said 0.00 ms of work read FP32 inputs under autocast."""
+    the event's ``id`` is that event's correlation id (on torch 2.11 every dtype read "-" without this)."""
     from torch.autograd import DeviceType
 
     results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
@@ -90,11 +89,10 @@ class OpProfile:
 
 def op_profile(prof, steps: int = 1) -> OpProfile:
     """Per operator of a ``torch.profiler`` profile (``prof``, recorded with ``record_shapes=True``; its
-    ``prof.events()`` also do on torch >= 2.12, where the events carry their input dtypes): its
-    group, calls per step, self time per step (each op's own time without its children, so nothing counts twice:
-    on a GPU the self *device* time of the kernels it launched, on any thread, as
-    :func:`labutils.profiling.range_times` reads it; else self CPU time), and how much of that time had an FP32
-    first input outside the optimizer step (``fp32_input_ms``: what autocast left in FP32)."""
+    ``prof.events()`` also do on torch >= 2.12): its group, calls per step, self time per step (each op's own time
+    without its children, so nothing counts twice: on a GPU the self *device* time of the kernels it launched, else
+    self CPU time), and how much of that time had an FP32 first input outside the optimizer step
+    (``fp32_input_ms``: what autocast left in FP32)."""
     from torch.autograd import DeviceType
 
     events = prof.events() if callable(getattr(prof, "events", None)) else prof
@@ -134,101 +132,86 @@ def gpu_busy(profile: OpProfile, step_seconds: float | None) -> float | None:
 
 
 def op_group_rows(profiles: dict, baseline: str = "fp32") -> list[dict]:
-    """One row per op group (then memory-bound = elementwise + casts, then all ops): time per step in each
-    profile of ``profiles`` ``{precision: OpProfile}``, its share of that profile's total, and the op-time speed-up of
-    each non-baseline precision (``op_time_speedup_<p>``: baseline op time / its op time, under the profiler; not a
-    wall-clock step speed-up)."""
-    base = profiles[baseline]
-    groups = [(g, (g,)) for g in OP_GROUPS] + [("memory-bound (elementwise + casts)", MEMORY_BOUND),
-                                               ("all ops", OP_GROUPS)]
+    """One row per op group (then memory-bound = elementwise + casts, then all ops) of ``profiles`` ``{precision:
+    OpProfile}``: time per step, share of that profile's total, calls per step, and each other precision's op-time
+    speed-up (``op_time_speedup_<p>``: baseline op time / its op time under the profiler, not a step speed-up)."""
     rows = []
-    for label, members in groups:
+    for label, members in [(g, (g,)) for g in OP_GROUPS] + [("memory-bound (elementwise + casts)", MEMORY_BOUND),
+                                                            ("all ops", OP_GROUPS)]:
         row = {"group": label}
         for p, prof in profiles.items():
-            ms = sum(prof.group_ms(g) for g in members)
-            row[f"{p}_ms"] = ms
-            row[f"{p}_share"] = ms / prof.total_ms if prof.total_ms else None
+            row[f"{p}_ms"] = sum(prof.group_ms(g) for g in members)
+            row[f"{p}_share"] = row[f"{p}_ms"] / prof.total_ms if prof.total_ms else None
+            row[f"{p}_calls"] = sum(r["calls"] for r in prof.ops if r["group"] in members)
         for p in profiles:
+            b, x = row[f"{baseline}_ms"], row[f"{p}_ms"]
             if p != baseline:
-                b, x = row[f"{baseline}_ms"], row[f"{p}_ms"]
                 row[f"op_time_speedup_{p}"] = b / x if b > 0 and x > 0 else None
-        row["calls"] = ", ".join(f"{p}: {sum(r['calls'] for r in prof.ops if r['group'] in members):.0f}"
-                                 for p, prof in profiles.items())
         rows.append(row)
     return rows
 
 
 def top_op_rows(profile: OpProfile, n: int = 5) -> list[dict]:
-    """The ``n`` operators with the most self time per step: group, calls, time, share of the step's op time,
-    the dtypes of their first floating-point input, and the time spent with FP32 inputs outside the optimizer
-    step."""
+    """The ``n`` operators with the most self time per step: group, calls, time, share of the step's op time, the
+    dtypes of their first floating-point input, and the time spent with FP32 inputs outside the optimizer step."""
     return [{"rank": i, "op": r["op"], "group": r["group"], "calls": r["calls"], "ms": r["ms"],
              "share": r["ms"] / profile.total_ms if profile.total_ms else None,
              "input_dtypes": r.get("dtypes", "-"), "fp32_input_ms": r["fp32_input_ms"]}
             for i, r in enumerate(profile.ops[:n], start=1)]
 
 
-def profile_readings(profiles: dict, amp: str, activation: str, baseline: str = "fp32",
-                     step_speedup: float | None = None) -> list[str]:
-    """What the op-group profile of ``baseline`` and ``amp`` says, every number from the profiles: the matmul
-    group's speed-up next to the memory-bound ops', the casts autocast added, and the memory-bound work that still
-    ran with FP32 inputs under autocast. On a GPU it states the lesson the signs allow; from a CPU profile it says
-    what the CPU measured and draws no GPU conclusion (a CPU has no tensor cores). ``step_speedup``: the timed
-    run's wall-clock step speed-up of ``amp`` (lab 01's one measurement), named beside the op-time ratio so that
-    the two are not mistaken for one another."""
+def plot_op_groups(profiles: dict, title: str):
+    """One stacked bar per profile ``{precision: OpProfile}``: its op self time per step by op group."""
+    import matplotlib.pyplot as plt
+
+    labels = list(profiles)
+    fig, ax = plt.subplots(figsize=(12, 1.8 + 0.6 * len(labels)))
+    left = [0.0] * len(labels)
+    for g in OP_GROUPS:
+        ms = [profiles[p].group_ms(g) for p in labels]
+        ax.barh(labels, ms, left=left, color=GROUP_COLORS[g], label=g, height=0.5)
+        left = [a + b for a, b in zip(left, ms)]
+    ax.invert_yaxis()
+    ax.set(xlabel=f"{profiles[labels[0]].basis} per training step [ms], op self time under the profiler", title=title)
+    ax.grid(axis="x", alpha=0.3)
+    legend_outside(ax, fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def profile_reading(profiles: dict, amp: str, activation: str, baseline: str = "fp32") -> list[str]:
+    """Two lines, every number from the profiles: the matmul group's op-time ratio ``baseline`` -> ``amp`` beside
+    the memory-bound ops', and how much memory-bound time under ``amp`` still read FP32 inputs, per op as a part of
+    its own time (an op called with both dtypes gets no speed-up of its own: that would mix the two). On a GPU the
+    lesson the signs allow; from a CPU profile no GPU conclusion (a CPU has no tensor cores)."""
     b, a = profiles[baseline], profiles[amp]
-    mm_b, mm_a = b.group_ms(MATMUL), a.group_ms(MATMUL)
-    mem_b, mem_a = (sum(p.group_ms(g) for g in MEMORY_BOUND) for p in (b, a))
-    mm_x = mm_b / mm_a if mm_a > 0 else None
-    mem_x = mem_b / mem_a if mem_a > 0 else None
-    fmt_x = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
-    casts = {p: sum(r["calls"] for r in prof.ops if r["op"] == "aten::_to_copy") for p, prof in ((baseline, b), (amp, a))}
-    fp32_ops = sorted((r for r in a.ops if r["group"] in MEMORY_BOUND and r["fp32_input_ms"] > 0),
-                      key=lambda r: -r["fp32_input_ms"])
-    fp32_ms = sum(r["fp32_input_ms"] for r in fp32_ops)
-    by_name = {r["op"]: r for r in b.ops}
-    lines = [
-        f"{a.basis} per training step, {baseline} -> {amp}: matmul ops {mm_b:.2f} -> {mm_a:.2f} ms ({fmt_x(mm_x)}), "
-        f"memory-bound ops (elementwise, reductions, casts) {mem_b:.2f} -> {mem_a:.2f} ms ({fmt_x(mem_x)}); "
-        f"matmuls were {mm_b / b.total_ms:.0%} of the {baseline} op time and {mm_a / a.total_ms:.0%} of the "
-        f"{amp} op time (shares of op self time measured by the profiler, not Amdahl's estimate from speeds).",
-        f"all ops together: {b.total_ms:.2f} -> {a.total_ms:.2f} ms, {fmt_x(b.total_ms / a.total_ms if a.total_ms else None)}"
-        f" in op self time under the profiler" + (
-            f"; the step speed-up of the timed run is {step_speedup:.2f}x (wall-clock median of its timed steps): "
-            f"the profiler adds work to every op and leaves out the time between ops, so the two differ"
-            if step_speedup is not None else "") + ".",
-        f"casts (aten::_to_copy) per step: {casts[baseline]:.0f} in {baseline}, {casts[amp]:.0f} under {amp} autocast "
-        f"({a.group_ms(CASTS):.2f} ms of casts and copies vs {b.group_ms(CASTS):.2f} ms).",
-        f"MLP activation of this run: model.config.activation_function = '{activation}'. Under {amp} autocast "
-        + ((f"{fp32_ms:.2f} ms per step of memory-bound forward/backward work still read FP32 inputs"
-            + (": " + ", ".join(f"{r['op']} {r['fp32_input_ms']:.2f} ms"
-                                + (f" (op speed-up {by_name[r['op']]['ms'] / r['ms']:.2f}x)"
-                                   if by_name.get(r["op"], {}).get("ms", 0) >= 0.01 else " (next to nothing in fp32)")
-                                for r in fp32_ops[:4]) if fp32_ops else "") + ".")
-           if a.dtypes_known else "which ops still read FP32 inputs is not known: this profile has no input dtypes "
-                                  "(pass the profile itself to op_profile, recorded with record_shapes=True).")]
-    if not a.on_gpu:
-        lines.append("these are CPU times (CPU timing, not a GPU result): no GPU conclusion is drawn from them; on a GPU "
-                     "this cell reads the tensor-core lesson from the GPU kernel times.")
-        return lines
-    if mm_x is None or mem_x is None:
-        lines.append("a group is empty in one of the profiles: no reading.")
-    elif mm_x > 1 and mm_x > mem_x:
-        lines.append(f"the matmuls sped up {mm_x:.2f}x, the memory-bound ops {mem_x:.2f}x: tensor cores make the "
-                     f"half-precision matmuls faster, while an elementwise op is bound by the bytes it moves, which "
-                     f"half precision at best halves (2x)" + (", and the ops that autocast kept in FP32 move as many "
-                     f"bytes as before plus the casts around them" if fp32_ms > 0 else "") + ".")
-        lines.append(f"so the memory-bound ops grow from {mem_b / b.total_ms:.0%} of the {baseline} step's GPU time "
-                     f"to {mem_a / a.total_ms:.0%} of the {amp} step's: after AMP they are what is left to speed up "
-                     f"(fused kernels, torch.compile), not the matmuls.")
-        if mem_x > 2.05:
-            lines.append(f"the memory-bound ops gained more than the 2x that halving their bytes allows "
-                         f"({mem_x:.2f}x): fewer or different kernels ran, or the profile is noisy.")
+    mm = b.group_ms(MATMUL), a.group_ms(MATMUL)
+    mem = tuple(sum(p.group_ms(g) for g in MEMORY_BOUND) for p in (b, a))
+    ratio = {k: v[0] / v[1] if v[1] > 0 else None for k, v in (("mm", mm), ("mem", mem))}
+    shown = {k: "-" if v is None else f"{v:.2f}x" for k, v in ratio.items()}
+    fp32 = sorted((r for r in a.ops if r["group"] in MEMORY_BOUND and r["fp32_input_ms"] > 0),
+                  key=lambda r: -r["fp32_input_ms"])
+    first = (f"{a.basis} per step, {baseline} -> {amp}: matmul ops {mm[0]:.2f} -> {mm[1]:.2f} ms ({shown['mm']}), "
+             f"memory-bound ops {mem[0]:.2f} -> {mem[1]:.2f} ms ({shown['mem']}); ")
+    if a.dtypes_known:
+        first += (f"under {amp} autocast {sum(r['fp32_input_ms'] for r in fp32):.2f} of those {mem[1]:.2f} ms still "
+                  f"read FP32 inputs" + (": " + ", ".join(f"{r['op']} {r['fp32_input_ms']:.2f} of its {r['ms']:.2f} ms"
+                                                          for r in fp32[:3]) if fp32 else "")
+                  + f" (MLP activation '{activation}')")
     else:
-        lines.append(f"on this GPU the matmuls did not speed up more than the rest ({fmt_x(mm_x)} vs {fmt_x(mem_x)}): "
-                     f"no fast half-precision path, or matmuls this small leave the card idle (launch-bound); this run "
-                     f"does not show the tensor-core lesson.")
-    return lines
+        first += ("which ops still read FP32 inputs is not known: this profile has no input dtypes (pass the profile "
+                  "itself to op_profile, recorded with record_shapes=True)")
+    mm_x, mem_x = ratio["mm"], ratio["mem"]
+    if not a.on_gpu:
+        second = "these are CPU times (CPU timing, not a GPU result): no GPU conclusion is drawn from them."
+    elif mm_x is not None and mem_x is not None and mm_x > 1 and mm_x > mem_x:
+        second = (f"tensor cores make the matmuls {mm_x:.2f}x faster, the memory-bound ops only {mem_x:.2f}x (halving "
+                  f"their bytes allows 2x at most): after AMP they are {mem[1] / a.total_ms:.0%} of the op time, "
+                  f"what is left to speed up (fused kernels, torch.compile).")
+    else:
+        second = (f"on this GPU the matmuls did not speed up more than the rest ({shown['mm']} vs {shown['mem']}): no "
+                  f"fast half-precision path, or launch-bound matmuls; this run does not show the tensor-core lesson.")
+    return [first, second]
 
 
 # --------------------------------------------------------------------------------------------- the slowest ops, a fix
@@ -331,8 +314,3 @@ def slow_op_readings(profiles: dict, times: dict, n: int = 8, before: str = "bef
         lines.append(f"on this GPU: {measured}: the fix made the step {x:.2f}x as fast "
                      + ("(faster)." if x > 1 else "(slower: the 'after' maths did not pay off here)."))
     return lines
-
-
-__all__ = ["OP_GROUPS", "MEMORY_BOUND", "op_group", "OpProfile", "op_profile", "op_group_rows", "top_op_rows",
-           "profile_readings", "SUSPECTS", "aten_ops", "slowest_op_rows", "step_time_rows", "slow_op_readings",
-           "gpu_busy"]

@@ -1,10 +1,8 @@
-"""Lab 01 helpers, the numerics: number formats read from ``torch.finfo``, what FP16 storage does to real
-gradients (underflow) and activations (overflow), and the figures of dynamic loss scaling.
+"""Lab 01, the numerics: number formats read from ``torch.finfo``, whether this device computes FP16 natively, what
+FP16 storage does to real gradients (underflow) and activations (overflow), and the loss-scale figure.
 
-The technique itself (autocast, GradScaler, unscale -> clip -> step -> update) and the forward hook that finds
-the first non-finite module are written out in the notebook; this module holds the measuring and plotting
-around them. What AMP saves in memory is in :mod:`labutils.amp_memory`, in time in :mod:`labutils.amp_speed_memory`.
-``import labutils.precision as lp``.
+The technique itself (autocast, GradScaler, unscale -> clip -> step -> update) and the forward hook that finds the
+first non-finite module are written out in the notebook. ``import labutils.precision as lp``.
 """
 from __future__ import annotations
 
@@ -29,17 +27,13 @@ def _bits_from_finfo(fi: torch.finfo) -> tuple[int, int]:
 
 
 def format_rows() -> list[dict]:
-    """One row per format: bit layout, range and precision, all read from ``torch.finfo``.
-
-    TF32 is not a storage dtype (torch has no finfo for it): it is a tensor-core math mode that keeps
-    FP32's 8 exponent bits and FP16's 10 mantissa bits, so its row is assembled from those two finfo's.
-    """
+    """One row per format: bit layout, range and precision, all read from ``torch.finfo``. TF32 is a tensor-core
+    math mode, not a storage dtype: its row is FP32's exponent with FP16's mantissa, from those two finfo's."""
     rows = []
     for name, dtype in (("FP32", torch.float32), ("TF32", None), ("FP16", torch.float16), ("BF16", torch.bfloat16)):
         if dtype is None:
             f32, f16 = torch.finfo(torch.float32), torch.finfo(torch.float16)
-            exp, _ = _bits_from_finfo(f32)
-            _, man = _bits_from_finfo(f16)
+            exp, man = _bits_from_finfo(f32)[0], _bits_from_finfo(f16)[1]
             eps, res, normal = f16.eps, f16.resolution, f32.smallest_normal
             max_ = (2 - eps) * (f32.max / (2 - f32.eps))  # largest significand x FP32's largest power of 2
             storage = "none (math mode inside matmuls; tensors stay float32)"
@@ -57,16 +51,26 @@ def format_rows() -> list[dict]:
 def bit_fields(x: float, dtype: torch.dtype) -> str:
     """The stored bits of ``x`` in ``dtype`` as 'sign exponent mantissa'."""
     fi = torch.finfo(dtype)
-    exp, man = _bits_from_finfo(fi)
+    exp, _ = _bits_from_finfo(fi)
     int_dtype = {16: torch.int16, 32: torch.int32}[fi.bits]
-    raw = int(torch.tensor(x, dtype=dtype).view(int_dtype).item()) & ((1 << fi.bits) - 1)
-    s = format(raw, f"0{fi.bits}b")
+    s = format(int(torch.tensor(x, dtype=dtype).view(int_dtype).item()) & ((1 << fi.bits) - 1), f"0{fi.bits}b")
     return f"{s[0]} {s[1:1 + exp]} {s[1 + exp:]}"
 
 
 def stored(x: float, dtype: torch.dtype) -> float:
     """The value ``x`` becomes when stored in ``dtype`` (round to nearest even)."""
     return torch.tensor(x, dtype=torch.float64).to(dtype).item()
+
+
+def fp16_native(device) -> tuple[bool, str]:
+    """Whether ``device`` computes FP16 in hardware, and why, in words a student can read. Every CUDA GPU does; a
+    CPU only with AVX512-FP16 or AMX-FP16 (oneDNN's own check). Elsewhere autocast's FP16 matmuls are emulated."""
+    if torch.device(device).type == "cuda":
+        return True, "CUDA GPUs compute FP16 in hardware (tensor cores from Volta, sm_70)"
+    if torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        return True, "this CPU has native FP16 instructions (AVX512-FP16 / AMX-FP16)"
+    return False, ("this CPU has no FP16 arithmetic (no AVX512-FP16 / AMX-FP16): autocast's FP16 is emulated, each "
+                   "matmul converting to FP32 inside, far slower than FP32 itself")
 
 
 def plot_bit_layouts(rows: list[dict]):
@@ -78,16 +82,12 @@ def plot_bit_layouts(rows: list[dict]):
     for i, r in enumerate(rows):
         left = 0
         for part in ("sign", "exponent", "mantissa"):
-            n = r[part]
-            ax.barh(i, n, left=left, color=colors[part], edgecolor="white",
-                    label=part if i == 0 else None)
-            ax.text(left + n / 2, i, str(n), ha="center", va="center", fontsize=9, color="white",
-                    fontweight="bold")
-            left += n
+            ax.barh(i, r[part], left=left, color=colors[part], edgecolor="white", label=part if i == 0 else None)
+            ax.text(left + r[part] / 2, i, str(r[part]), ha="center", va="center", fontsize=9, color="white")
+            left += r[part]
     ax.set_yticks(range(len(rows)), [f"{r['format']} ({r['bits']} bits)" for r in rows])
     ax.invert_yaxis()
-    ax.set_xlabel("bits")
-    ax.set_title("Bit layout: sign | exponent (range) | mantissa (precision)")
+    ax.set(xlabel="bits", title="Bit layout: sign | exponent (range) | mantissa (precision)")
     ax.legend(loc="lower right", ncols=3, fontsize=8)
     fig.tight_layout()
     return fig
@@ -114,9 +114,8 @@ class HalfGradientCensus:
 
 @torch.no_grad()
 def half_gradient_census(grads, scale: float, bins: tuple = (-40, 20)) -> HalfGradientCensus:
-    """Count, over the nonzero entries of ``grads``, those FP16 would flush to zero, keep as subnormals,
-    and (after multiplying by ``scale``) flush or overflow; plus a histogram of log2|g|, one bin per power of 2.
-    Processes one tensor at a time, so it needs little extra memory."""
+    """Count, over the nonzero entries of ``grads``, those FP16 would flush to zero, keep as subnormals, and (after
+    multiplying by ``scale``) flush or overflow; plus a histogram of log2|g|, one bin per power of 2."""
     c = HalfGradientCensus(scale=scale, bins=bins)
     lo, hi = bins
     hist = torch.zeros(hi - lo, dtype=torch.float64)
@@ -128,8 +127,7 @@ def half_gradient_census(grads, scale: float, bins: tuple = (-40, 20)) -> HalfGr
         g = g[g != 0]
         if g.numel() == 0:
             continue
-        h = g.to(torch.float16)
-        hs = (g * scale).to(torch.float16)
+        h, hs = g.to(torch.float16), (g * scale).to(torch.float16)
         c.nonzero += g.numel()
         c.underflow += int((h == 0).sum())
         c.subnormal += int(((h != 0) & (h.abs() < tiny)).sum())
@@ -163,19 +161,16 @@ def plot_gradient_census(census: HalfGradientCensus, title: str):
     f16 = torch.finfo(torch.float16)
     lo, hi = census.bins
     edges = torch.arange(lo, hi).float()
-    shift = math.log2(census.scale)
     fig, ax = plt.subplots(figsize=(10, 3.8))
     ax.bar(edges, census.log2_hist, width=1, align="edge", alpha=0.6, color="#3498db", label="|gradient| (FP32)")
-    ax.bar(edges + shift, census.log2_hist, width=1, align="edge", alpha=0.4, color="#e74c3c",
+    ax.bar(edges + math.log2(census.scale), census.log2_hist, width=1, align="edge", alpha=0.4, color="#e74c3c",
            label=f"|gradient| x {census.scale:g} (loss scale)")
     ax.axvspan(lo, math.log2(f16.smallest_normal * f16.eps) - 1, color="gray", alpha=0.2, label="FP16 rounds to 0")
     ax.axvline(math.log2(f16.smallest_normal), color="orange", ls="--", label="FP16 smallest normal")
     ax.axvline(math.log2(f16.max), color="red", ls="--", label="FP16 max")
     ax.set_yscale("log")
     ax.set_xlim(lo, math.log2(f16.max) + 4)
-    ax.set_xlabel("log2 |gradient value|")
-    ax.set_ylabel("count (log scale)")
-    ax.set_title(title)
+    ax.set(xlabel="log2 |gradient value|", ylabel="count (log scale)", title=title)
     legend_outside(ax, fontsize=8)  # the panel has no free corner
     fig.tight_layout()
     return fig
@@ -183,12 +178,9 @@ def plot_gradient_census(census: HalfGradientCensus, title: str):
 
 # --------------------------------------------------------------------------------------------- activations
 def activation_overflow_demo(cfg, device, first_nonfinite, precisions=("fp32", "fp16")):
-    """Make the first MLP layer overflow FP16 on purpose, then look for the first non-finite output.
-
-    Measures that layer's largest output in FP32, multiplies its weights and bias so the output becomes about
-    4 x FP16's max, and runs ``first_nonfinite(model, batch, amp_dtype) -> (module or "none", loss)`` (the
-    notebook's forward-hook search) once per precision. Returns (factor, largest FP32 output, one row per
-    precision)."""
+    """Make the first MLP layer overflow FP16 on purpose: its weights and bias scaled so that its largest output
+    (measured in FP32) becomes about 4 x FP16's max; then ``first_nonfinite(model, batch, amp_dtype) -> (module or
+    "none", loss)`` (the notebook's hook search) once per precision. Returns (factor, largest FP32 output, rows)."""
     from .train import prepare
 
     seed_everything(cfg.train.seed)
@@ -213,22 +205,33 @@ def activation_overflow_demo(cfg, device, first_nonfinite, precisions=("fp32", "
 
 
 # --------------------------------------------------------------------------------------------- loss scaling
-def plot_loss_scale_demo(rows: list[dict], growth_interval: int):
-    """The toy model's loss scale per step (rows: step, scale, skipped), the skipped steps marked."""
+def plot_loss_scale(steps: list, scales: list, skipped: list, title: str, injected=(), losses=None, reference=None):
+    """The loss scale per step (steps numbered from 1), the skipped steps marked (injected overflows apart from
+    real ones); with ``losses`` a second panel with the loss, and ``reference``'s loss (a run) dashed beside it."""
     import matplotlib.pyplot as plt
 
-    skipped = [r["step"] for r in rows if r["skipped"]]
-    fig, ax = plt.subplots(figsize=(10, 3.5))
-    ax.step([r["step"] for r in rows], [r["scale"] for r in rows], where="post", color=COLORS["fp16"],
-            label="loss scale")
-    ax.scatter(skipped, [rows[s - 1]["scale"] for s in skipped], marker="x", s=80, color="black", zorder=3,
-               label="step skipped (inf in gradients)")
+    fig, axes = plt.subplots(1, 2 if losses else 1, figsize=(13 if losses else 10, 4), squeeze=False)
+    ax = axes[0][0]
+    ax.step(steps, scales, where="post", color=COLORS["fp16"], label="loss scale")
+    at = dict(zip(steps, scales))
+    for label, marks, style in (("skipped: injected overflow", [s for s in skipped if s in injected],
+                                 {"marker": "x", "color": "black"}),
+                                ("skipped: overflow in the gradients", [s for s in skipped if s not in injected],
+                                 {"marker": "o", "facecolors": "none", "edgecolors": "red"})):
+        if marks:
+            ax.scatter(marks, [at[s] for s in marks], s=70, zorder=3, label=label, **style)
     ax.set_yscale("log", base=2)
-    step_axis(ax)
-    ax.set(ylabel="loss scale (log2 axis)",
-           title=f"GradScaler on a toy model: x2 after {growth_interval} clean steps, x0.5 after each overflow")
-    ax.legend()
-    ax.grid(alpha=0.3)
+    ax.set(ylabel="loss scale (log2 axis)", title=title)
+    if losses:
+        axes[0][1].plot(steps, losses, color=COLORS["fp16"], label="this run")
+        if reference is not None and reference.ok:
+            axes[0][1].plot(step_numbers(reference.losses), reference.losses, color="gray", ls="--",
+                            label="section 4 fp16 run")
+        axes[0][1].set(ylabel="loss [nats / token]", title="Loss")
+    for ax in axes[0]:
+        step_axis(ax)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
 
@@ -240,37 +243,7 @@ def loss_scale_rows(run, inject: set) -> list[dict]:
             for i, (s, l) in enumerate(zip(run.loss_scales, run.losses))]
 
 
-def plot_loss_scale_run(run, inject: set, title: str, reference=None):
-    """Loss scale (injected and natural overflows marked) and loss of an fp16 run; ``reference``: a run whose
-    loss curve is drawn for comparison (dashed)."""
-    import matplotlib.pyplot as plt
-
-    natural = sorted(set(run.skipped) - inject)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4))
-    ax1.step(list(step_numbers(run.loss_scales)), run.loss_scales, where="post", color=COLORS["fp16"],
-             label="loss scale")
-    for s in sorted(inject):
-        ax1.axvline(s + 1, color="black", ls=":", lw=1)
-    ax1.scatter([s + 1 for s in sorted(inject)], [run.loss_scales[s] for s in sorted(inject)], marker="x", s=80,
-                color="black", zorder=3, label="skipped: injected overflow")
-    if natural:
-        ax1.scatter([s + 1 for s in natural], [run.loss_scales[s] for s in natural], marker="o", facecolors="none",
-                    edgecolors="red", s=60, zorder=3, label="skipped: real overflow")
-    ax1.set_yscale("log", base=2)
-    ax1.set(ylabel="loss scale (log2 axis)", title=title)
-    ax2.plot(step_numbers(run.losses), run.losses, color=COLORS["fp16"], label="with injected overflow")
-    if reference is not None and reference.ok:
-        ax2.plot(step_numbers(reference.losses), reference.losses, color="gray", ls="--", label="section 4 fp16 run")
-    ax2.set(ylabel="loss [nats / token]", title="Loss")
-    for ax in (ax1, ax2):
-        step_axis(ax)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
-
-
-# --------------------------------------------------------------------------------------------- notebook helpers
+# --------------------------------------------------------------------------------------------- notebook helper
 def guarded(fn, *args, **kw):
     """Run one of the notebook's hand-written experiments: an out-of-memory error becomes ``None`` (the reason
     is printed and the notebook carries on), and memory is released either way."""
@@ -283,14 +256,3 @@ def guarded(fn, *args, **kw):
         return None
     finally:
         release()
-
-
-def readable(rows: list[dict], digits: int = 4) -> list[dict]:
-    """Rows with floats as short strings (3.403e+38 rather than 39 digits), for display only."""
-    return [{k: (f"{v:.{digits}g}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows]
-
-
-__all__ = ["DTYPE_NAMES", "AMP_DTYPES", "COLORS", "format_rows", "bit_fields", "stored", "plot_bit_layouts",
-           "HalfGradientCensus", "half_gradient_census", "fp32_gradient_census", "plot_gradient_census",
-           "activation_overflow_demo", "plot_loss_scale_demo", "loss_scale_rows", "plot_loss_scale_run", "guarded",
-           "readable"]

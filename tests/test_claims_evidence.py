@@ -299,7 +299,7 @@ def test_a_host_bound_gpu_step_takes_no_speed_verdict():
     assert c2["verdict"] == cl.NOT_JUDGED and "filled only 43%" in c2["why"] and "1.26x" in c2["why"]
     assert c2["evidence"]["speedup"]["gpu_busy"] == busy
     row = am.course_rows(runs, am.speedup_rows(runs), {"fp32": (8.0, 1.0), "fp16": (4.5, 2.2)}, gpu_busy=busy)[1]
-    assert row["verdict"].endswith("speed: not judged")
+    assert row["speed_verdict"] == cl.NOT_JUDGED
     bound = am.c1_c2_claims(runs, FULL, amp="fp16", sweep_rows=SWEEP_ROWS, gpu_busy=0.94)[1]
     assert bound["verdict"] == cl.DOES_NOT_HOLD  # 1.26x, judged: the GPU set the pace
 

@@ -1,4 +1,4 @@
-"""Tests for labutils.precision and labutils.amp_speed_memory (lab 01's measuring helpers)."""
+"""Tests for labutils.precision, labutils.amp_memory and labutils.amp_speed_memory (lab 01's helpers)."""
 import math
 
 import pytest
@@ -111,19 +111,40 @@ def test_one_speed_up_per_precision_read_by_every_table_and_c2():
     assert am.SPEED_TABLE == "precision_comparison" and am.SPEEDUP == "speedup_vs_fp32"
 
 
-def test_speed_readings_on_a_cpu_are_one_labelled_line():
-    """Issue 27, item 7: on a CPU the speed is shown once, labelled, and no paragraph reads it (no Amdahl share, no
-    batch trend). On a GPU the Amdahl estimate says it is an estimate and differs from the profiler's share."""
-    big = {"matmul": "1 micro-batch", "fp32_tflops": 1.0, "fp16_tflops": 4.0}
-    small = {"matmul": "1 token", "fp32_tflops": 1.0, "fp16_tflops": 1.5}
-    sweep = [{"micro_batch": 1, "speedup_vs_fp32": 1.1}, {"micro_batch": 8, "speedup_vs_fp32": 1.5}]
-    cpu = am.speedup_readings({"fp16": 1.5}, big, small, ["fp32", "fp16"], "cpu", sweep, "fp16")
-    assert len(cpu) == 1 and "CPU timing" in cpu[0] and "Amdahl's estimate" not in cpu[0]
-    gpu = "\n".join(am.speedup_readings({"fp16": 1.5}, big, small, ["fp32", "fp16"], "NVIDIA H100 80GB HBM3",
-                                        sweep, "fp16"))
+def test_speed_readings_are_made_on_a_gpu_only_and_follow_the_noise():
+    """Issue 27, item 7: no paragraph reads CPU timing. On a GPU the Amdahl estimate is computed from the step and
+    matmul speed-ups; a speed-up inside its noise is "not decided" (issue 36: it was read as "no difference")."""
+    big = {"matmul": "1 micro-batch", "fp32_tflops": 1.0, "fp16_tflops": 4.0, "bf16_tflops": 4.0}
+    rows = [{"precision": "fp32", "speedup_vs_fp32": 1.0, "speedup_noise": None},
+            {"precision": "fp16", "speedup_vs_fp32": 1.5, "speedup_noise": 0.05},
+            {"precision": "bf16", "speedup_vs_fp32": 1.03, "speedup_noise": 0.05}]
+    assert am.speed_reading_rows(rows, big, ["fp32", "fp16", "bf16"], "cpu") == []
+    gpu = {r["precision"]: r for r in am.speed_reading_rows(rows, big, ["fp32", "fp16", "bf16"], "NVIDIA H100")}
     share = (1 - 1 / 1.5) / (1 - 1 / 4.0)
-    assert f"about {share:.0%} of the FP32 step time" in gpu and "profiler" in gpu and "1.50x FP32 speed" in gpu
-    assert "by micro-batch (median step times): 1: 1.10x, 8: 1.50x" in gpu and "grows with the batch" in gpu
+    assert f"about {share:.0%} of the FP32 step" in gpu["fp16"]["reading"] and gpu["fp16"]["largest matmul"] == "4.00x"
+    assert "not decided" in gpu["bf16"]["reading"] and "Amdahl" not in gpu["bf16"]["reading"]
+
+
+def test_a_speed_up_inside_its_noise_is_not_decided_never_no_difference():
+    """Issue 36: a speed-up within its noise was called "no difference". Breaks if the words ignore the noise: 1.03x
+    +- 0.05 cannot be told from 1.00x; 1.20x +- 0.05 is faster, 0.80x +- 0.05 slower."""
+    assert am.speed_words(1.03, 0.05) == "1.03x +- 0.05, within its noise: not decided"
+    assert am.speed_words(0.97, 0.05).endswith("not decided")
+    assert am.speed_words(1.20, 0.05).endswith("faster") and am.speed_words(0.80, 0.05).endswith("slower")
+    assert "no difference" not in am.speed_words(1.0, 0.0) and "unknown" in am.speed_words(1.2, None)
+
+
+def test_fp16_on_a_cpu_says_whether_it_is_emulated():
+    """Issue 36: CPU FP16 ran 5x slower than FP32 and nothing said it was emulated. The oracle is oneDNN's own check
+    of the CPU's FP16 instructions; breaks if the answer ignores it or the sentence under the comparison omits it."""
+    ok, why = lp.fp16_native("cpu")
+    assert ok == bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    assert ("emulated" in why) != ok
+    assert lp.fp16_native("cuda")[0]
+    rows = [{"run": "fp32", "status": "ok", "final_loss": 3.0}, {"run": "fp16", "status": "ok", "final_loss": 3.01},
+            {"run": "bf16", "status": "skipped", "final_loss": None}]
+    line = am.speed_sentence(rows, "CPU timing, not a GPU result", {"fp16": "emulated here", "bf16": "emulated too"})
+    assert "fp16 is emulated here" in line and "bf16" not in line and "within 0.0100 of FP32" in line
 
 
 def test_logits_dtypes_are_what_the_model_and_its_loss_use():
@@ -158,25 +179,36 @@ def test_logits_dtypes_are_what_the_model_and_its_loss_use():
     assert mem["dtypes"]["logits as the loss reads them"] == "fp32"
     rows = {r["tensor"]: r for r in am.dtype_rows({"fp16": mem})}
     assert rows["logits as the loss reads them"]["fp16"] == "fp32" and rows["loss"]["fp16"] == "fp32"
-    assert all(k.endswith("_bytes") or k == "precision" for k in am.memory_breakdown_rows({"fp16": mem})[0])
+    assert all(k.endswith("_bytes") or k in ("precision", "micro_batch", "peak_phase")
+               for k in am.memory_breakdown_rows({"fp16": mem})[0])
 
 
-def test_comparison_figure_chooses_its_memory_unit_and_cuts_no_bar():
-    """Issue 27: 0.016 GiB on the axis, and the tallest bar cut off. The axis unit comes from the values (MiB
-    here) and every bar is inside the axes."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_forward_leaves_what_the_saved_tensor_census_counts(precision):
+    """Issue 36: ``forward_adds_mib`` stood unexplained. It is the tracker's growth of live memory over the forward,
+    what the forward leaves for backward; the saved-tensor hooks count the same thing another way. Breaks if either
+    counter misses a kind (the half weight copies, the loss's FP32 logits) or the name loses its meaning. Also: the
+    phase of the peak is one of the step's marks."""
+    cfg = lu.load_config(None, mode="smoke", overrides={"train.precision": precision, "data.num_samples": 16,
+                                                         "model.dropout": 0.0})
 
-    cfg = lu.load_config(None, mode="smoke")
-    runs = {"fp32": _result(cfg, [0.1, 0.1], 17 * 2**20, env={"device": "cpu"}),
-            "fp16": _result(cfg, [0.2, 0.2], 14 * 2**20, env={"device": "cpu"})}
-    fig = am.plot_comparison(runs, "test")
-    ax = fig.axes[2]
-    assert ax.get_ylabel() == "peak memory [MiB]"
-    assert max(p.get_height() for p in ax.patches) < ax.get_ylim()[1]
-    assert "CPU timing" in fig.axes[0].get_title()
-    plt.close(fig)
+    def step(model, window, optimizer, scaler, amp_dtype, max_grad_norm, mark=lambda label: None):
+        for mb in window.micro_batches:
+            with torch.amp.autocast("cpu", dtype=amp_dtype, enabled=amp_dtype is not None):
+                loss = model(**mb, num_items_in_batch=window.num_targets).loss
+            mark("after forward")
+            loss.backward()
+        mark("after backward")
+        optimizer.step()
+        mark("after optimizer step")
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    m = am.measure_step_memory(cfg, precision, step, torch.device("cpu"))
+    census = m["activations_fp32"] + m["activations_half"] + m["half_weight_copies"]
+    assert m["forward_leaves"] == pytest.approx(census, rel=0.02), (m["forward_leaves"], census)
+    assert (m["half_weight_copies"] > 0) == (precision == "bf16")
+    assert m["peak_phase"] in ("forward", "backward", "optimizer step")
 
 
 NOTEBOOKS = ["01-Mixed_Precision.ipynb", "02-Gradient_Accumulation.ipynb"]
@@ -240,16 +272,16 @@ def test_legend_outside_places_the_legend_off_the_axes():
     plt.close(fig)
 
 
-def test_mfu_readings_on_a_gpu_say_whether_the_small_batch_is_launch_bound():
-    """The GPU-only branch of lab 01's MFU cell (smoke has no MFU): the card's peak and its source, each batch's
+def test_mfu_reading_on_a_gpu_says_whether_the_small_batch_is_launch_bound():
+    """The GPU-only branch of lab 01's MFU line (smoke has no MFU): the card's peak and its source, each batch's
     MFU, and the reading follows the measured ratio."""
     from types import SimpleNamespace as R
 
     gpu = "NVIDIA GeForce RTX 3070"
     peak = lu.peak_tflops(gpu, "fp16")
-    busy = am.mfu_readings([(1, R(mfu=0.05, peak_tflops=peak)), (8, R(mfu=0.30, peak_tflops=peak))], "fp16", gpu, gpu)
-    assert f"{peak:g} TFLOP/s" in busy[0] and "micro-batch 1: 5.0%" in busy[0] and "boost clock" in busy[0]
-    assert "launch-bound" in busy[1] and "6.0x" in busy[1]
-    flat = am.mfu_readings([(1, R(mfu=0.30, peak_tflops=peak)), (8, R(mfu=0.31, peak_tflops=peak))], "fp16", gpu, gpu)
-    assert "hardly changes" in flat[1]
-    assert "MFU not computed: no GPU" in am.mfu_readings([], "fp16", "CPU (x86_64)", None)[0]
+    busy = am.mfu_reading([(1, R(mfu=0.05, peak_tflops=peak)), (8, R(mfu=0.30, peak_tflops=peak))], "fp16", gpu)
+    assert f"{peak:g} TFLOP/s" in busy and "micro-batch 1: 5.0%" in busy and "boost clock" in busy
+    assert "micro-batch 1 is launch-bound" in busy
+    flat = am.mfu_reading([(1, R(mfu=0.30, peak_tflops=peak)), (8, R(mfu=0.31, peak_tflops=peak))], "fp16", gpu)
+    assert "hardly changes" in flat and "launch-bound" in flat.split(":")[-1]
+    assert "MFU not computed: no GPU" in am.mfu_reading([], "fp16", None)
