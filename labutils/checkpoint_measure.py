@@ -1,21 +1,13 @@
-"""Lab 03's measurements: each checkpointing variant trained, under a memory budget, and checked step by step.
-
-The variants themselves are in :mod:`labutils.checkpointing`; everything here runs them through the course's one
-training loop (:func:`labutils.train`), so memory and time are measured as in every other lab.
-
-Runs: ``measure(cfg, variants)`` (one model, one training run per variant, OOM -> a row, memory released),
-``largest_batch(cfg, variant)``, ``variant_peaks`` / ``segment_peaks(cfg, ks, n_layer=)`` (a deep model), ``memory_budget(bytes)``, ``loaded(cfg)``, ``peak_during(fn)``; each run is a
-:class:`Measured` (``.row(baseline)`` is its table row).
-Checks of one forward + backward: ``step_grads`` / ``max_rel_diff``, ``step_flops``, ``forward_calls``;
-``compare`` gathers one row per forward of the notebook's toy models; ``one_batch`` and ``captured_logs`` feed
-and quiet them.
-"""
+"""Lab 03's measurements: the checkpointing variants (:mod:`labutils.checkpointing`) trained through the course's one
+loop (:func:`labutils.train`) under a memory budget, each run a :class:`Measured`; and checks of one forward +
+backward (:func:`step_grads`, :func:`step_flops`, :func:`forward_calls`)."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
+import statistics
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -35,22 +27,14 @@ MiB = 2**20
 # -------------------------------------------------------------------------------------------------------- runs
 @dataclass
 class Measured:
-    """One training run of one variant. Its step time is the median of its timed steps (warm-up left out), with
-    the spread (half the inter-quartile range, relative) beside it: the one definition every table, figure and
-    claim of lab 03 reads (:func:`overhead` is the ratio of two such medians)."""
+    """One training run of one variant. Its step time is the median of its timed steps, the spread beside it: the
+    one definition every table, figure and claim of lab 03 reads (:func:`overhead`: the ratio of two medians)."""
     variant: str
     kind: str
     k: int | None
     result: RunResult
     host_bytes: int | None = None
     info: dict = field(default_factory=dict)  # what the variant counted (offload: bytes moved, weights kept)
-
-    @classmethod
-    def from_run(cls, name: str, result: RunResult, kind: str | None = None) -> "Measured":
-        """Wrap a :func:`labutils.run` result (the model's API switched by the config)."""
-        t = result.config.get("train", {})
-        kind = kind or ("every_n" if t.get("gradient_checkpointing") else "baseline")
-        return cls(name, kind, t.get("checkpoint_every_n_layers") if kind == "every_n" else None, result)
 
     @property
     def ok(self) -> bool:
@@ -62,13 +46,8 @@ class Measured:
 
     @property
     def step_time(self) -> float | None:
-        if not self.ok:
-            return None
-        times = sorted(timed_step_times(self.result))
-        if not times:
-            return self.result.step_time_seconds
-        n = len(times)
-        return times[n // 2] if n % 2 else (times[n // 2 - 1] + times[n // 2]) / 2
+        times = timed_step_times(self.result) if self.ok else []
+        return statistics.median(times) if times else self.result.step_time_seconds if self.ok else None
 
     @property
     def step_spread(self) -> float | None:
@@ -104,20 +83,16 @@ def saving(base: Measured, other: Measured) -> float | None:
 
 
 def overhead(base: Measured, other: Measured) -> float | None:
-    """``other``'s step-time overhead against ``base``: the ratio of their median timed steps minus 1 (the same
-    number :func:`labutils.claims.run_pair_evidence` gives a claim), or None unless both ran."""
+    """``other``'s step-time overhead against ``base`` (the ratio of their medians - 1, as
+    :func:`labutils.claims.run_pair_evidence` gives a claim), or None unless both ran."""
     return other.step_time / base.step_time - 1 if base.ok and other.ok else None
 
 
 @contextlib.contextmanager
 def memory_budget(budget_bytes: int | None, device: torch.device | str | None = None):
-    """Inside the block PyTorch's allocator may hold at most ``budget_bytes`` (``lu.card_allocator_bytes(8)``
-    gives the number for an 8-GiB card: 8 GiB minus the CUDA context's share).
-
-    CUDA: :func:`labutils.device.memory_cap` (never above a cap already set, e.g. by ``LAB_GPU_MEMORY_GB``),
-    restored afterwards; yields None. CPU: there is nothing to cap, so it yields the
-    budget to pass on as ``cpu_budget_bytes`` (the memory tracker then raises ``torch.OutOfMemoryError``).
-    """
+    """Inside the block PyTorch may hold at most ``budget_bytes``. CUDA: :func:`labutils.device.memory_cap` (never
+    above a cap already set), restored afterwards; yields None. CPU: yields the budget to pass on as
+    ``cpu_budget_bytes`` (the memory tracker then raises ``torch.OutOfMemoryError``)."""
     release()
     try:
         with dev.memory_cap(budget_bytes, device) as cpu_budget:
@@ -128,8 +103,7 @@ def memory_budget(budget_bytes: int | None, device: torch.device | str | None = 
 
 def _train_variant(cfg: Config, model, dataset, device, variant: Variant, env: dict, *, cpu_budget, progress,
                    desc=None) -> Measured:
-    """One run of one variant on an already loaded model; the variant is switched off and memory released after,
-    even on error. An out-of-memory error becomes a Measured with status "oom"."""
+    """One run of one variant on a loaded model, switched off and memory released after; OOM -> status "oom"."""
     variant.info.clear()
     undo, oom, result = None, None, None
     dev.reset_peak(device)
@@ -151,14 +125,6 @@ def _train_variant(cfg: Config, model, dataset, device, variant: Variant, env: d
     return Measured(variant.name, variant.kind, variant.k, result, variant.info.get("host_bytes"), dict(variant.info))
 
 
-@dataclass
-class Session:
-    """A loaded model and its dataset; emptied when :func:`loaded`'s block ends."""
-    model: nn.Module | None
-    dataset: object
-    weights: str
-
-
 @contextlib.contextmanager
 def loaded(cfg: Config, device: torch.device | str | None = None):
     """``with loaded(cfg) as s:`` ``s.model``, ``s.dataset``: the config's model and data, released when the block
@@ -168,7 +134,7 @@ def loaded(cfg: Config, device: torch.device | str | None = None):
     session = None
     try:
         bundle, dataset = prepare(cfg, device, verbose=False)
-        session = Session(bundle.model, dataset, bundle.weights)
+        session = SimpleNamespace(model=bundle.model, dataset=dataset, weights=bundle.weights)
         del bundle
         yield session
     finally:
@@ -179,11 +145,8 @@ def loaded(cfg: Config, device: torch.device | str | None = None):
 
 def measure(cfg: Config, variants, device: torch.device | str | None = None, *, budget_bytes: int | None = None,
             progress: bool = True) -> list[Measured]:
-    """Train ``cfg`` once per variant on one loaded model; returns one :class:`Measured` per variant.
-
-    ``budget_bytes``: run as if the accelerator had only this much memory (see :func:`memory_budget`).
-    Memory is the tracker's peak of live tensors (CUDA allocator / CPU storages), the same as ``labutils.run``.
-    """
+    """Train ``cfg`` once per variant on one loaded model (within ``budget_bytes``: :func:`memory_budget`); one
+    :class:`Measured` per variant. Memory is the tracker's peak of live tensors, as in ``labutils.run``."""
     device = torch.device(device or _env.default_device())
     if cfg.train.gradient_checkpointing:
         cfg = cfg.override({"train.gradient_checkpointing": False})  # the variants decide
@@ -197,97 +160,29 @@ def measure(cfg: Config, variants, device: torch.device | str | None = None, *, 
 
 
 def largest_batch(cfg: Config, variant: Variant, device: torch.device | str | None = None, *,
-                  budget_bytes: int | None = None, start: int = 1, max_batch: int = 64, steps: int = 2,
+                  budget_bytes: int | None = None, max_batch: int = 64, steps: int = 2,
                   progress: bool = False) -> tuple[int, list[Measured]]:
-    """The largest micro-batch (<= ``max_batch``) that trains without running out of memory.
-
-    Tries ``start``; doubles while runs fit (halves while they fail), then bisects between the last batch that fit
-    and the first that did not. ``steps=2``: the second step already holds the optimizer state, so its peak is
-    the steady-state peak. Returns (largest batch that fits, or 0 if not even 1 does; every probe, by batch).
-    """
+    """The largest micro-batch (<= ``max_batch``) that trains without running out of memory: tries 1, 2, 3, ...
+    until one does not fit. ``steps=2``: the second step already holds the optimizer state (the steady-state peak).
+    Returns (largest batch that fits, 0 if not even 1 does; every probe, by batch)."""
     device = torch.device(device or _env.default_device())
     base = cfg.override({"train.steps": steps, "train.gradient_checkpointing": False,
                          "train.timing_warmup_steps": min(cfg.train.timing_warmup_steps, steps - 1)})
-    probes: dict[int, Measured] = {}
+    probes: list[Measured] = []
     with memory_budget(budget_bytes, device) as cpu_budget, loaded(base, device) as s:
         env = _env.environment(device, cfg.mode, s.weights)
-
-        def fits(b: int) -> bool:
-            if b not in probes:
-                c = base.override({"train.micro_batch_size": b})
-                probes[b] = _train_variant(c, s.model, s.dataset, device, variant, env, cpu_budget=cpu_budget,
-                                           progress=progress, desc=f"{variant.name}, batch {b}")
-            return probes[b].ok
-
-        b = max(1, min(start, max_batch))
-        if fits(b):
-            good, bad = b, None
-            while bad is None and good < max_batch:
-                b = min(2 * good, max_batch)
-                good, bad = (b, None) if fits(b) else (good, b)
-        else:
-            good, bad = 0, b
-            while good == 0 and bad > 1:
-                b = bad // 2
-                good, bad = (b, bad) if fits(b) else (0, b)
-        while bad is not None and bad - good > 1:
-            mid = (good + bad) // 2
-            good, bad = (mid, bad) if fits(mid) else (good, mid)
-    return good, [probes[b] for b in sorted(probes)]
-
-
-def variant_peaks(cfg: Config, variants: dict, device: torch.device | str | None = None, *, n_layer: int,
-                  n_embd: int | None = None) -> dict:
-    """Peak memory of one forward + backward of a GPT-2 like ``cfg``'s, but ``n_layer`` blocks deep (and
-    ``n_embd`` wide, default the config's), under each variant of ``variants`` ({key: Variant}): {key: peak bytes
-    above the start}. For what needs depth (the k-sweep of section 4, claim C5, which cannot fail on a shallow
-    model): smoke mode's ``tiny`` has 2 blocks, so the sweep is repeated on a deep, narrow model of the same
-    architecture (random weights, the config's dropout, one micro-batch of the config's data)."""
-    from transformers import GPT2LMHeadModel
-
-    from .models import gpt2_config
-
-    device = torch.device(device or _env.default_device())
-    gcfg = gpt2_config(cfg.model.name, cfg.model.dropout, cfg.model.attn_implementation)
-    gcfg.n_layer = n_layer
-    if n_embd is not None:
-        gcfg.n_embd = n_embd
-    with loaded(cfg, device) as s:
-        batch = one_batch(s.dataset, cfg.train.micro_batch_size, cfg.train.seed, device)
-    _env.seed_everything(cfg.train.seed)
-    model = GPT2LMHeadModel(gcfg).to(device).train()
-    model.loss_type = "ForCausalLM"  # as labutils.models does: the class name maps to no loss type (a warning)
-    peaks = {}
-    try:
-        for key, variant in variants.items():
-            undo = variant.apply(model)
-            try:
-                peaks[key] = peak_during(lambda: _forward_backward(model, batch), device)
-            finally:
-                undo()
-                model.zero_grad(set_to_none=True)
-    finally:
-        del model
-        release()
-    return peaks
-
-
-def segment_peaks(cfg: Config, ks, device: torch.device | str | None = None, *, n_layer: int,
-                  n_embd: int | None = None) -> dict[int, int]:
-    """:func:`variant_peaks` with segments of k blocks (:func:`labutils.checkpointing.segments`) for each k in
-    ``ks``: {k: peak bytes above the start}."""
-    from .checkpointing import segments
-
-    return variant_peaks(cfg, {k: segments(k) for k in ks}, device, n_layer=n_layer, n_embd=n_embd)
+        for b in range(1, max_batch + 1):
+            probes.append(_train_variant(base.override({"train.micro_batch_size": b}), s.model, s.dataset, device,
+                                         variant, env, cpu_budget=cpu_budget, progress=progress,
+                                         desc=f"{variant.name}, batch {b}"))
+            if not probes[-1].ok:
+                break
+    return sum(m.ok for m in probes), probes
 
 
 def peak_during(fn: Callable[[], object], device: torch.device | str | None = None) -> int:
-    """Peak bytes of the tensors ``fn()`` allocates, above what was live when it started.
-
-    CUDA: the allocator's peak. CPU: the storages created inside, counted like :class:`labutils.MemoryTracker`
-    does, but without its walk over every live object (which costs ~0.5 s in a notebook kernel), so it suits
-    many small measurements.
-    """
+    """Peak bytes of the tensors ``fn()`` allocates, above what was live when it started. CUDA: the allocator's
+    peak. CPU: the storages created inside (:class:`labutils.memory.LiveStorages`, no walk over live objects)."""
     device = dev.resolve(device)
     if device.type == "cuda":
         dev.synchronize(device)
@@ -302,46 +197,32 @@ def peak_during(fn: Callable[[], object], device: torch.device | str | None = No
 
 
 # ------------------------------------------------------------------------------------------------------ checking
-def compare(step: Callable, forwards) -> tuple[list[dict], dict]:
-    """Measure each forward once: ``step(forward)`` runs one forward + backward and returns (row, gradients).
-
-    ``forwards``: ``(name, forward)`` or ``(name, forward, ok, why)``; one whose ``ok`` is false is skipped, with
-    ``why`` printed. Returns the table rows (``{"forward": name, **row}``) and the gradients by name."""
-    rows, grads = [], {}
-    for name, forward, *available in forwards:
-        ok, why = available or (True, "")
-        if not ok:
-            print(f"skipped '{name}': {why}")
-            continue
-        row, grads[name] = step(forward)
-        rows.append({"forward": name, **row})
-    return rows, grads
-
-
 def one_batch(dataset, micro_batch_size: int, seed: int, device) -> dict:
     """The first micro-batch the training loop would see, on ``device``."""
     window = next(dataset.windows(micro_batch_size, 1, seed))
     return {k: v.to(device) for k, v in window.micro_batches[0].items()}
 
 
-def _forward_backward(model, batch) -> None:
-    model(**batch, use_cache=False).loss.backward()
+@contextlib.contextmanager
+def _one_step(model, variant: Variant | None):
+    """One forward + backward inside the block with ``variant`` on; gradients cleared before and after."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    undo = variant.apply(model) if variant else None
+    try:
+        yield
+    finally:
+        if undo:
+            undo()
+        model.zero_grad(set_to_none=True)
 
 
 def step_grads(model, batch: dict, variant: Variant | None = None) -> list[torch.Tensor]:
     """Gradients of one forward + backward with ``variant`` on (copies in host memory, one per parameter)."""
     params = list(model.parameters())  # before apply: segments() re-parents blocks, not parameters
-    model.train()
-    model.zero_grad(set_to_none=True)
-    undo = variant.apply(model) if variant else None
-    try:
-        _forward_backward(model, batch)
-        grads = [p.grad.detach().to("cpu", copy=True) if p.grad is not None else None for p in params]
-    finally:
-        if undo:
-            undo()
-        model.zero_grad(set_to_none=True)
-    return grads
+    with _one_step(model, variant):
+        model(**batch, use_cache=False).loss.backward()
+        return [p.grad.detach().to("cpu", copy=True) if p.grad is not None else None for p in params]
 
 
 def max_rel_diff(grads, reference) -> float:
@@ -360,59 +241,21 @@ def step_flops(model, batch: dict, variant: Variant | None = None) -> int:
     """FLOPs of matmuls and attention in one forward + backward (``torch.utils.flop_counter``): recompute shows up."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    model.train()
-    model.zero_grad(set_to_none=True)
-    undo = variant.apply(model) if variant else None
-    try:
-        with FlopCounterMode(display=False) as counter:
-            _forward_backward(model, batch)
-    finally:
-        if undo:
-            undo()
-        model.zero_grad(set_to_none=True)
+    with _one_step(model, variant), FlopCounterMode(display=False) as counter:
+        model(**batch, use_cache=False).loss.backward()
     return counter.get_total_flops()
 
 
 def forward_calls(model, batch: dict, variant: Variant | None = None) -> int:
-    """How many times the blocks' MLPs run in one forward + backward: L without recompute, more with it.
-
-    The hook sits on ``block.mlp``, a module *inside* the checkpointed region: transformers checkpoints a block's
-    ``forward`` (not ``__call__``), so hooks on the block itself would not see the recompute.
-    """
+    """How many times the blocks' MLPs run in one forward + backward: L without recompute, more with it (on
+    ``block.mlp``: transformers checkpoints a block's ``forward``, so a hook on the block misses the recompute)."""
     calls = [0]
-    mlps = [block.mlp for block in model.transformer.h]
-    handles = [m.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) for m in mlps]
-    model.train()
-    model.zero_grad(set_to_none=True)
-    undo = variant.apply(model) if variant else None
+    handles = [block.mlp.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+               for block in model.transformer.h]
     try:
-        _forward_backward(model, batch)
+        with _one_step(model, variant):
+            model(**batch, use_cache=False).loss.backward()
     finally:
-        if undo:
-            undo()
         for h in handles:
             h.remove()
-        model.zero_grad(set_to_none=True)
     return calls[0]
-
-
-class _ListHandler(logging.Handler):
-    def __init__(self, records: list):
-        super().__init__(logging.DEBUG)
-        self.records = records
-
-    def emit(self, record):
-        self.records.append(record.getMessage())
-
-
-@contextlib.contextmanager
-def captured_logs(name: str = "transformers"):
-    """Collect a library's log messages in a list instead of printing them (restored afterwards)."""
-    logger = logging.getLogger(name)
-    records: list[str] = []
-    saved = logger.handlers[:]
-    logger.handlers = [_ListHandler(records)]
-    try:
-        yield records
-    finally:
-        logger.handlers = saved
