@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from . import cards
 from . import device as dev
+from .config import ConfigError
 from .distributed import zero_table
 from .estimate import CUDA_CONTEXT_BYTES, HEADROOM, GiB, Plan, estimate_memory, estimate_plan, fits, plan_from_config
 from .flops import flops_per_token
@@ -150,8 +151,12 @@ def cli_estimate(cfg, args) -> int:
     recommendation, and per GPU under data parallelism / ZeRO; ``args.json``: all of it as JSON too."""
     start = time.perf_counter()
     if args.gpu_memory_gb is not None:
-        budget, rule = cards.card_total_bytes(args.gpu_memory_gb)
-        where = f"{getattr(args, 'gpu_memory_source', '--gpu-memory-gb ')}{args.gpu_memory_gb:g}: {rule}"
+        source = getattr(args, "gpu_memory_source", "--gpu-memory-gb ")
+        try:
+            budget, rule = cards.card_total_bytes(args.gpu_memory_gb)
+        except ValueError as exc:  # a card too small for the CUDA context itself
+            raise ConfigError(source.strip(" ="), None, args.gpu_memory_gb, str(exc)) from None
+        where = f"{source}{args.gpu_memory_gb:g}: {rule}"
     else:
         budget, where = default_budget_bytes()
     est = estimate_memory(cfg)
@@ -201,9 +206,10 @@ def cli_estimate(cfg, args) -> int:
     print(f"per GPU with data parallelism / ZeRO (model state {'2P+2P+12P' if t.precision in ('fp16', 'bf16') else '4P+4P+8P'}"
           f" sharded, plus this micro-batch's activations):")
     cols = list(zero[0])
-    print("  " + "".join(f"{c:>22}" if i == 0 else f"{c:>10}" for i, c in enumerate(cols)))
+    w = 2 + max(len(str(x)) for x in cols[1:] + [_gib(r[c]) for r in zero for c in cols[1:]])  # a space between
+    print("  " + f"{cols[0]:>22}" + "".join(f"{c:>{w}}" for c in cols[1:]))
     for r in zero:
-        print("  " + "".join(f"{r[c]:>22}" if i == 0 else f"{_gib(r[c]):>10}" for i, c in enumerate(cols)))
+        print("  " + f"{r[cols[0]]:>22}" + "".join(f"{_gib(r[c]):>{w}}" for c in cols[1:]))
     if args.json:
         out = {k: est[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
                                    "peak_bytes")}

@@ -34,7 +34,7 @@ from . import device as dev
 from . import env as _env
 from . import reference as ref_model
 from .compiling import compile_for_training
-from .config import Config, ConfigError
+from .config import Config, ConfigError, source_of
 from .train import autocast_for, prepare, scaler_for, train
 
 GOAL = 0.95  # course / reference throughput on a GPU (issue 28)
@@ -96,7 +96,7 @@ def check_steps(cfg: Config) -> int:
     """The timing warm-up bench uses; a :class:`ConfigError` if ``train.steps`` leaves no step to time."""
     warmup = max(cfg.train.timing_warmup_steps, 2)
     if cfg.train.steps <= warmup:
-        raise ConfigError(cfg.source, "train.steps", cfg.train.steps,
+        raise ConfigError(source_of(cfg, "train.steps"), "train.steps", cfg.train.steps,
                           f"bench times the steps after its warm-up of {warmup}; must be >= {warmup + 1}")
     return warmup
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GiB = 2**30
+CUDA_CONTEXT_BYTES = int(0.5 * GiB)   # CUDA context + kernels outside PyTorch's allocator (typical 0.3-0.6 GiB)
 
 
 @dataclass(frozen=True)
@@ -90,5 +91,9 @@ def card_total_bytes(gb: float) -> tuple[int, str]:
         return c.total_bytes, f"card table: {c.key} reports {c.torch_total_gib:.2f} GiB to torch ({c.sources[0].split(':')[0]})"
     c = min(known, key=lambda c: (abs(c.sold_as_gb - gb), c.sold_as_gb))
     total = int(c.total_bytes * gb / c.sold_as_gb)
+    if total <= CUDA_CONTEXT_BYTES:  # not even the CUDA context fits: every budget check would be negative
+        raise ValueError(f"a {gb:g} GB card gives torch {total / GiB:.2f} GiB, not more than the CUDA context "
+                         f"({CUDA_CONTEXT_BYTES / GiB:.2f} GiB): a card must be over "
+                         f"{CUDA_CONTEXT_BYTES * c.sold_as_gb / c.total_bytes:.2f} GB")
     return total, (f"no {gb:g} GB card in the table: {c.key}'s {c.torch_total_gib:.2f} GiB scaled by "
                    f"{gb:g}/{c.sold_as_gb} = {total / GiB:.2f} GiB")

@@ -6,7 +6,9 @@ what is allowed; the CLI turns it into exit code 2.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import math
 import numbers
 import os
@@ -130,8 +132,9 @@ class Config:
     def override(self, overrides: Mapping[str, Any] | Iterable[str] | None = None, **kw) -> "Config":
         """A validated copy with explicit overrides: ``cfg.override({"train.precision": "bf16"})``,
         ``cfg.override(["train.steps=3"])`` or ``cfg.override(train__steps=3)``."""
-        new = dataclasses.replace(self, model=dataclasses.replace(self.model), data=dataclasses.replace(self.data),
-                                  train=dataclasses.replace(self.train), origins=dict(self.origins))
+        new = dataclasses.replace(self, model=copy.copy(self.model), data=copy.copy(self.data),  # a typo set in
+                                  train=copy.copy(self.train), origins=dict(self.origins),  # code comes too
+                                  validated=dict(self.validated))
         items = _override_items(overrides, source="override")
         items += [(k.replace("__", "."), v) for k, v in kw.items()]
         for key, value in items:
@@ -148,15 +151,10 @@ SMOKE_CAPS = {"data.seq_length": 64, "data.num_samples": 64, "train.steps": 4,
               "train.micro_batch_size": 4, "train.warmup_steps": 1, "train.timing_warmup_steps": 1}
 
 
-def _type_name(tp) -> str:
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
-
-
 def _coerce(source: str, key: str, value: Any, f: dataclasses.Field):
     """Check a value against the field's declared type; YAML already typed it."""
-    tp = f.type if not isinstance(f.type, str) else f.type
-    optional = "None" in str(tp)
-    base = str(tp).replace(" | None", "")
+    optional = "None" in str(f.type)
+    base = str(f.type).replace(" | None", "")
     if value is None:
         if optional:
             return None
@@ -190,7 +188,7 @@ def _coerce(source: str, key: str, value: Any, f: dataclasses.Field):
         if isinstance(value, str):
             return value
         raise ConfigError(source, key, value, "must be a string")
-    raise AssertionError(f"unhandled field type {tp}")  # pragma: no cover
+    raise AssertionError(f"unhandled field type {f.type}")  # pragma: no cover
 
 
 def _assign(cfg: Config, key: str, value: Any, source: str) -> None:
@@ -202,9 +200,10 @@ def _assign(cfg: Config, key: str, value: Any, source: str) -> None:
     flds = {f.name: f for f in fields(SECTIONS[section])}
     if name not in flds:
         raise ConfigError(source, key, value, f"unknown key; allowed in '{section}': {', '.join(flds)}")
-    setattr(getattr(cfg, section), name, _coerce(source, key, value, flds[name]))
+    setattr(_section(cfg, section), name, _coerce(source, key, value, flds[name]))
     if source != cfg.source:
         cfg.origins[key] = source
+        cfg.validated.pop(key, None)  # now the source's value, not one code changed
 
 
 def _choice(source, key, value, allowed):
@@ -241,7 +240,26 @@ def _has_trainable_document(path: str) -> bool:
 
 
 def _flat(cfg: Config) -> dict:
-    return {f"{s}.{k}": v for s in SECTIONS for k, v in vars(getattr(cfg, s)).items()}
+    return {f"{s}.{k}": v for s, c in SECTIONS.items() if type(getattr(cfg, s)) is c
+            for k, v in vars(getattr(cfg, s)).items()}
+
+
+def source_of(cfg: Config, key: str) -> str:
+    """What set ``key`` (a message names it): code, when the value differs from the one the last validation saw
+    (or the key or section is new since: a typo, ``cfg.train = None``); else "--set" / "override" for what those
+    set, "smoke mode" for the tiny model; else the file."""
+    before = cfg.validated.get(key, _MISSING)
+    if (cfg.validated and key not in cfg.origins) if before is _MISSING else _flat(cfg).get(key, _MISSING) != before:
+        return f"set in code after loading {cfg.source}"
+    return cfg.origins.get(key, cfg.source)
+
+
+def _section(cfg: Config, section: str):
+    obj = getattr(cfg, section)
+    if type(obj) is not SECTIONS[section]:
+        raise ConfigError(source_of(cfg, section), section, obj, f"must be a {SECTIONS[section].__name__} (a section "
+                                                                   "of key: value)")
+    return obj
 
 
 def _check_types(cfg: Config, s) -> None:
@@ -252,9 +270,7 @@ def _check_types(cfg: Config, s) -> None:
     if cfg.mode not in ("full", "smoke"):
         raise ConfigError("mode", None, cfg.mode, "must be full or smoke")
     for section, cls in SECTIONS.items():
-        obj = getattr(cfg, section)
-        if type(obj) is not cls:
-            raise ConfigError(s(section), section, obj, f"must be a {cls.__name__} (a section of key: value)")
+        obj = _section(cfg, section)
         flds = {f.name: f for f in fields(cls)}
         for name, value in vars(obj).items():  # a misspelt key assigned in code lands here, not in a field
             key = f"{section}.{name}"
@@ -267,14 +283,7 @@ def validate(cfg: Config) -> Config:
     """Check every key of ``cfg`` (types, allowed values, ranges) and raise :class:`ConfigError` with one line
     naming the source, key, value and what is allowed. The one check of the YAML path, ``override`` and
     ``labutils.train.run`` / ``train``: a config changed in code after loading is checked as a file is."""
-    def s(key):  # the source that set a key: the file, "--set" / "override" for what those set, or code
-        if key in cfg.origins:
-            return cfg.origins[key]
-        before = cfg.validated.get(key, _MISSING)
-        if before is not _MISSING and _flat(cfg).get(key, _MISSING) != before:
-            return f"set in code after loading {cfg.source}"
-        return cfg.source
-
+    s = functools.partial(source_of, cfg)  # the source that set a key
     _check_types(cfg, s)
     m, d, t = cfg.model, cfg.data, cfg.train
 

@@ -23,6 +23,7 @@ import torch
 from .config import DataConfig
 
 IGNORE_INDEX = -100
+_TOLD: set[tuple[int, int]] = set()  # (samples, effective batch) already noticed
 
 
 def _builtin_documents(min_chars: int = 200) -> list[str]:
@@ -117,8 +118,14 @@ class LMDataset:
             pending = pending[effective_batch:]
 
     def windows(self, micro_batch_size: int, accumulation_steps: int, seed: int) -> Iterator["Window"]:
-        """One :class:`Window` per optimizer step: its micro-batches and its total target-token count."""
-        for idx in self.step_indices(micro_batch_size * accumulation_steps, seed):
+        """One :class:`Window` per optimizer step: its micro-batches and its total target-token count. A step that
+        needs more samples than the dataset holds repeats them within the step: said once per process."""
+        eff = micro_batch_size * accumulation_steps
+        if eff > len(self) and (len(self), eff) not in _TOLD:
+            _TOLD.add((len(self), eff))
+            print(f"notice: each optimizer step takes {eff} samples (micro-batch x accumulation steps) from a dataset "
+                  f"of {len(self)} (data.num_samples): every sample repeats about {eff / len(self):.0f} times a step")
+        for idx in self.step_indices(eff, seed):
             chunks = [idx[i:i + micro_batch_size] for i in range(0, len(idx), micro_batch_size)]
             yield Window([self.batch(c) for c in chunks], sum(self.targets[i] for i in idx),
                          sum(self.real[i] for i in idx))

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from .cards import CUDA_CONTEXT_BYTES
+from .config import validate
 from .models import N_POSITIONS, PRESETS, padded_vocab_size, vocab_size
 from . import device as dev
 from .replay import CUBLAS_WORKSPACE_BYTES, KINDS, Replay, cublas_workspace_bytes
 
 GiB = 2**30
-CUDA_CONTEXT_BYTES = int(0.5 * GiB)   # CUDA context + kernels outside PyTorch's allocator (typical 0.3-0.6 GiB)
 HEADROOM = 0.10                       # allocator rounding / fragmentation: reserved is usually 5-15 % above peak
 EAGER_BASIS = "the eager step, tensor by tensor"
 # What the estimate assumes for train.compile: the replay follows the eager step's tensors. Inductor fuses
@@ -65,8 +66,9 @@ class Plan:
 
 
 def plan_from_config(cfg, device: str = "cuda", **overrides) -> Plan:
-    """A :class:`Plan` from a labutils Config; keyword overrides win (micro=, accum=, precision=, ...)."""
-    t, d, m = cfg.train, cfg.data, cfg.model
+    """A :class:`Plan` from a labutils Config, checked as ``lu.run`` checks it (a value set in code: "FP16", "4");
+    keyword overrides win (micro=, accum=, precision=, ...)."""
+    t, d, m = validate(cfg).train, cfg.data, cfg.model
     plan = Plan(model=m.name, seq=d.seq_length, micro=t.micro_batch_size, accum=t.accumulation_steps,
                 precision=t.precision, checkpointing=t.gradient_checkpointing, every_n=t.checkpoint_every_n_layers,
                 attn=m.attn_implementation, dropout=(m.dropout is None or m.dropout > 0), padded=not d.pack,

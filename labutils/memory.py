@@ -2,18 +2,21 @@
 
 On CUDA the caching allocator is asked (allocated, reserved, and the peaks of both; the peak counters are reset
 when the region starts). A memory cap (``set_per_process_memory_fraction``) limits *reserved*, which also holds
-cached free blocks: a run fails when reserved would pass the cap, even with peak allocated below it. On CPU there is no allocator to ask, and process RSS counts the Python heap and freed-but-cached
-pages, so the tracker counts the bytes of live tensor storages itself: storages alive when the region starts
-(found through the garbage collector) plus every storage an operator creates inside it (seen through a
-``TorchDispatchMode``, like ``torch.distributed._tools.mem_tracker``), minus those freed. Same meaning as
-``torch.cuda.max_memory_allocated``: peak bytes of live tensors.
+cached free blocks: a run fails when reserved would pass the cap, even with peak allocated below it. On CPU there is
+no allocator to ask, and process RSS counts the Python heap and freed-but-cached pages, so the tracker counts the
+bytes of live tensor storages itself: storages alive when the region starts (found through the garbage collector)
+plus every storage an operator creates inside it (seen through a ``TorchDispatchMode``, like
+``torch.distributed._tools.mem_tracker``), minus those freed. Same meaning as ``torch.cuda.max_memory_allocated``.
 """
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import gc
 import re
+import sys
+import traceback
 import weakref
 from dataclasses import dataclass, field
 
@@ -40,6 +43,10 @@ def fmt_bytes(n: float | None) -> str:
     return f"{int(n)} B"
 
 
+class _StorageRef(weakref.ref):
+    __slots__ = ("key",)
+
+
 class LiveStorages(TorchDispatchMode):
     """Counts bytes of live CPU tensor storages; keeps a running peak (``with LiveStorages() as live: ...;
     live.peak``). What :class:`MemoryTracker` uses on the CPU; ``add_existing()`` also counts what was alive
@@ -49,17 +56,31 @@ class LiveStorages(TorchDispatchMode):
     inside it runs eagerly (dynamo does not compile under a non-infra dispatch mode), and is measured as the eager
     step. Dynamo also marks that code as skipped for the rest of the process; the training loop clears those
     marks before it compiles (:mod:`labutils.compiling`) and does not track compiled steps on the CPU (compiled
-    kernels allocate past the dispatcher, so this count would miss their buffers)."""
+    kernels allocate past the dispatcher, so this count would miss their buffers). A storage's death is queued by
+    a C function (its weakref's callback is ``deque.append``) and counted at the next allocation or reading: a Ctrl-C
+    landing in a Python finaliser is swallowed ("Exception ignored in: <finalize object>"), the cell going on."""
 
     def __init__(self, budget_bytes: int | None = None):
         super().__init__()
         self.budget = budget_bytes
         self.live: dict[int, int] = {}
-        self.current = 0
-        self.peak = 0
+        self._refs: dict[int, _StorageRef] = {}
+        self._dead: collections.deque[_StorageRef] = collections.deque()  # storages died since last counted
+        self._current = 0
+        self._peak = 0
+
+    current = property(lambda self: self._count_dead() or self._current)  # bytes live now
+    peak = property(lambda self: self._count_dead() or self._peak)
+
+    def _count_dead(self) -> None:
+        while self._dead:
+            ref = self._dead.popleft()
+            if self._refs.get(ref.key) is ref:
+                del self._refs[ref.key]
+                self._forget(ref.key)
 
     def _forget(self, key: int) -> None:
-        self.current -= self.live.pop(key, 0)
+        self._current -= self.live.pop(key, 0)
 
     def add(self, t) -> None:
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.is_sparse:
@@ -72,16 +93,18 @@ class LiveStorages(TorchDispatchMode):
         except (RuntimeError, NotImplementedError):
             return
         n = st.nbytes()
+        self._count_dead()
         if n == 0 or key in self.live:
             return
-        if self.budget is not None and self.current + n > self.budget:
+        if self.budget is not None and self._current + n > self.budget:
             raise torch.OutOfMemoryError(
-                f"simulated out of memory on CPU: tried to allocate {fmt_bytes(n)} with {fmt_bytes(self.current)} "
+                f"simulated out of memory on CPU: tried to allocate {fmt_bytes(n)} with {fmt_bytes(self._current)} "
                 f"live and a budget of {fmt_bytes(self.budget)}")
         self.live[key] = n
-        self.current += n
-        self.peak = max(self.peak, self.current)
-        weakref.finalize(st, self._forget, key)
+        self._current += n
+        self._peak = max(self._peak, self._current)
+        ref = self._refs[key] = _StorageRef(st, self._dead.append)
+        ref.key = key
 
     def add_existing(self) -> None:
         for obj in gc.get_objects():
@@ -89,6 +112,10 @@ class LiveStorages(TorchDispatchMode):
                 self.add(obj)
                 if obj.is_leaf and obj.grad is not None:  # .grad of a non-leaf warns
                     self.add(obj.grad)
+
+    def __exit__(self, *exc):
+        self._count_dead()
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -141,6 +168,7 @@ class MemoryTracker:
         return cur
 
     def __enter__(self) -> "MemoryTracker":
+        release_failed_cell()
         gc.collect()
         if self.is_cuda:
             dev.synchronize(self.device)
@@ -202,19 +230,14 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None 
 
 
 def freeze_import_state() -> bool:
-    """Take what exists now out of the garbage collector's full scans (``gc.freeze``), when nothing of it can hold
-    memory: called by :func:`labutils.setup` (every lab's setup cell) in a notebook's kernel, where it is the imported
-    modules' own state (torch, transformers, matplotlib, the kernel: 300-450 thousand objects). Every experiment calls
-    ``gc.collect()`` twice (:class:`MemoryTracker` and :func:`release`, for honest baselines), and each call walked
-    all of them: about 0.2 s a call, 43 s of the four labs' 170 s smoke run on the 2-core CI box; and the CPU
-    tracker's census of live tensors (``gc.get_objects``) another 0.1 s. Frozen objects are never collected, so the
-    freeze happens only while no tensor is alive (a tensor frozen here would stay out of the CPU tracker's census, and
-    a cycle through it would never be freed); objects made later are collected as before, and at exit everything is
-    unfrozen, so the interpreter's last collection sees what it saw without the freeze.
-    Kernels only: in the process that drives kernels (``regenerate``: jupyter_client's zmq sockets) a freeze at import
-    was followed, under load, by a libzmq abort at exit (``signaler.cpp:238``, 1 run in 20; reverted in 023f631).
-    Called more than once, it freezes what is new, under the same rule.
-    Returns whether it froze."""
+    """Take what exists now out of the garbage collector's full scans (``gc.freeze``) while no tensor is alive: called
+    by :func:`labutils.setup` in a notebook's kernel, where it is the imported modules' own state (torch, transformers,
+    matplotlib: 300-450 thousand objects). Each ``gc.collect()`` (:class:`MemoryTracker`, :func:`release`) walked them
+    all, about 0.2 s a call: 43 s of the four labs' 170 s smoke run on the 2-core CI box. A tensor frozen here would
+    stay out of the CPU tracker's census and a cycle through it never freed, hence the rule; later objects are
+    collected as before, and everything is unfrozen at exit. Kernels only: in ``regenerate``'s process (jupyter_client's
+    zmq sockets) a freeze was followed, under load, by a libzmq abort at exit (1 run in 20; reverted in 023f631).
+    Called again, it freezes what is new, under the same rule. Returns whether it froze."""
     if any(issubclass(type(o), torch.Tensor) for o in gc.get_objects()):  # type(): no lazy-module side effects
         return False  # (a tensor in uncollected garbage counts too: no freeze, the safe side)
     # what every lab imports on first use, imported here so that it is frozen too: transformers' GPT-2 classes (its
@@ -228,13 +251,48 @@ def freeze_import_state() -> bool:
     return True
 
 
-def release(*objs) -> None:
-    """Drop references, collect garbage and return cached memory to the driver (the GPU allocator's blocks and
-    pinned host memory, which CPU offload fills): call after every experiment."""
-    for o in objs:
-        del o
+def release() -> None:
+    """Collect garbage and return cached memory to the driver (the GPU allocator's blocks and pinned host memory,
+    which CPU offload fills): call after every experiment. Also frees what a failed cell left."""
+    release_failed_cell()
     gc.collect()
     dev.empty_caches()
+
+
+_CLEARED: list = []  # the tracebacks release_failed_cell cleared last (not measured again)
+
+
+def _bytes_in_use() -> int:
+    gc.collect()
+    (live := LiveStorages()).add_existing()
+    return live.current + (dev.allocated() or 0)
+
+
+def release_failed_cell() -> int:
+    """Free what the last cell that ended in an error (Ctrl-C included) left alive, say how much, return it. IPython
+    keeps the error (``sys.last_*``, its last ``ExecutionResult``, its traceback printer), and the traceback's frames
+    hold the locals of every function it went through: an interrupted run's model, optimizer and data, in every later
+    peak. ``sys.last_traceback = None`` frees nothing while the others hold it; clearing the frames does."""
+    result = getattr(getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)(), "last_execution_result", None)
+    errors = [getattr(sys, "last_value", None), getattr(sys, "last_exc", None), getattr(result, "error_in_exec", None)]
+    tbs = [getattr(sys, "last_traceback", None)]
+    while errors:  # each error, and the errors it was raised from or while handling
+        if isinstance(e := errors.pop(), BaseException) and not any(e.__traceback__ is tb for tb in tbs):
+            tbs.append(e.__traceback__)
+            errors += [e.__cause__, e.__context__]
+    if not (tbs := [tb for tb in tbs if tb is not None and not any(tb is c for c in _CLEARED)]):
+        return 0
+    before = _bytes_in_use()
+    for tb in tbs:
+        for frame, _ in traceback.walk_tb(tb):
+            with contextlib.suppress(RuntimeError):  # a frame still running is left as it is
+                frame.clear()
+                frame.f_locals  # noqa: B018  Python < 3.13: syncs (empties) the dict of locals a printer took
+    _CLEARED[:] = tbs
+    if (freed := before - _bytes_in_use()) > 0:
+        print(f"released {fmt_bytes(freed)} that a failed or interrupted cell had left alive (IPython keeps its "
+              f"error, whose frames held them): not in the measurements from here")
+    return max(freed, 0)
 
 
 def oom_text(exc: BaseException) -> str:

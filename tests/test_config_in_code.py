@@ -83,11 +83,86 @@ def test_a_value_of_the_right_kind_is_taken_and_recorded_as_the_file_would_give_
 
 
 def test_an_unchanged_invalid_value_still_names_its_source(root):
-    """Only a changed value is blamed on code; a key ``override`` set keeps naming ``override``."""
-    cfg = lu.load_config(root / "configs/fp32_config.yaml", mode="smoke").override({"train.steps": 2})
-    cfg.train.steps = 0
-    with pytest.raises(ConfigError, match=r"^override: train.steps = 0: must be >= 1$"):
+    """Only a changed value is blamed on code; a key ``override`` set, unchanged, keeps naming ``override`` (here
+    made invalid by a limit that code changed, which the line names as code's)."""
+    cfg = lu.load_config(root / "configs/fp32_config.yaml", mode="smoke").override(
+        {"train.micro_batch_size": 1, "train.accumulation_steps": 40000})
+    cfg.train.micro_batch_size = 2
+    with pytest.raises(ConfigError, match=r"^override: train.accumulation_steps = 40000: must be >= 1 and <= 32768 "
+                                          r"\(given train.micro_batch_size = 2 from set in code after loading "):
         lu.run(cfg, "cpu", progress=False, verbose=False)
+
+
+@pytest.mark.parametrize("how, source", [(["train.steps=2"], "--set"), ({"train.steps": 2}, "override")])
+def test_a_value_set_in_code_after_a_set_is_codes(root, no_work, how, source):
+    """Issue 38 §5: ``load_config(..., ["train.steps=2"])`` (or ``.override``), then ``cfg.train.steps = 0`` in code:
+    code set the 0, not the ``--set``. Before: "--set: train.steps = 0"."""
+    path = root / "configs/fp32_config.yaml"
+    cfg = (lu.load_config(path, how, mode="smoke") if source == "--set"
+           else lu.load_config(path, mode="smoke").override(how))
+    assert cfg.train.steps == 2
+    cfg.train.steps = 0
+    with pytest.raises(ConfigError, match=rf"^set in code after loading {path}: train.steps = 0: must be >= 1$"):
+        lu.run(cfg, "cpu", progress=False, verbose=False)
+
+
+def test_a_model_name_set_in_code_is_not_smoke_modes(root, no_work):
+    """Smoke mode sets the tiny model; ``cfg.model.name = "gpt3"`` afterwards is code's. Before: "smoke mode: ..."."""
+    path = root / "configs/fp32_config.yaml"
+    cfg = lu.load_config(path, mode="smoke")
+    cfg.model.name = "gpt3"
+    with pytest.raises(ConfigError, match=rf"^set in code after loading {path}: model.name = 'gpt3': must be one of"):
+        lu.run(cfg, "cpu", progress=False, verbose=False)
+
+
+@pytest.mark.parametrize("section", [None, {"steps": 3}, 3])
+def test_a_section_replaced_in_code_is_a_config_error(root, no_work, section):
+    """``cfg.train = None`` or ``= {"steps": 3}``: one line naming code and the section, from ``run`` and from
+    ``override``. Before: a TypeError inside validate (looking up the value's source: ``vars(None)``)."""
+    path = root / "configs/fp32_config.yaml"
+    cfg = lu.load_config(path, mode="smoke")
+    cfg.train = section
+    expected = rf"^set in code after loading {path}: train = .*: must be a TrainConfig \(a section of key: value\)$"
+    with pytest.raises(ConfigError, match=expected):
+        lu.run(cfg, "cpu", progress=False, verbose=False)
+    with pytest.raises(ConfigError, match=expected):
+        cfg.override({"train.steps": 3})
+
+
+def test_override_refuses_a_typo_set_in_code(root):
+    """``cfg.train.stpes = 3`` then ``cfg.override(...)``: refused as ``run`` refuses it. Before: the copy dropped
+    the typo silently, and the run went on with the file's steps."""
+    path = root / "configs/fp32_config.yaml"
+    cfg = lu.load_config(path, mode="smoke")
+    cfg.train.stpes = 3
+    with pytest.raises(ConfigError, match=rf"^set in code after loading {path}: train.stpes = 3: unknown key"):
+        cfg.override({"train.lr": 1e-3})
+
+
+@pytest.mark.parametrize("key, value, yaml_value", [
+    ("train.precision", "FP16", "FP16"), ("train.precision", "b16", "b16"),
+    ("train.gradient_checkpointing", "no", "'no'"), ("data.seq_length", 2000, "2000"), ("model.dropout", 1.5, "1.5"),
+    ("train.micro_batch_size", "4", "'4'"), ("model.name", "gpt3", "gpt3")])
+def test_estimate_memory_checks_the_config_as_run_does(tmp_path, root, key, value, yaml_value):
+    """Issue 38 §5: ``estimate_memory(cfg)`` after a value set in code: the YAML path's message, through the one
+    ``validate``. Before: "FP16" / "b16" gave the FP32 estimate, "no" the checkpointed one, 2000 and 1.5 numbers,
+    "4" and "gpt3" a TypeError / KeyError."""
+    from labutils.estimate import estimate_memory
+
+    path = root / "configs/fp32_config.yaml"
+    cfg = lu.load_config(path, mode="full")
+    section, name = key.split(".")
+    setattr(getattr(cfg, section), name, value)
+    with pytest.raises(ConfigError) as info:
+        estimate_memory(cfg)
+    assert str(info.value) == f"set in code after loading {path}: " + yaml_line(tmp_path, section, name, yaml_value)
+
+
+def test_bench_names_the_set_that_gave_too_few_steps(root, capsys):
+    """``bench CONFIG --set train.steps=1``: the --set gave the 1, not the file. Before: "CONFIG: train.steps = 1"."""
+    assert main(["bench", str(root / "configs/fp32_config.yaml"), "--set", "train.steps=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --set: train.steps = 1: bench times the steps after its warm-up"), err
 
 
 @pytest.mark.parametrize("file_text, override, key, given", [

@@ -71,3 +71,26 @@ def test_pad_tokens_never_count_in_the_loss(ragged_corpus):
     loss2.backward()
     assert abs(loss.item() - loss2.item()) < 1e-6
     assert all(torch.allclose(a, p.grad, atol=1e-7) for a, p in zip(g1, model.parameters()))
+
+
+def test_a_step_larger_than_the_dataset_says_each_sample_repeats(capsys):
+    """Issue 38 §6: ``data.num_samples=3`` with ``accumulation_steps=100`` (micro-batch 4): each step took 400
+    samples from 3, every sample about 133 times a step, and ``lu.run`` said nothing. The oracle: the sampler's own
+    indices for one step, counted. Said once a process for the same sizes; a step within the dataset says nothing."""
+    from collections import Counter
+
+    import labutils as lu
+
+    cfg = tiny_config(data__num_samples=3, train__micro_batch_size=1, train__accumulation_steps=12, train__steps=1)
+    assert lu.run(cfg, "cpu", progress=False, verbose=False, track_memory=False).ok  # the user's path, kept short
+    out = capsys.readouterr().out
+    ds = build_dataset(cfg.data, ByteTokenizer(257))
+    assert sorted(Counter(next(ds.step_indices(12, cfg.train.seed))).values()) == [4, 4, 4]
+    assert "12 samples" in out and "dataset of 3" in out and "about 4 times" in out, out
+    next(ds.windows(1, 12, 0))                                                    # the same sizes: said already
+    next(ds.windows(4, 100, 0))                                                   # the issue's sizes
+    assert sorted(Counter(next(ds.step_indices(400, 0))).values()) == [133, 133, 134]
+    out = capsys.readouterr().out
+    assert out.count("notice") == 1 and "400 samples" in out and "about 133 times" in out, out
+    next(build_dataset(tiny_config(data__num_samples=8).data, ByteTokenizer(257)).windows(4, 2, 0))  # 8 of 8
+    assert "notice" not in capsys.readouterr().out

@@ -410,3 +410,41 @@ def test_the_cublas_workspace_booked_is_the_one_torch_gives_this_card(monkeypatc
 
     gpu = fake_cuda.install(monkeypatch, card)
     assert plan_from_config(cfg_for()).workspace_bytes == 2 * fake_cuda.cublas_workspace_bytes(gpu.profile.major)
+
+
+@pytest.mark.parametrize("argv, env, source", [
+    ([], {"LAB_GPU_MEMORY_GB": "1e-300"}, "LAB_GPU_MEMORY_GB = 1e-300"),
+    (["--gpu-memory-gb", "0.3"], {}, "--gpu-memory-gb = 0.3")])
+def test_a_card_smaller_than_the_cuda_context_is_refused(monkeypatch, capsys, argv, env, source):
+    """Issue 38 §6: ``LAB_GPU_MEMORY_GB=1e-300 estimate`` printed "fits if peak x 1.10 <= -0.50 GiB". A card whose
+    torch total is not above the CUDA context cannot hold anything: one line naming the setting, exit 2, before any
+    estimate. The smallest card that is accepted gives torch more than the context (the card table's own rule)."""
+    from labutils.cards import card_total_bytes
+    from labutils.estimate import CUDA_CONTEXT_BYTES
+    from labutils.cli import main
+
+    monkeypatch.delenv("LAB_GPU_MEMORY_GB", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert main(["estimate", str(ROOT / "configs" / "fp32_config.yaml"), *argv]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert captured.out == "" and len(err.splitlines()) == 1 and err.startswith(f"error: {source}: "), err
+    assert "CUDA context" in err and "must be over 0.51 GB" in err, err
+    assert card_total_bytes(0.52)[0] > CUDA_CONTEXT_BYTES  # the bound the message names, on both sides
+    with pytest.raises(ValueError, match="not more than the CUDA context"):
+        card_total_bytes(0.51)
+
+
+def test_estimate_gpus_header_keeps_its_columns_apart(capsys):
+    """Issue 38 §6: ``estimate --gpus 100000``: the header read "64 GPU100000 GPU". Every column, header and rows, is
+    split by whitespace into the same cells the table holds."""
+    from labutils.cli import main
+
+    assert main(["estimate", str(ROOT / "configs" / "fp32_config.yaml"), "--gpus", "100000"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    i = next(i for i, line in enumerate(lines) if line.split()[:1] == ["setup"])
+    gpus = [1, 2, 4, 8, 16, 32, 64, 100000]
+    assert lines[i].split() == ["setup"] + [w for g in gpus for w in (str(g), "GPU")]
+    for row in lines[i + 1:i + 6]:
+        assert len(row.rsplit("  ", len(gpus))) == len(gpus) + 1 and row.count("GiB") == len(gpus), row
