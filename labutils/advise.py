@@ -199,7 +199,7 @@ def cli_estimate(cfg, args) -> int:
     zero = zero_table(est["parameters"], est["activations_bytes"], getattr(args, "gpus", 8),
                       mixed_precision=t.precision in ("fp16", "bf16"))
     print(f"per GPU with data parallelism / ZeRO (model state {'2P+2P+12P' if t.precision in ('fp16', 'bf16') else '4P+4P+8P'}"
-          f" sharded, plus this micro-batch's activations):")
+          f" sharded + all of one micro-batch's activations: a sum, not the replayed peak):")
     cols = list(zero[0])
     print("  " + "".join(f"{c:>22}" if i == 0 else f"{c:>10}" for i, c in enumerate(cols)))
     for r in zero:
