@@ -205,7 +205,8 @@ class CPUTraceRecorder:
     not in it (like ``_record_memory_history``); ``rec.start_bytes`` has them."""
 
     def __init__(self, model: torch.nn.Module | None = None, depth: int = 3):
-        self.model, self.depth, self._stack, self._handles, self.start_bytes = model, depth, ["(outside modules)"], [], 0
+        self.model, self.depth, self._stack, self._handles = model, depth, ["(outside modules)"], []
+        self.start_bytes = 0
 
     def __enter__(self) -> "CPUTraceRecorder":
         for name, mod in (self.model.named_modules() if self.model is not None else ()):
@@ -264,8 +265,8 @@ def operators_only(averages):
 
 def profiler_op_rows(averages, steps: int, on_gpu: bool) -> list[dict]:
     """One row per operator of ``prof.key_averages()`` over ``steps`` steps, slowest first: group, calls, self time
-    and self memory per step (allocated minus freed inside the op: what it leaves alive, e.g. an activation saved
-    for backward). Device time and memory on a GPU."""
+    and self memory per step (allocated minus freed inside the op: its outputs, which later ops free, or which stay
+    alive as activations saved for backward). Device time and memory on a GPU."""
     rows = [{"op": e.key, "group": op_group(e.key), "calls": e.count / steps,
              "self time (ms)": (e.self_device_time_total if on_gpu else e.self_cpu_time_total) / 1e3 / steps,
              "self memory (MiB)": (e.self_device_memory_usage if on_gpu else e.self_cpu_memory_usage) / MiB / steps}

@@ -78,8 +78,8 @@ def c6_claim(tech_cfg, loop, config_path: str, info: dict, pair: dict, *, amp: s
         failed = names[0] if base["status"] != "ok" else names[1]
         e_peak = est.estimate_memory(plan[failed], device=device.type)["peak_bytes"]
         entry = cl.not_measured("C6", f"'{failed}' did not fit this device's memory ({runs[failed]['status']}); the "
-                                      f"estimator puts its peak at {fmt_bytes(e_peak)} (a prediction, not a measurement)",
-                                cond)
+                                      f"estimator puts its peak at {fmt_bytes(e_peak)} (a prediction, not a "
+                                      f"measurement)", cond)
         entry["extra"] = {"runs": {n: {"status": r["status"], "peak_bytes": r["peak_bytes"]} for n, r in runs.items()},
                           "estimate_bytes": {failed: e_peak}, "largest_micro_batch_8GiB_predicted": fits_pred}
         return entry, cond, fits_pred
@@ -166,7 +166,8 @@ def c7_claim(config_path: str, tech_cfg, info: dict, workdir) -> dict:
     full = load_config(config_path, mode="full").override({"train.micro_batch_size": 1, "train.accumulation_steps": 1})
     prediction = {"memory_saving": zero2_offload_prediction(full)["memory_saving"]}
     # not measured: the row shows the prediction, so its conditions are the prediction's, not this run's
-    why_not = dict(prediction=prediction, prediction_for=f"{full.model.name}, 1 x {full.data.seq_length}, fp16, one CUDA GPU")
+    why_not = dict(prediction=prediction,
+                   prediction_for=f"{full.model.name}, 1 x {full.data.seq_length}, fp16, one CUDA GPU")
     pred_cond = dict(cond, model=full.model.name, sequence=full.data.seq_length, hardware="one CUDA GPU (predicted)")
     missing = zero2_offload_unavailable()
     if missing:

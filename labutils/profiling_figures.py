@@ -28,6 +28,13 @@ def _unit(max_bytes: float) -> tuple[int, str]:
     return (GiB, "GiB") if max_bytes >= GiB else (MiB, "MiB")
 
 
+def _finish(fig, ax, grid: str = "both", **legend):
+    """Legend (``legend``: its keyword arguments) and grid of a finished single-panel figure."""
+    ax.legend(**legend)
+    ax.grid(axis=grid, alpha=0.3)
+    return fig
+
+
 def plot_stacked(labels: list[str], parts: dict, ylabel: str, title: str, budget: float | None = None,
                  colors: dict | None = None):
     """One stacked bar per label, a segment per ``{part: [value per label]}`` (parts that are all zero left out),
@@ -109,19 +116,17 @@ def plot_batch_sweep(sweep: list[dict], fixed: float, per_sample: float, estimat
                 mec="black", ms=10, ls="none", label="OOM: not measured (drawn at its estimate)")
     ax.axhline(budget_bytes / div, color="gray", ls="--", lw=1, label="budget (an 8 GB card)")
     ax.set(xlabel="micro-batch size (sequences)", ylabel=f"peak allocated ({unit})")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    return fig
+    return _finish(fig, ax, fontsize=8)
 
 
 def plot_profile_ops(rows: list[dict], title: str, n: int = 8):
     """Two panels from :func:`labutils.profiling.profiler_op_rows`: the ``n`` ops with the most self time, and the
-    ``n`` that leave the most memory allocated (self memory), coloured by op group."""
+    ``n`` that allocate the most memory they do not free themselves (self memory), coloured by op group."""
     from matplotlib.patches import Patch
 
     fig, axes = _axes(title, 2, figsize=(12, 3.8))
     for ax, key, xlabel in ((axes[0], "self time (ms)", "self time per step (ms)"),
-                            (axes[1], "self memory (MiB)", "self memory per step (MiB): allocated minus freed in the op")):
+                            (axes[1], "self memory (MiB)", "self memory per step (MiB): not freed in the op")):
         top = sorted(rows, key=lambda r: -r[key])[:n][::-1]
         ax.barh([r["op"].replace("aten::", "") for r in top], [r[key] for r in top],
                 color=[GROUP_COLORS.get(r["group"], GROUP_COLORS["other"]) for r in top])
@@ -143,9 +148,7 @@ def plot_op_changes(rows: list[dict], title: str):
     ax.set_yticks(y, [r["op"].replace("aten::", "") + (" *" if "call" in r["reading"] or "fix" in r["reading"] else "")
                       for r in rows], fontsize=8)
     ax.set_xlabel("self time per step (ms): median of the profiled steps, +/- its own noise; *: calls changed")
-    ax.legend(loc="lower right")
-    ax.grid(axis="x", alpha=0.3)
-    return fig
+    return _finish(fig, ax, "x", loc="lower right")
 
 
 def plot_snapshot(summary: dict, title: str):
@@ -159,8 +162,7 @@ def plot_snapshot(summary: dict, title: str):
         i = summary["peak_index"]
         ax1.scatter([summary["t"][i]], [ys[i]], color="red", zorder=3, label=f"peak {ys[i]:.3g} {unit}")
     ax1.set(xlabel=f"time ({summary['time_unit']})", ylabel=f"allocated ({unit})")
-    ax1.legend(loc="upper left")
-    ax1.grid(alpha=0.3)
+    _finish(fig, ax1, loc="upper left")
     top = summary["top_at_peak"][::-1]
     ax2.barh([r["site"][:45] for r in top], [r["bytes"] / MiB for r in top], color="#8172b3")
     ax2.set(xlabel="MiB held at the peak", title="Who holds memory at the peak")
@@ -177,16 +179,15 @@ def plot_techniques(rows: list[dict], budget_bytes: int, title: str):
     for i, r in enumerate(rows):
         ok = r["status"] == "ok"
         h = (r["peak (GiB)"] if ok else r["estimate (GiB)"]) * GiB / div
-        ax.bar(i, h, color="#4c72b0" if ok else "white", edgecolor="#c44e52", hatch="" if ok else "//")
+        color = "#4c72b0" if ok else "#c44e52"
+        ax.bar(i, h, color=color if ok else "white", edgecolor=color, hatch="" if ok else "//")
         ax.text(i, h, f"{h:.3g}" if ok else "OOM\n(estimate)", ha="center", va="bottom", fontsize=8)
     ax.plot(range(len(rows)), [r["estimate (GiB)"] * GiB / div for r in rows], "x", color="red", ms=9,
             label="estimator")
     ax.axhline(budget_bytes / div, color="gray", ls="--", label="budget (an 8 GB card)")
     ax.set_xticks(range(len(rows)), [r["technique"] for r in rows], rotation=20, ha="right")
     ax.set_ylabel(f"peak allocated ({unit})")
-    ax.legend()
-    ax.grid(axis="y", alpha=0.3)
-    return fig
+    return _finish(fig, ax, "y")
 
 
 def plot_leak(curves: dict, variants):
@@ -196,9 +197,7 @@ def plot_leak(curves: dict, variants):
         ax.plot(range(1, len(curves[name]) + 1), [y / MiB for y in curves[name]], "o-", label=name)
     ax.set(xlabel="training step", ylabel="allocated above start (MiB)")
     ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    return fig
+    return _finish(fig, ax, fontsize=8)
 
 
 def plot_estimate_vs_measured(rows: list[dict], title: str):
@@ -211,6 +210,4 @@ def plot_estimate_vs_measured(rows: list[dict], title: str):
     ax.plot(lim, lim, "k-", lw=1, label="estimate = measured")
     ax.fill_between(lim, [v * 0.9 for v in lim], [v * 1.1 for v in lim], color="gray", alpha=0.2, label="+/-10%")
     ax.set(xlabel=f"measured ({rows[0]['basis']}, MiB)", ylabel="estimated (MiB)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    return fig
+    return _finish(fig, ax)

@@ -3,7 +3,8 @@ estimator's prediction for it (``labutils.estimate``). The written-out training 
 ``torch.cuda`` / ``torch.profiler`` calls stay in the notebook: they are what the lab teaches.
 
 * :func:`lab_budget` (the card, or on a CPU its scale model), :func:`cpu_budget_kwargs`, :class:`MeasuredRuns`;
-* section 4: :func:`setup_training`, :func:`fresh_training`, :func:`add_stage_estimates`, :func:`stage_table`, :func:`as_counted`;
+* section 4: :func:`setup_training`, :func:`fresh_training`, :func:`add_stage_estimates`, :func:`stage_table`,
+  :func:`as_counted`;
 * section 5: :func:`batch_sweep`, :func:`largest_batch_rows`; section 8: :func:`technique_rows`,
   :func:`logits_share_rows`; section 9: :func:`leak_curves`, :func:`leak_table`.
 """
@@ -26,7 +27,7 @@ GiB, MiB = 2**30, 2**20
 
 def lab_budget(device: torch.device, full_cfg, cfg, rows: dict) -> tuple[int, str, list[dict]]:
     """The lab's one budget, an 8 GB card: ``(bytes, why, scale-model rows)``. CUDA: what torch reports on one; CPU:
-    its scale model for ``rows`` ({name: overrides} of ``full_cfg`` and ``cfg``: labutils.estimate.scale_model_budget)."""
+    its scale model for ``rows`` ({name: overrides} of ``full_cfg`` and ``cfg``; estimate.scale_model_budget)."""
     if device.type == "cuda":
         total, rule = cards.card_total_bytes(8)
         return total, f"an 8 GB card ({rule})", []
@@ -184,7 +185,8 @@ def logits_share_rows(cfg, device=None, chunk_size: int | None = None, progress:
     positions = cfg.train.micro_batch_size * cfg.data.seq_length
     if chunk >= positions:
         raise ValueError(f"logits_share_rows: a chunk of {chunk} positions holds all {positions} positions of a "
-                         f"micro-batch ({cfg.train.micro_batch_size} x {cfg.data.seq_length}): the chunked loss would be "
+                         f"micro-batch ({cfg.train.micro_batch_size} x {cfg.data.seq_length}): the chunked loss "
+                         f"would be "
                          f"the full loss; give chunk_size below {positions}")
     logits = 4 * positions * padded_vocab_size(vocab_size(cfg.model.name), cfg.model.pad_vocab_to)
     rows = []
