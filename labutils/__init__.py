@@ -28,14 +28,12 @@ Labs (the technique itself is written out in the notebook; these hold what its e
   checkpointing       lab 03: the variants (every k, segments, selective, offload) a student switches on
   checkpoint_measure  lab 03: each variant trained under a budget and checked (gradients, FLOPs, calls)
   checkpoint_report   lab 03: tables, figures, conclusions and C4/C5 from what was measured
-  profiling           lab 04: what autograd saves per module, profiler ranges, allocator snapshot traces
+  profiling           lab 04: what autograd saves per module, profiler ops and ranges, allocator snapshot traces
   profiling_runs      lab 04: every experiment as rows next to the estimator's prediction, under a budget
-  logits_memory       lab 04: the logits' share of a step's peak, full loss against chunked loss
   profiling_figures   lab 04: the lab's figures, from the rows its cells measured
-  profiling_claims    lab 04: C6 (all techniques together), C1/C2/C4 from its table, C7 (ZeRO-2 offload)
+  profiling_claims    lab 04: C6 (all techniques in one loop) and C7 (ZeRO-2 + CPU offload, predicted or measured)
   claims              C1-C7, the original course's claims in its words, and the entries a lab records for them
   verdict_rule        the one rule that turns a run's numbers into a verdict: thresholds, evidence, not judged
-  zero2_offload       C7: ZeRO-2 + CPU offload on one GPU, predicted, and measured where DeepSpeed runs
 Tools (commands and what they share):
   results             tables, figures and result files with the hardware and weights they came from
   replay              one training step replayed as tensor allocations: the estimator's engine

@@ -204,7 +204,7 @@ def cli_estimate(cfg, args) -> int:
     zero = zero_table(est["parameters"], est["activations_bytes"], getattr(args, "gpus", 8),
                       mixed_precision=t.precision in ("fp16", "bf16"))
     print(f"per GPU with data parallelism / ZeRO (model state {'2P+2P+12P' if t.precision in ('fp16', 'bf16') else '4P+4P+8P'}"
-          f" sharded, plus this micro-batch's activations):")
+          f" sharded + all of one micro-batch's activations: a sum, not the replayed peak):")
     cols = list(zero[0])
     w = 2 + max(len(str(x)) for x in cols[1:] + [_gib(r[c]) for r in zero for c in cols[1:]])  # a space between
     print("  " + f"{cols[0]:>22}" + "".join(f"{c:>{w}}" for c in cols[1:]))

@@ -1,24 +1,18 @@
-"""Looking inside a training step (lab 04): what autograd saves per module, and allocator traces.
+"""Looking inside a training step (lab 04): what autograd saves per module, allocator traces, profiler ops.
 
-* :func:`saved_tensors_by_module` runs one forward pass under ``torch.autograd.graph.saved_tensors_hooks`` and
-  attributes every tensor autograd saves for backward to the module that was running: the activations the
-  estimator predicts, measured exactly, on CUDA and on CPU alike.
-* :func:`trace_summary` reads the trace of a CUDA memory snapshot (``torch.cuda.memory._snapshot()`` after
-  ``_record_memory_history``) and draws the same views as pytorch.org/memory_viz: allocated memory over time
-  and who holds memory at the peak. :class:`CPUTraceRecorder` writes a trace in the same format on CPU (from
-  the tensors operators create), so the same views run on a machine without a GPU (:func:`record_cpu_trace`).
-* :func:`range_times` reads the ``record_function`` ranges of a ``torch.profiler`` profile;
-  :func:`timed_steps` times training steps from an idle device to an idle device;
-  :func:`cuda_memory_cap` makes the GPU behave like a smaller card.
-
-Lab 04's figures are in :mod:`labutils.profiling_figures`, its experiments' rows in
-:mod:`labutils.profiling_runs`.
+* :func:`saved_tensors_by_module`: the tensors autograd saves for backward in one forward pass, per module;
+* :func:`trace_summary`: the views of pytorch.org/memory_viz (allocated over time, who holds memory at the peak)
+  from a CUDA snapshot's trace; :class:`CPUTraceRecorder` / :func:`record_cpu_trace` write such a trace on a CPU;
+* :func:`profiler_op_rows`, :func:`range_times`: a ``torch.profiler`` profile's operators and ranges;
+  :func:`profile_each_step` and :func:`op_change_rows`: the slowest ops before and after a fix, each op with its
+  own noise; :func:`timed_steps`; :func:`cuda_memory_cap` makes the GPU behave like a smaller card.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
 import re
+import statistics
 import time
 import warnings
 from collections import defaultdict
@@ -27,11 +21,11 @@ import torch
 
 from . import device as dev
 from .memory import LiveStorages
+from .op_profile import op_group, op_profile
+
+MiB = 2**20
 
 
-# ----------------------------------------------------------------------------------------------------------
-# What autograd saves, per module
-# ----------------------------------------------------------------------------------------------------------
 def _is_weight_copy(t: torch.Tensor) -> bool:
     """A cast of a parameter (autocast's cached half copy): ToCopyBackward whose input is a leaf."""
     fn = t.grad_fn
@@ -44,39 +38,25 @@ def _is_weight_copy(t: torch.Tensor) -> bool:
 
 
 def saved_tensors_by_module(model: torch.nn.Module, batch: dict, autocast=None, depth: int = 3) -> list[dict]:
-    """One forward pass (with the loss); returns, per module up to ``depth`` dots deep, the bytes of the
-    tensors autograd saved for backward: ``activations`` and ``weight_copies`` (autocast's half weights).
-
-    Storages are counted once (q, k, v are views of one tensor), parameters are not counted. The graph is
-    dropped at the end, so nothing stays allocated."""
+    """One forward pass (with the loss); per module up to ``depth`` dots deep, the bytes of the tensors autograd
+    saved for backward: ``activations`` and ``weight_copies`` (autocast's half weights). Storages count once (q, k, v
+    are views of one tensor), parameters not at all; the graph is dropped at the end."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    stack, seen, keep = ["(loss)"], set(), []
-    rows: dict[str, dict] = {}
-    handles = []
-
-    def pre(mod, args):
-        stack.append(mod._lab_profile_name)
-
-    def post(mod, args, out):
-        stack.pop()
-
+    stack, seen, keep, rows, handles = ["(loss)"], set(), [], {}, []
     for name, mod in model.named_modules():
         if name and name.count(".") < depth:
-            mod._lab_profile_name = name
-            handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+            handles += [mod.register_forward_pre_hook(lambda m, a, _n=name: stack.append(_n)),
+                        mod.register_forward_hook(lambda m, a, o: (stack.pop(), None)[1])]
 
     def pack(t):
         st = t.untyped_storage()
-        key = st.data_ptr()
-        if key not in seen and key not in params and st.nbytes() > 0:
-            seen.add(key)
-            r = rows.setdefault(stack[-1], {"module": stack[-1], "activations": 0, "weight_copies": 0,
-                                            "tensors": 0})
+        if st.data_ptr() not in seen and st.data_ptr() not in params and st.nbytes() > 0:
+            seen.add(st.data_ptr())
+            r = rows.setdefault(stack[-1], {"module": stack[-1], "activations": 0, "weight_copies": 0, "tensors": 0})
             r["weight_copies" if _is_weight_copy(t) else "activations"] += st.nbytes()
             r["tensors"] += 1
-        keep.append(st)  # the storage stays alive until we are done, so its address is not reused meanwhile
-        # Return no tensor: returning ``t`` itself would tie an output to the node that saves it (a reference
-        # cycle through C++ that the garbage collector cannot break: the whole graph would leak).
+        keep.append(st)  # alive until we are done, so its address is not reused meanwhile
+        # no tensor returned: returning ``t`` would tie an output to the node saving it (a C++ reference cycle)
         return None
 
     def unpack(_):
@@ -90,19 +70,14 @@ def saved_tensors_by_module(model: torch.nn.Module, batch: dict, autocast=None, 
     finally:
         for h in handles:
             h.remove()
-        for _, mod in model.named_modules():
-            if hasattr(mod, "_lab_profile_name"):
-                del mod._lab_profile_name
     order = {n: i for i, (n, _) in enumerate(model.named_modules())}
     return sorted(rows.values(), key=lambda r: order.get(r["module"], len(order)))
 
 
 @contextlib.contextmanager
 def cuda_memory_cap(gb: float | None):
-    """Inside the block this GPU behaves like a ``gb``-GiB card: the allocator is capped at ``gb`` GiB minus the
-    memory that lives outside it (CUDA context, libraries), never above a cap already set (``LAB_GPU_MEMORY_GB``
-    or the user's own); the previous cap is restored exactly afterwards. Yields the allocator's cap in bytes,
-    or None without CUDA (nothing to cap)."""
+    """Inside the block this GPU behaves like a ``gb``-GiB card (the allocator capped at ``gb`` GiB minus what lives
+    outside it, never above a cap already set; restored afterwards). Yields the cap in bytes, None without CUDA."""
     if not gb or not dev.cuda_available():
         yield None
         return
@@ -115,101 +90,77 @@ def cuda_memory_cap(gb: float | None):
 # ----------------------------------------------------------------------------------------------------------
 _BACKWARD_NODE = re.compile(r"(?:generated::|autograd::)(\w*Backward\w*)")
 _INTERNAL = ("/torch/", "/site-packages/torch", "<frozen", "/tqdm/", "/contextlib.py", "/threading.py")
+# The phase an allocation belongs to when no module is running, after each mark of a training step
+CPU_TRACE_PHASES = {"before forward": "forward (outside modules)", "after forward": "backward",
+                    "after backward": "optimizer step", "after optimizer step": "zero_grad"}
 
 
 class PhaseMarks:
-    """``mark = PhaseMarks(); ...; mark("after forward"); ...``: the phase of a training step that
-    each later allocation belongs to, for :func:`trace_summary`'s ``phases=mark.phases``. With
-    ``stacks="python"`` (lab 04's snapshot) backward allocates on autograd's own thread, with no Python frames;
-    the phase names those allocations (forward / backward / optimizer step) instead of one "(no stack)" row.
-    Each mark is a time marker in the trace's clock (``clock``, microseconds: a CUDA snapshot's ``time_us`` is
-    Unix time, converted from the allocator's TSC clock in c10/cuda/CUDACachingAllocator.cpp). Not the
-    allocator's ``_set_memory_metadata`` tag: torch documents it as thread-local, so autograd's thread never
-    carries it. Stage names of :data:`CPU_TRACE_PHASES` become phase names."""
+    """``mark = PhaseMarks(); ...; mark("after forward")``: the phase each later allocation belongs to, for
+    :func:`trace_summary` (``phases=mark.phases``). With ``stacks="python"`` backward allocates on autograd's own
+    thread, without Python frames: the phase names those allocations. Each mark is a time in the trace's clock
+    (microseconds: a CUDA snapshot's ``time_us`` is Unix time); not ``_set_memory_metadata``, which is
+    thread-local, so autograd's thread never carries it."""
 
     def __init__(self, clock=None):
         self.clock = clock or (lambda: time.time_ns() / 1e3)
         self.phases: list[tuple[float, str]] = []
 
     def __call__(self, stage: str) -> None:
-        label = CPU_TRACE_PHASES.get(stage, stage)
-        self.phases.append((self.clock(), label))
-
-
-def _phase_at(phases, t) -> str | None:
-    """The label of the last phase marker at or before ``t`` (None before the first, or without markers)."""
-    label = None
-    for when, name in phases or ():
-        if t is None or when > t:
-            break
-        label = name
-    return label
+        self.phases.append((self.clock(), CPU_TRACE_PHASES.get(stage, stage)))
 
 
 def _site(frames: list[dict], phase: str | None = None) -> str:
-    """Where an allocation came from: the innermost frame outside torch internals (model or lab code)."""
+    """Where an allocation came from: the innermost frame outside torch internals (model or lab code); else the
+    autograd node of a C++ stack (stacks="all"); else, without frames, the phase it happened in."""
     def fmt(f, parts):
         where = "/".join(f.get("filename", "?").rsplit("/", parts)[-parts:])
         line = f":{f['line']}" if f.get("line") else ""
         return f"{where}{line} ({f.get('name', '?')})"
 
-    for f in frames or []:
-        fn = f.get("filename", "")
-        if fn and not any(s in fn for s in _INTERNAL) and "::" not in f.get("name", ""):  # "::": a C++ frame
+    frames = frames or []
+    for f in frames:
+        if f.get("filename") and not any(s in f["filename"] for s in _INTERNAL) and "::" not in f.get("name", ""):
             return fmt(f, 2)
-    # No Python frame of ours: backward runs on autograd's own thread, so its allocations have only C++ frames
-    # (recorded with stacks="all"). The autograd node that allocated says what the memory is for.
-    for f in frames or []:
-        m = _BACKWARD_NODE.search(f.get("name", ""))
-        if m:
+    for f in frames:
+        if m := _BACKWARD_NODE.search(f.get("name", "")):
             return f"backward: {m.group(1)}"
-    if any("autograd" in f.get("name", "") for f in frames or []):
+    if any("autograd" in f.get("name", "") for f in frames):
         return "backward (autograd engine)"
-    # No frame at all, with stacks="python": on CUDA the autograd engine runs backward on its own thread,
-    # which has no Python frames; the phase marker says which part of the step it was (PhaseMarks).
     if frames:
         return fmt(frames[0], 1)
     return f"{phase} (no Python frames)" if phase else "backward (autograd thread: no Python frames)"
 
 
 def trace_summary(snapshot: dict, device: int = 0, start_bytes: int = 0, top: int = 10, phases=None) -> dict:
-    """Allocated bytes over time and the largest holders at the peak, from a snapshot's trace.
-
-    ``start_bytes``: what was allocated when recording started (the trace only sees later events).
-    ``phases``: :class:`PhaseMarks`' markers; an allocation without Python frames is attributed to the phase it
-    happened in, the last marker at or before its ``time_us``.
-    Returns ``{"t": [...], "bytes": [...], "peak_bytes", "peak_index", "top_at_peak": [rows],
-    "top_allocated": [rows], "events"}``."""
+    """Allocated bytes over time and the largest holders at the peak, from a snapshot's trace. ``start_bytes``:
+    what was allocated when recording started; ``phases``: :class:`PhaseMarks`' markers (a frameless allocation
+    belongs to the last marker at or before it). ``{"t", "bytes", "time_unit", "peak_bytes", "peak_index",
+    "top_at_peak", "top_allocated", "events"}``."""
     traces = snapshot.get("device_traces") or [[]]
-    trace = traces[device] if device < len(traces) else []
     live: dict[int, tuple[int, str]] = {}
-    cur = start_bytes
-    ts, ys = [], []
+    cur, ts, ys, t0 = start_bytes, [], [], None
     peak, peak_i, at_peak = cur, 0, {}
     allocated_by_site: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    t0 = None
-    for i, e in enumerate(trace):
-        action = e.get("action")
-        if action == "alloc":
-            site = _site(e.get("frames"), _phase_at(phases, e.get("time_us")))
+    for i, e in enumerate(traces[device] if device < len(traces) else []):
+        if e.get("action") == "alloc":
+            t = e.get("time_us")
+            phase = next((name for when, name in reversed(phases or []) if t is not None and when <= t), None)
+            site = _site(e.get("frames"), phase)
             live[e["addr"]] = (e["size"], site)
             cur += e["size"]
             allocated_by_site[site][0] += e["size"]
             allocated_by_site[site][1] += 1
-        elif action == "free_completed" and e.get("addr") in live:
+        elif e.get("action") == "free_completed" and e.get("addr") in live:
             cur -= live.pop(e["addr"])[0]
         else:
             continue
-        t = e.get("time_us")
-        if t is not None:
-            t0 = t if t0 is None else t0
-            ts.append((t - t0) / 1e3)
-        else:
-            ts.append(float(i))
+        if e.get("time_us") is not None:
+            t0 = e["time_us"] if t0 is None else t0
+        ts.append((e["time_us"] - t0) / 1e3 if e.get("time_us") is not None else float(i))
         ys.append(cur)
         if cur > peak:
-            peak, peak_i = cur, len(ys) - 1
-            at_peak = dict(live)
+            peak, peak_i, at_peak = cur, len(ys) - 1, dict(live)
     holders: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for size, site in at_peak.values():
         holders[site][0] += size
@@ -226,27 +177,21 @@ class _RecordingStorages(LiveStorages):
 
     def __init__(self, site_of):
         super().__init__()
-        self.trace: list[dict] = []
-        self.site_of = site_of
-        self.t0 = time.perf_counter()
-        self.op = "?"
-
-    def _now(self) -> float:
-        return (time.perf_counter() - self.t0) * 1e6
+        self.trace, self.site_of, self.t0, self.op = [], site_of, time.perf_counter(), "?"
 
     def add(self, t) -> None:
         n_before = len(self.live)
         super().add(t)
         if len(self.live) > n_before:
             st = t.untyped_storage()
-            key = st.data_ptr()
-            self.trace.append({"action": "alloc", "addr": key, "size": st.nbytes(), "time_us": self._now(),
+            self.trace.append({"action": "alloc", "addr": st.data_ptr(), "size": st.nbytes(),
+                               "time_us": (time.perf_counter() - self.t0) * 1e6,
                                "frames": [{"filename": self.site_of(), "line": 0, "name": self.op}]})
 
     def _forget(self, key: int) -> None:
         if key in self.live:
             self.trace.append({"action": "free_completed", "addr": key, "size": self.live[key],
-                               "time_us": self._now(), "frames": []})
+                               "time_us": (time.perf_counter() - self.t0) * 1e6, "frames": []})
         super()._forget(key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -255,32 +200,22 @@ class _RecordingStorages(LiveStorages):
 
 
 class CPUTraceRecorder:
-    """``with CPUTraceRecorder(model) as rec: ...`` then ``rec.snapshot()``: a trace in the CUDA snapshot's
-    format, built from the tensors CPU operators create (site = module running + operator). Tensors alive
-    before the block are not in the trace (like ``_record_memory_history``); ``rec.start_bytes`` has them."""
+    """``with CPUTraceRecorder(model) as rec: ...`` then ``rec.snapshot()``: a trace in the CUDA snapshot's format
+    from the tensors CPU operators create (site = module running + operator). Tensors alive before the block are
+    not in it (like ``_record_memory_history``); ``rec.start_bytes`` has them."""
 
     def __init__(self, model: torch.nn.Module | None = None, depth: int = 3):
-        self.model, self.depth = model, depth
-        self._stack = ["(outside modules)"]
-        self._handles = []
+        self.model, self.depth, self._stack, self._handles = model, depth, ["(outside modules)"], []
         self.start_bytes = 0
 
-    def _site(self) -> str:
-        return self._stack[-1]
-
-    def _pop(self, module, args, output) -> None:  # a forward hook must return None (or it replaces the output)
-        self._stack.pop()
-
     def __enter__(self) -> "CPUTraceRecorder":
-        if self.model is not None:
-            for name, mod in self.model.named_modules():
-                if name.count(".") < self.depth:
-                    label = f"forward {name or type(mod).__name__}"
-                    self._handles.append(mod.register_forward_pre_hook(
-                        lambda m, a, _label=label: self._stack.append(_label)))
-                    self._handles.append(mod.register_forward_hook(self._pop))
+        for name, mod in (self.model.named_modules() if self.model is not None else ()):
+            if name.count(".") < self.depth:
+                label = f"forward {name or type(mod).__name__}"
+                self._handles += [mod.register_forward_pre_hook(lambda m, a, _l=label: self._stack.append(_l)),
+                                  mod.register_forward_hook(lambda m, a, o: (self._stack.pop(), None)[1])]
         gc.collect()
-        self._mode = _RecordingStorages(self._site)
+        self._mode = _RecordingStorages(lambda: self._stack[-1])
         with warnings.catch_warnings():  # gc also finds non-leaf tensors, whose .grad access warns
             warnings.simplefilter("ignore", UserWarning)
             self._mode.add_existing()
@@ -294,8 +229,7 @@ class CPUTraceRecorder:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        # The storages' finalizers keep the recording mode alive until the storages die: it must not keep the
-        # model (and so those very storages) alive in turn.
+        # the storages' finalizers keep the mode alive: it must not keep the model (and those storages) alive
         self._mode.site_of = str
         self.model = None
 
@@ -307,18 +241,11 @@ class CPUTraceRecorder:
         return {"segments": [], "device_traces": [list(self._mode.trace)]}
 
 
-# The phase an allocation belongs to when no module is running, after each mark of a training step
-CPU_TRACE_PHASES = {"before forward": "forward (outside modules)", "after forward": "backward",
-                    "after backward": "optimizer step", "after optimizer step": "zero_grad"}
-
-
 def record_cpu_trace(model: torch.nn.Module, step, steps: int) -> tuple[dict, int]:
-    """The CPU stand-in for a CUDA memory snapshot of ``steps`` training steps: ``step(mark)`` runs one step and
-    calls ``mark(stage)`` after each stage. Says so in a printed line; returns ``(snapshot, start_bytes)`` for
-    :func:`trace_summary`."""
-    print("CPU: there is no CUDA allocator to record. On a GPU this cell writes memory_snapshot.pickle for "
-          "pytorch.org/memory_viz; here labutils' CPU tracker writes the same kind of trace, with "
-          "'module + operator' as the source instead of a file and line.")
+    """The CPU stand-in for a CUDA memory snapshot of ``steps`` training steps (``step(mark)`` runs one step,
+    calling ``mark(stage)`` after each stage); says so in one printed line. ``(snapshot, start_bytes)``."""
+    print("CPU: no CUDA allocator to record (a GPU writes memory_snapshot.pickle for pytorch.org/memory_viz); the "
+          "CPU tracker writes the same kind of trace, with 'module + operator' as the source instead of a line")
     with CPUTraceRecorder(model) as rec:
         for _ in range(steps):
             step(lambda s: rec.mark(CPU_TRACE_PHASES.get(s, s)))
@@ -326,24 +253,32 @@ def record_cpu_trace(model: torch.nn.Module, step, steps: int) -> tuple[dict, in
 
 
 def operators_only(averages):
-    """``prof.key_averages()`` without the ``record_function`` ranges (user annotations): they are spans, not
-    operators. On a GPU a range's span on the device timeline counts as its self time, so on the first GPU run
-    lab 04's "top operators" table was headed by ``forward`` at 570 % of the device time; :func:`range_times`
-    reads the ranges instead."""
+    """``prof.key_averages()`` without the ``record_function`` ranges (spans, not operators: on a GPU a range's span
+    counted as its self time, ``forward`` at 570 %), keeping the profile's columns (memory with profile_memory)."""
     from torch.autograd.profiler_util import EventList
 
-    return EventList([e for e in averages if not getattr(e, "is_user_annotation", False)])
+    return EventList([e for e in averages if not getattr(e, "is_user_annotation", False)],
+                     use_device=getattr(averages, "_use_device", None),
+                     profile_memory=getattr(averages, "_profile_memory", False),
+                     with_flops=getattr(averages, "_with_flops", False))
+
+
+def profiler_op_rows(averages, steps: int, on_gpu: bool) -> list[dict]:
+    """One row per operator of ``prof.key_averages()`` over ``steps`` steps, slowest first: group, calls, self time
+    and self memory per step (allocated minus freed inside the op: its outputs, which later ops free, or which stay
+    alive as activations saved for backward). Device time and memory on a GPU."""
+    rows = [{"op": e.key, "group": op_group(e.key), "calls": e.count / steps,
+             "self time (ms)": (e.self_device_time_total if on_gpu else e.self_cpu_time_total) / 1e3 / steps,
+             "self memory (MiB)": (e.self_device_memory_usage if on_gpu else e.self_cpu_memory_usage) / MiB / steps}
+            for e in operators_only(averages)]
+    return sorted(rows, key=lambda r: -r["self time (ms)"])
 
 
 def range_times(events, names=("forward", "backward", "optimizer_step")) -> list[dict]:
-    """One row per ``record_function`` range of a profile (``prof.events()``): calls and CPU time from the
-    range's CPU-side event; device time = the kernels of every operator, on any thread, that ran inside the
-    range's CPU interval (each operator's *self* device time, so nothing counts twice).
-
-    Why not the profiler's own numbers: with CUDA activity each range is recorded twice (on the CPU and as a
-    GPU user annotation), so ``key_averages()`` lists it twice; and both copies only see kernels launched from
-    the range's own thread, while ``backward``'s kernels are launched by autograd's worker thread: they read ~0
-    (kineto issue 1022). Without GPU activity in the profile the device time is None."""
+    """One row per ``record_function`` range of ``prof.events()``: calls and CPU time from its CPU-side event; device
+    time = the self device time of every operator, on any thread, inside the range's CPU interval (the profiler's
+    own copies only see the range's thread: ``backward``'s kernels, launched by autograd's, read ~0; kineto issue
+    1022). None without GPU activity."""
     from torch.autograd import DeviceType
 
     cpu_ops = [e for e in events if e.device_type == DeviceType.CPU]
@@ -351,21 +286,17 @@ def range_times(events, names=("forward", "backward", "optimizer_step")) -> list
     rows = []
     for name in names:
         spans = [e for e in cpu_ops if e.name == name]
-        if not spans:
-            continue
-        device_us = None
-        if has_gpu:
-            device_us = sum(op.self_device_time_total for op in cpu_ops for r in spans
-                            if r.time_range.start <= op.time_range.start and op.time_range.end <= r.time_range.end)
-        rows.append({"range": name, "calls": len(spans),
-                     "cpu time (ms)": sum(e.time_range.elapsed_us() for e in spans) / 1e3,
-                     "device time (ms)": device_us / 1e3 if device_us is not None else None})
+        if spans:
+            inside = [op.self_device_time_total for op in cpu_ops for r in spans
+                      if r.time_range.start <= op.time_range.start and op.time_range.end <= r.time_range.end]
+            rows.append({"range": name, "calls": len(spans),
+                         "cpu time (ms)": sum(e.time_range.elapsed_us() for e in spans) / 1e3,
+                         "device time (ms)": sum(inside) / 1e3 if has_gpu else None})
     return rows
 
 
 def timed_steps(step, n: int, device=None) -> list[float]:
-    """Wall-clock seconds of each of ``n`` calls of ``step()``, timed from an idle device to an idle device
-    (synchronised before and after on a GPU, so the kernels are timed and not only their launch)."""
+    """Wall-clock seconds of each of ``n`` calls of ``step()``, from an idle device to an idle device."""
     times = []
     for _ in range(n):
         dev.synchronize(device)
@@ -374,3 +305,52 @@ def timed_steps(step, n: int, device=None) -> list[float]:
         dev.synchronize(device)
         times.append(time.perf_counter() - t0)
     return times
+
+
+def profile_each_step(step, n: int, device, trace=None) -> list:
+    """``n`` calls of ``step()``, each under its own ``torch.profiler`` session (with input dtypes): one
+    :class:`labutils.op_profile.OpProfile` per step, so each op's time has a spread of its own. ``trace``: a path
+    for the last session's Chrome trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else [])
+    out = []
+    for _ in range(n):
+        with profile(activities=acts, record_shapes=True) as prof:
+            step()
+        out.append(op_profile(prof, 1))
+    if trace:
+        prof.export_chrome_trace(str(trace))
+    return out
+
+
+def op_change_rows(before: list, after: list, n: int = 8) -> list[dict]:
+    """The ``n`` slowest ATen ops of each side (median self time over its per-step profiles), side by side: median
+    and noise (half the inter-quartile range of the op's OWN per-step times: a whole step's noise says nothing about
+    one op), calls per step, input dtypes, and a reading. A change in calls is a count, true on any device ("removed
+    by the fix", "added by the fix", "fewer calls", "more calls"); otherwise the time change is "within its own
+    noise" or "beyond its own noise" (both sides' noise added)."""
+    def per_step(profiles, name, key):
+        return [next((r[key] for r in p.ops if r["op"] == name), 0.0) for p in profiles]
+
+    def slowest(profiles):
+        names = {r["op"] for p in profiles for r in p.ops if r["op"].startswith("aten::")}
+        return sorted(names, key=lambda k: -statistics.median(per_step(profiles, k, "ms")))[:n]
+
+    rows = []
+    for name in dict.fromkeys(slowest(before) + slowest(after)):
+        row = {"op": name, "group": op_group(name)}
+        for side, profiles in (("before", before), ("after", after)):
+            ms = per_step(profiles, name, "ms")
+            q = statistics.quantiles(ms, n=4, method="inclusive") if len(ms) > 1 else [0, 0, 0]
+            row.update({f"{side} (ms)": statistics.median(ms), f"{side} noise (ms)": (q[2] - q[0]) / 2,
+                        f"{side} calls": statistics.median(per_step(profiles, name, "calls")),
+                        f"{side} dtypes": next((r["dtypes"] for p in profiles for r in p.ops if r["op"] == name), "-")})
+        b, a = row["before calls"], row["after calls"]
+        d = row["change (ms)"] = row["after (ms)"] - row["before (ms)"]
+        row["reading"] = ("removed by the fix" if a == 0 < b else "added by the fix" if b == 0 < a else
+                          "fewer calls" if a < b else "more calls" if a > b else
+                          "within its own noise" if abs(d) <= row["before noise (ms)"] + row["after noise (ms)"]
+                          else "beyond its own noise")
+        rows.append(row)
+    return rows

@@ -1,35 +1,33 @@
-"""C6 and C7, the two claims of the course design that lab 04 measures under the 8 GB budget (the verdict rules
-are in :mod:`labutils.claims`; this module runs what they need and builds their entries).
+"""C6 and C7, the two claims of the course design that lab 04 measures (the verdict rules are in
+:mod:`labutils.claims`; this module runs what they need and builds their entries).
 
-* :func:`c6_claim`: the FP32 baseline against all three techniques together (the lab's mixed precision,
-  checkpointing, accumulation) at the technique table's effective batch; a baseline that does not fit is recorded
-  as such, with its estimate;
-* :func:`technique_claims`: C1, C2 and C4 from the same table, when its FP32 baseline fit;
-* :func:`c7_claim`: ZeRO-2 with the optimizer offloaded to the CPU against plain fp16 training, where DeepSpeed
-  and CUDA are here; otherwise not measured, with the estimator's prediction.
+* :func:`c6_claim`: the FP32 baseline against all three techniques together (mixed precision, checkpointing,
+  accumulation) at the technique table's effective batch, trained by the notebook's one loop;
+* :func:`c7_claim`: DeepSpeed ZeRO-2 with the optimizer offloaded to the CPU against plain fp16 training
+  (:func:`measure_zero2_offload`, where DeepSpeed and CUDA are here); else not measured, with the estimator's
+  prediction (:func:`zero2_offload_prediction`).
+
+Section 8's table never gives C1, C2 or C4: its FP32 baseline (GPT-2 medium, 4 x 512) never fits the 8 GB card it
+runs under (and, in smoke, its scale model). Labs 01 and 03 measure them.
 """
 from __future__ import annotations
 
 from . import cards
 from . import claims as cl
-from . import zero2_offload as z2
 from . import estimate as est
 from .config import load_config
 from .memory import fmt_bytes
-from .profiling import cuda_memory_cap
 
-GiB = 2**30
-LAB = "04-Memory_Profiling"
-SPEED = "target tokens/s"  # the technique table's throughput column (profiling_runs.technique_rows)
+ZERO2_OFFLOAD_ACCELERATE = "configs/accelerate/deepspeed_zero2_offload.yaml"
 
 
 def _hardware(info: dict) -> str:
     return cl.hardware({"gpu_name": info["gpu_name"], "device": info["device"].type})
 
 
-def _c6_run(c, loop, device, budget_kw: dict) -> dict:
-    """One run of the notebook's ``loop(cfg, model, dataset, device) -> {"losses", "step_times", ...}`` under the
-    memory tracker (model loading included, so the peak holds the weights): status, peak bytes, step times."""
+def _c6_run(c, loop, device) -> dict:
+    """One run of the notebook's ``loop(cfg, model, dataset, device)`` under the memory tracker (model loading
+    included, so the peak holds the weights): status, peak bytes, step times."""
     from .env import seed_everything
     from .memory import MemoryTracker, oom_caught, release
     from .train import prepare
@@ -39,7 +37,7 @@ def _c6_run(c, loop, device, budget_kw: dict) -> dict:
     loaded = dataset = None
     try:
         with oom_caught() as oom:
-            with MemoryTracker(device, **budget_kw) as mt:
+            with MemoryTracker(device) as mt:
                 loaded, dataset = prepare(c, device, verbose=False)
                 r = loop(c, loaded.model, dataset, device)
             out.update(peak_bytes=mt.peak_bytes, step_times=list(r["step_times"]))
@@ -51,69 +49,48 @@ def _c6_run(c, loop, device, budget_kw: dict) -> dict:
     return out
 
 
-def c6_plan(tech_cfg, e: int, steps: int, amp: str = "fp16") -> dict:
-    """The pair C6 compares at effective batch ``e``: the FP32 baseline (``e`` x 1) and all three techniques
-    (``amp`` mixed precision + checkpointing, micro-batch e/4 x accumulation 4, or less), each for ``steps``
-    optimizer steps. ``amp``: the lab's mixed precision (bf16 where native, else fp16), as lab 01 decides it."""
-    m = max(1, e // 4)
-    base = {"train.steps": steps, "train.warmup_steps": 0}
-    return {f"fp32 baseline, {e} x 1": tech_cfg.override({**base, "train.micro_batch_size": e,
-                                                          "train.accumulation_steps": 1}),
-            f"{amp} + checkpointing + accumulation, {m} x {e // m}": tech_cfg.override(
-                {**base, "train.precision": amp, "train.gradient_checkpointing": True,
-                 "train.micro_batch_size": m, "train.accumulation_steps": e // m})}
-
-
-def c6_claim(tech_cfg, loop, config_path: str, budget: int, info: dict, *, amp: str = "fp16",
-             **run_kw) -> tuple[dict, dict, dict]:
-    """C6 measured with the notebook's one loop (``loop``, section 8.1): the FP32 baseline against all three
-    techniques (``amp`` mixed precision) at ONE effective batch, the technique table's. A baseline that does not
-    fit the budget is recorded as such, with the estimator's peak for it (labelled a prediction): no smaller
-    batch is substituted, so there is always something to accumulate. Speed is judged only from a GPU with enough
-    timed steps (:mod:`labutils.claims`); in smoke nothing is judged (the tiny model). ``info``: ``lu.setup()``'s
-    dict; ``run_kw``: the CPU budget (``cpu_budget_kwargs``). Returns ``(entry, conditions, predicted largest
-    micro-batch on an 8 GB card per setting)``."""
+def c6_claim(tech_cfg, loop, config_path: str, info: dict, pair: dict, *, amp: str = "fp16") -> tuple[dict, dict, dict]:
+    """C6 measured with the notebook's one loop (``loop``): ``pair`` = {name: overrides of ``tech_cfg``}, the FP32
+    baseline and all three techniques (``amp`` mixed precision) at ONE effective batch, the technique table's. Both
+    run on this device's whole memory, not under the 8 GB cap: a ratio needs both sides to run, and the table's FP32
+    baseline never fits 8 GB. A side that runs out of memory is recorded as such, with the estimator's peak for it
+    (a prediction): no smaller batch is substituted. Speed is judged only from a GPU with enough timed steps.
+    Returns ``(entry, conditions, predicted largest micro-batch on an 8 GB card per setting)``."""
     device = info["device"]
     warm = tech_cfg.train.timing_warmup_steps
     # a GPU gets enough timed steps for a speed verdict; a CPU's time is never judged, so a few steps do
     steps = warm + cl.MIN_TIMED_STEPS if device.type == "cuda" else tech_cfg.train.steps
-    E = tech_cfg.effective_batch_size
-    plan = c6_plan(tech_cfg, E, steps, amp)
-    with cuda_memory_cap(8):
-        runs = {name: _c6_run(c, loop, device, run_kw) for name, c in plan.items()}
+    plan = {}
+    for name, over in pair.items():
+        c = tech_cfg.override({**over, "train.steps": steps, "train.warmup_steps": 0})
+        plan[f"{name}, {c.train.micro_batch_size} x {c.train.accumulation_steps}"] = c
+    runs = {name: _c6_run(c, loop, device) for name, c in plan.items()}
     names = tuple(runs)
-    cond = cl.conditions(model=tech_cfg.model.name, batch=f"effective batch {E}",
+    cond = cl.conditions(model=tech_cfg.model.name, batch=f"effective batch {tech_cfg.effective_batch_size}",
                          sequence=tech_cfg.data.seq_length, precision=f"{amp} + checkpointing + accumulation vs fp32",
-                         hardware=_hardware(info), mode=info["mode"],
-                         budget=fmt_bytes(budget) + ("" if device.type == "cuda" else " (simulated)"))
-    n_params = est.parameter_count(tech_cfg.model.name, tech_cfg.model.pad_vocab_to)
-    state_bytes = 16 * n_params
+                         hardware=_hardware(info), mode=info["mode"])
+    state_bytes = 16 * est.parameter_count(tech_cfg.model.name, tech_cfg.model.pad_vocab_to)
     full = load_config(config_path, mode="full")
     fits_pred = {name: est.largest_batch(full, cards.card_total_bytes(8)[0], limit=64, **over) for name, over in
-                 (("fp32 baseline", {}), (f"{amp} + checkpointing", {"precision": amp, "checkpointing": True}))}
+                 (("fp32", {}), (f"{amp} + checkpointing", {"precision": amp, "checkpointing": True}))}
     base, both = runs[names[0]], runs[names[1]]
     if base["status"] != "ok" or both["status"] != "ok":
         failed = names[0] if base["status"] != "ok" else names[1]
-        c_failed = plan[failed]
-        e_peak = est.estimate_memory(c_failed, device=device.type)["peak_bytes"]
-        why = (f"'{failed}' did not fit the budget of {fmt_bytes(budget)} ({runs[failed]['status']}); the estimator "
-               f"puts its peak at {fmt_bytes(e_peak)} (a prediction, not a measurement)")
-        entry = cl.not_measured("C6", why, cond)
+        e_peak = est.estimate_memory(plan[failed], device=device.type)["peak_bytes"]
+        entry = cl.not_measured("C6", f"'{failed}' did not fit this device's memory ({runs[failed]['status']}); the "
+                                      f"estimator puts its peak at {fmt_bytes(e_peak)} (a prediction, not a "
+                                      f"measurement)", cond)
         entry["extra"] = {"runs": {n: {"status": r["status"], "peak_bytes": r["peak_bytes"]} for n, r in runs.items()},
                           "estimate_bytes": {failed: e_peak}, "largest_micro_batch_8GiB_predicted": fits_pred}
         return entry, cond, fits_pred
-    memory_saving = 1 - both["peak_bytes"] / base["peak_bytes"]
-    t_base, t_both = base["step_times"][warm:], both["step_times"][warm:]
-    values = {"memory_saving": memory_saving}
-    mem_ev = cl.Evidence(pair=names, note="peak allocated, model loading included",
-                         state_share=state_bytes / base["peak_bytes"])
-    evidence = {"memory_saving": mem_ev}
-    # speed judged only on a GPU, with its noise (labutils.claims)
-    t = cl.timed_ratio(t_base, t_both)                  # ratio = median step time, all together / baseline
+    values = {"memory_saving": 1 - both["peak_bytes"] / base["peak_bytes"]}
+    evidence = {"memory_saving": cl.Evidence(pair=names, note="peak allocated, model loading included",
+                                             state_share=state_bytes / base["peak_bytes"])}
+    t = cl.timed_ratio(base["step_times"][warm:], both["step_times"][warm:])   # all together / baseline
     if t["ratio"]:
         values["slowdown"] = 1 - 1 / t["ratio"]
-        spread = t["spread"] / t["ratio"] ** 2 if t["spread"] is not None else None
-        evidence["slowdown"] = cl.Evidence(pair=names, timed_steps=t["timed_steps"], spread=spread,
+        evidence["slowdown"] = cl.Evidence(pair=names, timed_steps=t["timed_steps"],
+                                           spread=t["spread"] / t["ratio"] ** 2 if t["spread"] is not None else None,
                                            note="medians of the timed steps after warm-up, the notebook's loop")
     entry = cl.claim_entry("C6", values, cond, evidence=evidence,
                            reason=(f"{fmt_bytes(state_bytes)} of FP32 weights, gradients and AdamW state "
@@ -125,59 +102,80 @@ def c6_claim(tech_cfg, loop, config_path: str, budget: int, info: dict, *, amp: 
     return entry, cond, fits_pred
 
 
-def technique_claims(by: dict, cond: dict, amp: str = "fp16") -> list[dict]:
-    """C1, C2 and C4 from the technique table (``by``: its rows by technique) against its FP32 baseline, when that
-    baseline ran; [] when it did not (then the labs that own those claims answer them, or "not measured")."""
-    base = by["baseline (fp32)"]
-    if base["status"] != "ok":
-        return []
-    measures = {"C1": (amp, lambda r: {"memory_saving": 1 - r["peak (GiB)"] / base["peak (GiB)"]}),
-                "C2": (amp, lambda r: {"speedup": r[SPEED] / base[SPEED]}),
-                "C4": ("checkpointing", lambda r: {"memory_saving": 1 - r["peak (GiB)"] / base["peak (GiB)"],
-                                                   "time_overhead": base[SPEED] / r[SPEED] - 1})}
-    def evidence(cid: str, name: str, values: dict) -> dict:
-        # what stands behind the row's numbers: the timed steps of both runs (the H200 run's C2 said only "the run
-        # does not say how many timed steps stand behind it") and, for C1, its one batch size (C1 is judged over
-        # lab 01's sweep)
-        pair, hw = ("baseline (fp32)", name), cond.get("hardware")
-        steps = [x.get("timed steps") for x in (base, by[name])]
-        timed = cl.Evidence(pair=pair, hardware=hw, timed_steps=min(steps) if None not in steps else None,
-                            note="the technique table's runs: target tokens/s over their timed steps")
-        micro = int(str(by[name]["micro x accum"]).split(" x ")[0])
-        memory = cl.Evidence(pair=pair, hardware=hw, sweep={micro: values["memory_saving"]} if cid == "C1" else None)
-        return {q: (memory if q == "memory_saving" else timed) for q in values}
+def zero2_offload_prediction(cfg, precision: str = "fp16") -> dict:
+    """C7's prediction for ``cfg`` on one GPU: model state under plain mixed precision (2P fp16 weights + 2P grads +
+    12P AdamW/master, ZeRO stage 0) vs ZeRO-2 with the optimizer on the CPU (2P + 2P on the GPU), each plus one
+    micro-batch's activations (:func:`labutils.distributed.zero_bytes_per_gpu`). {"memory_saving", "plain_bytes",
+    "zero2_offload_bytes"}."""
+    from .distributed import zero_bytes_per_gpu
 
-    out = []
-    for cid, (name, measure) in measures.items():
-        if by[name]["status"] != "ok":
-            out.append(cl.not_measured(cid, f"the '{name}' row of section 8 ended with {by[name]['status']}", cond,
-                                       lab=LAB))
-            continue
-        values = measure(by[name])
-        out.append(cl.claim_entry(cid, values, cond, lab=LAB, evidence=evidence(cid, name, values)))
+    e = est.estimate_memory(cfg, precision=precision)
+    plain = zero_bytes_per_gpu(e["parameters"], 0, 1, False, True)["total"] + e["activations_bytes"]
+    offload = zero_bytes_per_gpu(e["parameters"], 2, 1, True, True)["total"] + e["activations_bytes"]
+    return {"memory_saving": 1 - offload / plain, "plain_bytes": plain, "zero2_offload_bytes": offload}
+
+
+def zero2_offload_unavailable() -> str | None:
+    """Why C7 cannot be measured here (DeepSpeed on a CUDA GPU is needed), or None when it can."""
+    import importlib.util
+
+    from . import device as dev
+
+    missing = [p for p in ("deepspeed", "accelerate") if importlib.util.find_spec(p) is None]
+    if not dev.cuda_available():
+        return "it needs DeepSpeed on a CUDA GPU, and this machine has no CUDA GPU"
+    if missing:
+        return (f"it needs DeepSpeed on a CUDA GPU, and {' and '.join(missing)} is not installed "
+                "(pip install -e '.[deepspeed]', which needs a CUDA toolkit)")
+    return None
+
+
+def measure_zero2_offload(config: str, overrides: list[str], workdir, *, timeout: int = 1800) -> dict:
+    """The same config and batch trained twice in subprocesses, plainly (``python -m labutils run``) and under
+    DeepSpeed ZeRO-2 with the optimizer on the CPU (``accelerate launch`` with :data:`ZERO2_OFFLOAD_ACCELERATE`):
+    {"plain": run record, "zero2_offload": run record} (``--json`` records) or {"error": why}."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    launchers = {"plain": [sys.executable, "-m", "labutils"],
+                 "zero2_offload": [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                                   ZERO2_OFFLOAD_ACCELERATE, "--num_processes", "1", "-m", "labutils"]}
+    out = {}
+    for name, launcher in launchers.items():
+        path = Path(workdir) / f"c7-{name}.json"
+        path.unlink(missing_ok=True)
+        cmd = [*launcher, "run", config, "--quiet", "--json", str(path)] + (["--set", *overrides] if overrides else [])
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"the {name} run took longer than {timeout} s"}
+        if r.returncode != 0 or not path.is_file():
+            tail = (r.stderr.strip().splitlines() or r.stdout.strip().splitlines() or ["no output"])[-1]
+            return {"error": f"the {name} run failed (exit {r.returncode}): {tail[:200]}"}
+        out[name] = json.loads(path.read_text(encoding="utf-8"))
     return out
 
 
 def c7_claim(config_path: str, tech_cfg, info: dict, workdir) -> dict:
-    """C7 at micro-batch 1 in fp16: measured with DeepSpeed ZeRO-2 + CPU offload against plain training (in
-    subprocesses writing to ``workdir``) where that can run here, else not measured with the estimator's
-    prediction for the full-size config."""
-    over = ["train.precision=fp16", "train.micro_batch_size=1", "train.accumulation_steps=1"]
+    """C7 at micro-batch 1 in fp16: measured (:func:`measure_zero2_offload`, writing to ``workdir``) where it can
+    run here, else not measured with the estimator's prediction for the full-size config."""
     cond = cl.conditions(model=tech_cfg.model.name, batch="1 x 1", sequence=tech_cfg.data.seq_length,
                          precision="fp16, ZeRO-2 + CPU offload vs plain", hardware=_hardware(info), mode=info["mode"])
     full = load_config(config_path, mode="full").override({"train.micro_batch_size": 1, "train.accumulation_steps": 1})
-    prediction = {"memory_saving": z2.zero2_offload_prediction(full)["memory_saving"]}
-    prediction_for = f"{full.model.name}, 1 x {full.data.seq_length}, fp16, one CUDA GPU"
+    prediction = {"memory_saving": zero2_offload_prediction(full)["memory_saving"]}
     # not measured: the row shows the prediction, so its conditions are the prediction's, not this run's
-    pred_cond = cl.conditions(model=full.model.name, batch="1 x 1", sequence=full.data.seq_length,
-                              precision="fp16, ZeRO-2 + CPU offload vs plain", hardware="one CUDA GPU (predicted)",
-                              mode=info["mode"])
-    missing = z2.zero2_offload_unavailable()
+    why_not = dict(prediction=prediction,
+                   prediction_for=f"{full.model.name}, 1 x {full.data.seq_length}, fp16, one CUDA GPU")
+    pred_cond = dict(cond, model=full.model.name, sequence=full.data.seq_length, hardware="one CUDA GPU (predicted)")
+    missing = zero2_offload_unavailable()
     if missing:
-        return cl.not_measured("C7", missing, pred_cond, prediction=prediction, prediction_for=prediction_for)
-    c7 = z2.measure_zero2_offload(config_path, over, workdir)
+        return cl.not_measured("C7", missing, pred_cond, **why_not)
+    c7 = measure_zero2_offload(config_path, ["train.precision=fp16", "train.micro_batch_size=1",
+                                             "train.accumulation_steps=1"], workdir)
     if "error" in c7:
-        return cl.not_measured("C7", c7["error"], pred_cond, prediction=prediction, prediction_for=prediction_for)
+        return cl.not_measured("C7", c7["error"], pred_cond, **why_not)
     p_peak, z_peak = c7["plain"]["peak_memory_bytes"], c7["zero2_offload"]["peak_memory_bytes"]
     return cl.claim_entry("C7", {"memory_saving": 1 - z_peak / p_peak}, cond,
                           reason=f"GPU peak {fmt_bytes(p_peak)} plain vs {fmt_bytes(z_peak)} with the AdamW state "

@@ -1,50 +1,42 @@
-"""Lab 04's experiments as rows: every run measured under a memory budget and set next to the estimator's
-prediction for it (``labutils.estimate``).
+"""Lab 04's experiments as rows: every run measured under the lab's one budget (an 8 GB card) and set next to the
+estimator's prediction for it (``labutils.estimate``). The written-out training step, the memory marks and the raw
+``torch.cuda`` / ``torch.profiler`` calls stay in the notebook: they are what the lab teaches.
 
-* budgets: :func:`budget_like` (an 8 GB card on a GPU; on CPU a simulated card scaled to the smoke model),
-  :func:`cpu_budget_kwargs` (what ``lu.run`` needs to raise the simulated OOM);
-* :class:`MeasuredRuns`: the notebook's record of every run, estimate against measurement (section 10's table);
-* section 4: :func:`setup_training` (model, optimizer and data as ``lu.train`` has them), and
-  :func:`add_stage_estimates` / :func:`stage_table` for the stage-by-stage rows;
-* section 5: :func:`batch_sweep` and :func:`largest_batch_rows`;
-* section 8: :func:`technique_rows`;
-* section 9: :func:`leak_curves` (the notebook writes the leaking step; this runs it) and :func:`leak_table`.
-
-The written-out training step, the memory marks and the raw ``torch.cuda`` / ``torch.profiler`` calls stay in
-the notebook: they are what the lab teaches.
+* :func:`lab_budget` (the card, or on a CPU its scale model), :func:`cpu_budget_kwargs`, :class:`MeasuredRuns`;
+* section 4: :func:`setup_training`, :func:`fresh_training`, :func:`add_stage_estimates`, :func:`stage_table`,
+  :func:`as_counted`;
+* section 5: :func:`batch_sweep`, :func:`largest_batch_rows`; section 8: :func:`technique_rows`,
+  :func:`logits_share_rows`; section 9: :func:`leak_curves`, :func:`leak_table`.
 """
 from __future__ import annotations
+
+import re
 
 import torch
 
 from . import cards
 from . import device as dev
 from . import estimate as est
-from .config import load_config
+from .loss_chunks import DEFAULT_CHUNK
 from .memory import MemoryTracker, gib, oom_caught, release
+from .models import padded_vocab_size, vocab_size
 from .train import autocast_for, make_optimizer, prepare, run
 
 GiB, MiB = 2**30, 2**20
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Budgets and the record of every run
-# ----------------------------------------------------------------------------------------------------------
-def budget_like(gb: float, config_path: str, device: torch.device) -> int:
-    """The budget of a card sold as ``gb`` GB, in bytes. CUDA: what torch reports on such a card
-    (:func:`labutils.cards.card_total_bytes`: 7.78 GiB for 8). CPU: a simulated card that gives the smoke model
-    as many bytes per parameter as ``gb`` GiB give the full-size model of the config (the CPU tracker raises
-    OutOfMemoryError past it)."""
+def lab_budget(device: torch.device, full_cfg, cfg, rows: dict) -> tuple[int, str, list[dict]]:
+    """The lab's one budget, an 8 GB card: ``(bytes, why, scale-model rows)``. CUDA: what torch reports on one; CPU:
+    its scale model for ``rows`` ({name: overrides} of ``full_cfg`` and ``cfg``; estimate.scale_model_budget)."""
     if device.type == "cuda":
-        return cards.card_total_bytes(gb)[0]
-    full = load_config(config_path, mode="full").model.name
-    small = load_config(config_path).model.name
-    return int(gb * GiB * est.parameter_count(small) / est.parameter_count(full))
+        total, rule = cards.card_total_bytes(8)
+        return total, f"an 8 GB card ({rule})", []
+    sm = est.scale_model_budget(full_cfg, cfg, rows)
+    return sm["budget_bytes"], sm["why"], sm["rows"]
 
 
 def cpu_budget_kwargs(budget: int, device: torch.device) -> dict:
-    """``lu.run`` keyword arguments for a budget: none on CUDA; on CPU ``cpu_budget_bytes``, the budget plus
-    every CPU tensor alive now (``lu.run``'s simulated OOM counts every CPU tensor of the process)."""
+    """``lu.run``'s arguments for a budget: none on CUDA; on CPU the budget plus every CPU tensor alive now."""
     if device.type == "cuda":
         return {}
     with MemoryTracker(device) as t:
@@ -52,15 +44,15 @@ def cpu_budget_kwargs(budget: int, device: torch.device) -> dict:
     return {"cpu_budget_bytes": t.start_bytes + budget}
 
 
-def context_bytes(device: torch.device) -> int:
-    """Memory the estimator keeps for the CUDA context, outside PyTorch's allocator (0 on CPU)."""
-    return est.CUDA_CONTEXT_BYTES if device.type == "cuda" else 0
+def as_counted(phase: str) -> str:
+    """An estimator phase with its steps counted from 1, as every table and figure counts them (labutils.figures):
+    the replay numbers its steps from 0 ("step 1 backward" is the second step)."""
+    return re.sub(r"\bstep (\d+)", lambda m: f"step {int(m.group(1)) + 1}", phase)
 
 
 class MeasuredRuns:
-    """Every measured run of the notebook, one row each: the estimate for this device's kernels against what
-    was measured, and the CUDA prediction next to it (``runs.rows`` is section 10's table). ``start_bytes``: memory
-    in use when the run started, so the notebook shows each run starts from the lab's baseline (no leftovers)."""
+    """Every measured run (``runs.rows``, section 10): this device's estimate against the measurement, the CUDA
+    prediction beside it, and ``start_bytes`` (memory in use when the run started)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -79,32 +71,41 @@ class MeasuredRuns:
         return list(self.records.values())
 
     def estimate_for(self, res, e: dict) -> int:
-        """The estimate on the measurement's basis: absolute on CUDA; on CPU shifted to the run's measured
-        start."""
+        """The estimate on the measurement's basis: absolute on CUDA; on CPU shifted to the run's measured start."""
         if self.device.type == "cpu" and res.ok:
             return e["peak_bytes"] + res.memory["start_bytes"] - e["resident_bytes"]
         return e["peak_bytes"]
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Section 4: one training step, stage by stage
-# ----------------------------------------------------------------------------------------------------------
 def setup_training(c, device: torch.device):
-    """Model (in train mode), optimizer, the dataset on the device and its window iterator, as ``lu.train``
-    has them: ``model, optimizer, data, windows = setup_training(cfg, device)``."""
+    """``model, optimizer, data, windows = setup_training(cfg, device)``, as ``lu.train`` has them (train mode, the
+    dataset on the device)."""
     loaded, dataset = prepare(c, device, verbose=False)
     model = loaded.model
     model.train()
     optimizer, _ = make_optimizer(model, c, device)
-    data = dataset.to(device)                            # the dataset lives on the device, as in lu.train
+    data = dataset.to(device)
     return model, optimizer, data, data.windows(c.train.micro_batch_size, c.train.accumulation_steps, c.train.seed)
+
+
+def fresh_training(c, device: torch.device, fn):
+    """``fn(model, optimizer, data, windows, autocast)`` on a fresh :func:`setup_training` of ``c``; everything is
+    released when it returns, even after an error (``fn``'s own names die with it), so the next measurement starts
+    from the lab's baseline."""
+    model, optimizer, data, windows = setup_training(c, device)
+    try:
+        return fn(model, optimizer, data, windows, autocast_for(c.train.precision, device))
+    finally:
+        model = optimizer = data = windows = None
+        release()
 
 
 def add_stage_estimates(rows: list[dict], e_stage: dict, start_bytes: int, device: torch.device,
                         n_params: int) -> None:
-    """Add to each stage row ``other`` (allocated minus weights, gradients and AdamW state) and ``estimate``
-    (the estimator's timeline at the same point; on CPU shifted to the measured start)."""
-    shift = start_bytes - e_stage["resident_bytes"] if device.type == "cpu" else 0   # CPU: align the starts
+    """Add to each stage row ``other`` (allocated minus weights, gradients and AdamW state) and ``estimate`` (the
+    estimator's timeline at the same point; on CPU shifted to the measured start). Rows number steps from 0, as the
+    estimator's timeline does."""
+    shift = start_bytes - e_stage["resident_bytes"] if device.type == "cpu" else 0
     est_at = {p["label"]: p["bytes"] + shift for p in e_stage["timeline"]}
     for r in rows:
         r["other"] = r["allocated"] - r["params"] - r["grads"] - r["optimizer"]
@@ -116,97 +117,106 @@ def add_stage_estimates(rows: list[dict], e_stage: dict, start_bytes: int, devic
 
 
 def stage_table(rows: list[dict]) -> list[dict]:
-    """The stage rows for display, in MiB, steps numbered from 1."""
+    """The stage rows in MiB, steps counted from 1 (as :func:`as_counted` and the figures count them)."""
     return [{"step": r["step"] + 1, "stage": r["stage"], "allocated (MiB)": r["allocated"] / MiB,
-             "estimate (MiB)": r["estimate"] / MiB, "weights": r["params"] / MiB, "grads": r["grads"] / MiB,
-             "AdamW state": r["optimizer"] / MiB, "other (activations, data, temporaries)": r["other"] / MiB}
-            for r in rows]
+             "estimate (MiB)": r["estimate"] / MiB, "weights (MiB)": r["params"] / MiB, "grads (MiB)": r["grads"] / MiB,
+             "AdamW state (MiB)": r["optimizer"] / MiB, "other (MiB)": r["other"] / MiB} for r in rows]
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Section 5: batch sweep
-# ----------------------------------------------------------------------------------------------------------
+def _measured(c, name: str, runs: MeasuredRuns, **run_kw) -> tuple[dict, dict]:
+    """``lu.run`` one config (an OOM is a row): ``(row, estimate)``, the row with status, measured peak, the estimate
+    on the same basis, throughput, device, weights and error. A run that fit goes into ``runs``."""
+    res = run(c, desc=name, verbose=False, **run_kw)
+    e = est.estimate_memory(c, device=runs.device.type)
+    if res.ok:
+        runs.record(name, c, res.peak_memory_bytes, res.memory["start_bytes"])
+    return {"status": res.status, "peak (GiB)": gib(res.peak_memory_bytes) if res.ok else None,
+            "estimate (GiB)": gib(runs.estimate_for(res, e)), "target tokens/s": res.target_tokens_per_second,
+            "timed steps": res.timed_steps, "mfu": res.mfu, "device": res.env.get("gpu_name") or res.env.get("device"),
+            "weights": res.env.get("weights"), "error": (res.error or "")[:80]}, e
+
+
 def batch_sweep(cfg, batch_sizes, runs: MeasuredRuns, **run_kw) -> list[dict]:
-    """Two steps of ``cfg`` at each micro-batch size (``lu.run``: an OOM is a row, not a crash); one row each
-    with the measured peak and the estimate. Every run that fits goes into ``runs``."""
-    sweep = []
-    for b in batch_sizes:
-        c = cfg.override({"train.micro_batch_size": b, "train.steps": 2, "train.timing_warmup_steps": 1})
-        res = run(c, desc=f"micro-batch {b}", verbose=False, **run_kw)
-        e = est.estimate_memory(c, device=runs.device.type)
-        row = {"micro_batch": b, "status": res.status, "peak (GiB)": gib(res.peak_memory_bytes) if res.ok else None,
-               "estimate (GiB)": gib(runs.estimate_for(res, e)), "target tokens/s": res.target_tokens_per_second,
-               "device": res.env.get("gpu_name") or res.env.get("device"), "weights": res.env.get("weights"),
-               "error": (res.error or "")[:80]}
-        if res.ok:
-            runs.record(f"sweep micro-batch {b}", c, res.peak_memory_bytes, res.memory["start_bytes"])
-        sweep.append(row)
-    return sweep
+    """Two steps of ``cfg`` at each micro-batch size, one row each (:func:`_measured`)."""
+    return [{"micro_batch": b, **_measured(cfg.override({"train.micro_batch_size": b, "train.steps": 2,
+                                                          "train.timing_warmup_steps": 1}),
+                                           f"sweep micro-batch {b}", runs, **run_kw)[0]} for b in batch_sizes]
 
 
-def largest_batch_rows(cfg, cards, fixed: float, per_sample: float, device: torch.device) -> list[dict]:
-    """For each ``(label, budget_bytes)`` card: the largest micro-batch by the fitted line ``fixed + per_sample
-    x batch``, by the estimator's raw peak, and the estimator's recommendation (10 % headroom, CUDA context)."""
-    context = context_bytes(device)
+def largest_batch_rows(cfg, cards_, fixed: float, per_sample: float, device: torch.device) -> list[dict]:
+    """For each ``(label, budget_bytes)``: the largest micro-batch by the fitted line ``fixed + per_sample x batch``
+    (minus what lives outside the allocator), by the estimator's raw peak, and recommended (10 % headroom, CUDA
+    context: :func:`labutils.estimate.fits`)."""
+    context = est.CUDA_CONTEXT_BYTES if device.type == "cuda" else 0
+    return [{"budget": label, "GiB": budget / GiB,
+             "largest batch (fit)": int((budget - dev.outside_allocator_bytes()[0] - fixed) // per_sample),
+             "largest batch (estimator, raw peak)": est.largest_batch(cfg, budget, device=device.type, safe=False),
+             "recommended (estimator, 10% headroom" + (", CUDA context)" if context else ")"):
+                 est.largest_batch(cfg, budget, device=device.type, context_bytes=context)}
+            for label, budget in cards_]
+
+
+def technique_rows(tech_cfg, techniques: dict, runs: MeasuredRuns, full_cfg=None, **run_kw) -> list[dict]:
+    """Train ``tech_cfg`` with each technique ``{name: overrides}`` (:func:`_measured`), with whether the full-size
+    config fits an 8 GB card (the estimator, :func:`labutils.estimate.fits`), the estimate's peak phase, and the
+    saving against the first row (its estimate when it did not fit)."""
+    card = cards.card_total_bytes(8)[0]
     rows = []
-    for label, budget in cards:
-        # the fit is of the allocator's peak: on a GPU the CUDA context takes its share of the card first
-        fit_max = int((budget - dev.outside_allocator_bytes()[0] - fixed) // per_sample)
-        rows.append({"budget": label, "GiB": budget / GiB, "largest batch (fit)": fit_max,
-                     "largest batch (estimator, raw peak)": est.largest_batch(cfg, budget, device=device.type,
-                                                                              safe=False),
-                     "recommended (estimator, 10% headroom" + (", CUDA context)" if context else ")"):
-                         est.largest_batch(cfg, budget, device=device.type, context_bytes=context)})
-    return rows
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Section 8: techniques under the budget
-# ----------------------------------------------------------------------------------------------------------
-def technique_rows(tech_cfg, techniques, runs: MeasuredRuns, budget: int, **run_kw) -> list[dict]:
-    """Train ``tech_cfg`` with each ``(name, overrides)`` technique (``lu.run``: an OOM is a row); one row each
-    with the measured peak, the estimate, whether the estimate fits ``budget``, throughput, and the saving
-    against the first row (its estimate when it did not fit). Every run that fits goes into ``runs``."""
-    context = context_bytes(runs.device)
-    rows = []
-    for name, over in techniques:
+    for name, over in techniques.items():
         c = tech_cfg.override(over)
-        res = run(c, desc=name, verbose=False, **run_kw)
-        e = est.estimate_memory(c, device=runs.device.type)
-        if res.ok:
-            runs.record(f"technique: {name}", c, res.peak_memory_bytes, res.memory["start_bytes"])
+        row, e = _measured(c, f"technique: {name}", runs, **run_kw)
+        fits = est.fits(est.estimate_memory((full_cfg or tech_cfg).override(over)), card)
         rows.append({"technique": name, "micro x accum": f"{c.train.micro_batch_size} x {c.train.accumulation_steps}",
-                     "status": res.status, "peak (GiB)": gib(res.peak_memory_bytes) if res.ok else None,
-                     "estimate (GiB)": gib(runs.estimate_for(res, e)),
-                     "fits the budget (estimate)": est.fits(e, budget, context),
-                     "target tokens/s": res.target_tokens_per_second, "timed steps": res.timed_steps, "mfu": res.mfu,
-                     "peak phase (estimate)": e["peak_phase"],
-                     "device": res.env.get("gpu_name") or res.env.get("device"), "weights": res.env.get("weights"),
-                     "error": (res.error or "")[:60]})
-    base = rows[0]
-    base_peak = (base["peak (GiB)"] or base["estimate (GiB)"]) * GiB
+                     **row, "8 GB card (estimate)": "fits" if fits else "OOM",
+                     "peak phase (estimate)": as_counted(e["peak_phase"])})
+    base_peak = (rows[0]["peak (GiB)"] or rows[0]["estimate (GiB)"]) * GiB
     for r in rows:
-        got = r["peak (GiB)"]
-        r["saving vs baseline (%)"] = None if got is None else 100 * (1 - got * GiB / base_peak)
+        r["saving vs baseline (%)"] = None if r["peak (GiB)"] is None else 100 * (1 - r["peak (GiB)"] * GiB / base_peak)
     return rows
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Section 9: leaks
-# ----------------------------------------------------------------------------------------------------------
-def leak_curves(c, device: torch.device, one_step, warmup_step, variants, steps: int) -> dict:
-    """Memory above the start after each of ``steps`` training steps, per variant of keeping the losses.
+def logits_share_rows(cfg, device=None, chunk_size: int | None = None, progress: bool = False) -> list[dict]:
+    """Train ``cfg`` with the full loss, then the chunked one (``chunk_size`` positions a chunk; None: the config's):
+    ``[full_row, chunked_row]``, each with ``status``, ``peak_bytes``, ``logits_bytes`` (one fp32 ``[B, T, V]`` of a
+    micro-batch), ``largest_logits_bytes`` (the whole logits; one chunk), their shares of the peak, ``saved_bytes``
+    (the full loss's peak minus this one's) and ``saved_logits`` (in whole logits). ValueError when one chunk would
+    hold every position: the chunked loss would be the full loss."""
+    chunk = int(chunk_size or cfg.model.loss_chunk_size or DEFAULT_CHUNK)
+    positions = cfg.train.micro_batch_size * cfg.data.seq_length
+    if chunk >= positions:
+        raise ValueError(f"logits_share_rows: a chunk of {chunk} positions holds all {positions} positions of a "
+                         f"micro-batch ({cfg.train.micro_batch_size} x {cfg.data.seq_length}): the chunked loss "
+                         f"would be "
+                         f"the full loss; give chunk_size below {positions}")
+    logits = 4 * positions * padded_vocab_size(vocab_size(cfg.model.name), cfg.model.pad_vocab_to)
+    rows = []
+    for loss in ("full", "chunked"):
+        res = run(cfg.override({"model.loss": loss, "model.loss_chunk_size": chunk}), device, progress=progress,
+                  verbose=False, desc=f"loss {loss}")
+        largest = logits if loss == "full" else logits * chunk // positions
+        peak = res.peak_memory_bytes if res.ok else None
+        rows.append({"loss": loss, "chunk_size": chunk if loss == "chunked" else None, "status": res.status,
+                     "peak_bytes": peak, "start_bytes": res.memory.get("start_bytes"), "logits_bytes": logits,
+                     "largest_logits_bytes": largest, "logits_share": logits / peak if peak else None,
+                     "largest_logits_share": largest / peak if peak else None,
+                     "final_loss": res.losses[-1] if res.losses else None, "error": res.error})
+    full_peak = rows[0]["peak_bytes"]
+    for row in rows:
+        ok = full_peak is not None and row["peak_bytes"] is not None
+        row["saved_bytes"] = full_peak - row["peak_bytes"] if ok else None
+        row["saved_logits"] = row["saved_bytes"] / logits if ok else None
+    return rows
 
-    ``warmup_step(model, optimizer, window, autocast)`` runs once first (the AdamW state exists from then on);
-    then for each variant, ``one_step(model, optimizer, window, val, autocast, variant, train_log, val_log)``
-    ``steps`` times (``val``: one validation sequence). An OOM ends a variant early. Returns ``{variant: [bytes
-    after step 1, 2, ...], variant + " (after del)": bytes once the logs are dropped}``."""
-    model, optimizer, data, windows = setup_training(c, device)
-    autocast = autocast_for(c.train.precision, device)
-    val = next(data.windows(1, 1, c.train.seed + 7)).micro_batches[0]   # one validation sequence
-    curves = {}
-    try:
-        warmup_step(model, optimizer, next(windows), autocast)   # AdamW state exists from here on
+
+def leak_curves(c, device: torch.device, one_step, warmup_step, variants, steps: int) -> dict:
+    """Memory above the start after each of ``steps`` training steps per way of keeping the losses: ``warmup_step(model,
+    optimizer, window, autocast)`` once, then per variant ``one_step(model, optimizer, window, val, autocast, variant,
+    train_log, val_log)`` (``val``: one validation sequence; an OOM ends a variant). ``{variant: [bytes after each
+    step], variant + " (after del)": bytes once the logs are dropped}``."""
+    def curves_of(model, optimizer, data, windows, autocast):
+        val = next(data.windows(1, 1, c.train.seed + 7)).micro_batches[0]
+        warmup_step(model, optimizer, next(windows), autocast)
+        curves = {}
         with MemoryTracker(device) as mt:
             for variant in variants:
                 train_log, val_log, ys = [], [], []
@@ -222,18 +232,16 @@ def leak_curves(c, device: torch.device, one_step, warmup_step, variants, steps:
                 del train_log, val_log                             # dropping the lists frees the graphs
                 curves[variant + " (after del)"] = mt.current_bytes() - start
         return curves
-    finally:
-        model = optimizer = data = windows = val = None   # drop every reference, even after an error
-        release()
+
+    return fresh_training(c, device, curves_of)
 
 
 def leak_table(curves: dict, variants) -> list[dict]:
-    """One row per variant of :func:`leak_curves`: growth per step (first to last step) and what stayed after
-    dropping the logs, in MiB."""
+    """One row per variant of :func:`leak_curves`: growth per step (first to last step), what stayed after del."""
     rows = []
     for name in variants:
         ys = curves[name]
-        growth = (ys[-1] - ys[0]) / max(1, len(ys) - 1)
-        rows.append({"variant": name, "growth per step (MiB)": growth / MiB,
+        rows.append({"variant": name,
+                     "growth per step (MiB)": (ys[-1] - ys[0]) / max(1, len(ys) - 1) / MiB if ys else None,
                      "after del (MiB)": curves[name + " (after del)"] / MiB})
     return rows

@@ -9,7 +9,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 import labutils as lu
 from labutils import loss_chunks as LC
 from labutils.config import ConfigError
-from labutils.logits_memory import logits_share_rows
+from labutils.profiling_runs import logits_share_rows
 
 # (autocast dtype or None, relative tolerance for the loss, for the gradients). bf16 keeps 8 bits of mantissa: the
 # full path rounds the head's weight gradient to bf16 once, the chunked path accumulates it in fp32.
@@ -188,9 +188,17 @@ def test_peak_memory_of_a_gpt2_small_step_drops_by_at_least_half_the_logits():
     rows = logits_share_rows(lu.load_config(None, {
         "model.name": "gpt2", "model.pretrained": "false", "data.seq_length": 256, "data.num_samples": 8,
         "train.micro_batch_size": 2, "train.steps": 2, "train.precision": "fp32"}, mode="full"), device="cpu",
-        chunk_size=256, verbose=False)
+        chunk_size=256)
     full, chunked = rows
     assert full["status"] == chunked["status"] == "ok"
     assert full["logits_bytes"] == LOGITS_BYTES
     assert full["peak_bytes"] - chunked["peak_bytes"] >= LOGITS_BYTES // 2, rows
     assert chunked["final_loss"] == pytest.approx(full["final_loss"], rel=1e-5)
+
+
+def test_a_chunk_that_holds_every_position_is_refused():
+    """Issue 36: with a chunk larger than a micro-batch's positions the "chunked" loss is the full loss, and lab 04
+    printed "peak lower by 0 B" as if that were a finding. Breaks if such a run is measured instead of refused."""
+    cfg = lu.load_config(None, {"model.name": "tiny", "data.seq_length": 32, "train.micro_batch_size": 2}, mode="smoke")
+    with pytest.raises(ValueError, match="holds all 64 positions"):
+        logits_share_rows(cfg, device="cpu", chunk_size=64)

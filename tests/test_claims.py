@@ -6,7 +6,7 @@ import json
 import pytest
 
 from labutils import claims as cl
-from labutils import zero2_offload as z2
+from labutils import profiling_claims as z2
 from labutils.config import load_config
 
 SMOKE = cl.conditions(model="tiny", batch="2 x 1", sequence=64, precision="fp16 vs fp32", hardware="cpu",

@@ -1,36 +1,31 @@
-"""Lab 04's claims read the technique table that lab 04 builds: the same column names, end to end."""
+"""Lab 04's C6 and its rows: what the notebook's cells read, end to end."""
+import re
+
 import torch
 
 import labutils as lu
 from labutils import claims as cl
-from labutils.profiling_claims import c6_claim, technique_claims
+from labutils.profiling_claims import c6_claim
 from test_combined_loop import one_loop_from_notebook
-from labutils.profiling_runs import MeasuredRuns, technique_rows
+from labutils.profiling_runs import MeasuredRuns, as_counted, stage_table, technique_rows
 
 TECHNIQUES = "configs/lab04_techniques.yaml"
 GiB = 2**30
+PAIR = {"baseline (fp32)": {}, "all together": {"train.precision": "fp16", "train.gradient_checkpointing": True,
+                                                "train.micro_batch_size": 2, "train.accumulation_steps": 2}}
 
 
-def test_c6_c1_c2_c4_come_from_the_table_when_its_baseline_fits():
-    """On a card where the FP32 baseline fits (any big GPU; in smoke here, with no budget), C6, C1, C2 and C4 are
-    computed from the table's own rows. They read a "tokens/s" column the table never had ("target tokens/s"):
-    a KeyError on the first GPU run where the baseline fit, a branch the smoke run (baseline OOM) never took."""
+def test_technique_rows_say_whether_the_full_size_config_fits_8gb():
+    """Each row carries the estimator's verdict for the FULL-size config on an 8 GB card (the column the notebook
+    compares with the smoke status), not for the smoke config it ran. Breaks if the column reads the config that ran
+    (every tiny row would "fit") or drops the throughput and timed steps that the claims read."""
     cfg = lu.load_config(TECHNIQUES, mode="smoke").override({"train.steps": 2, "train.timing_warmup_steps": 1})
-    techniques = [("baseline (fp32)", {}), ("fp16", {"train.precision": "fp16"}),
-                  ("checkpointing", {"train.gradient_checkpointing": True}),
-                  ("all together", {"train.precision": "fp16", "train.gradient_checkpointing": True,
-                                    "train.micro_batch_size": 1, "train.accumulation_steps": 4})]
-    device = torch.device("cpu")
-    # the runs on the same device as MeasuredRuns (not the default one: a GPU where there is one)
-    rows = technique_rows(cfg, techniques, MeasuredRuns(device), 8 * GiB, progress=False, device=device)
-    by = {r["technique"]: r for r in rows}
-    assert all(r["status"] == "ok" for r in rows)
-    info = {"device": device, "gpu_name": None, "mode": "smoke"}
-    entries = technique_claims(by, {"hardware": "cpu", "mode": "smoke"})
-    assert [e["id"] for e in entries] == ["C1", "C2", "C4"]
-    assert all(e["verdict"] in cl.VERDICTS and e["verdict"] != cl.NOT_MEASURED for e in entries)
-    slower = by["checkpointing"]["target tokens/s"] < by["baseline (fp32)"]["target tokens/s"]
-    assert (entries[2]["measured"]["time_overhead"]["value"] > 0) == slower
+    full = lu.load_config(TECHNIQUES, mode="full")
+    rows = technique_rows(cfg, {"baseline (fp32)": {}, "checkpointing": {"train.gradient_checkpointing": True}},
+                          MeasuredRuns(torch.device("cpu")), full, progress=False, device="cpu")
+    assert [r["8 GB card (estimate)"] for r in rows] == ["OOM", "fits"]   # 10.50 GiB and 5.70 GiB (the yaml's plan)
+    assert all(r["status"] == "ok" and r["target tokens/s"] and r["timed steps"] for r in rows)
+    assert rows[1]["saving vs baseline (%)"] > 0
 
 
 def test_c6_is_measured_with_the_notebooks_loop_and_never_judges_cpu_time():
@@ -47,20 +42,19 @@ def test_c6_is_measured_with_the_notebooks_loop_and_never_judges_cpu_time():
         return loop(*a)
 
     info = {"device": torch.device("cpu"), "gpu_name": None, "mode": "smoke"}
-    c6, cond, _ = c6_claim(cfg, counted, TECHNIQUES, 8 * GiB, info)
+    c6, cond, _ = c6_claim(cfg, counted, TECHNIQUES, info, PAIR)
     assert calls == ["fp32", "fp16"], calls
     assert c6["id"] == "C6" and "memory_saving" in c6["measured"]
-    names = list(c6["extra"]["peaks_bytes"])
-    assert names[0].startswith("fp32 baseline, 4 x 1") and "fp16 + checkpointing + accumulation" in names[1]
+    assert list(c6["extra"]["peaks_bytes"]) == ["baseline (fp32), 4 x 1", "all together, 2 x 2"]
     slow = c6["measured"].get("slowdown")
     parts = c6.get("parts", {})
     assert slow is None or parts.get("slowdown", {}).get("verdict") == getattr(cl, "NOT_JUDGED", None), c6
 
 
-def test_c6_uses_the_labs_amp_at_one_effective_batch():
-    """Issue 27: C6's techniques run in the lab's AMP precision (bf16 where native), and a baseline that does not fit
-    is recorded as such at the table's effective batch, with its estimate: the loop runs twice, never at a halved
-    batch. Breaks if C6 hard-codes fp16 or halves the batch until the baseline fits."""
+def test_c6_runs_the_pair_it_is_given_and_records_an_oom_with_its_estimate():
+    """Issue 27: C6's techniques run in the lab's AMP precision, and a side that does not fit is recorded as such at
+    the table's effective batch, with its estimate: the loop runs twice, never at a halved batch. Issue 36: C6 runs
+    on the device's whole memory (the full-size FP32 baseline never fits the 8 GB cap), so it takes no budget."""
     cfg = lu.load_config(TECHNIQUES, mode="smoke").override({"train.steps": 2, "train.timing_warmup_steps": 1})
     seen = []
 
@@ -68,42 +62,41 @@ def test_c6_uses_the_labs_amp_at_one_effective_batch():
         seen.append((c.train.precision, c.train.micro_batch_size * c.train.accumulation_steps))
         if c.train.precision == "fp32":
             raise torch.OutOfMemoryError("simulated out of memory on CPU")
-        return {"losses": [1.0] * c.train.steps, "grad_norms": [1.0] * c.train.steps, "step_times": [0.1] * c.train.steps}
+        n = c.train.steps
+        return {"losses": [1.0] * n, "grad_norms": [1.0] * n, "step_times": [0.1] * n}
 
     info = {"device": torch.device("cpu"), "gpu_name": None, "mode": "smoke"}
-    c6, _, _ = c6_claim(cfg, oom_baseline, TECHNIQUES, 8 * GiB, info, amp="bf16")
+    pair = {"baseline (fp32)": {}, "all together": dict(PAIR["all together"], **{"train.precision": "bf16"})}
+    c6, cond, fits = c6_claim(cfg, oom_baseline, TECHNIQUES, info, pair, amp="bf16")
     E = cfg.effective_batch_size
     assert seen == [("fp32", E), ("bf16", E)], seen
-    assert c6["verdict"] == "not measured" and "fp32 baseline" in c6["why"] and "prediction" in c6["why"], c6
-
-
-def test_no_technique_claims_when_the_baseline_did_not_fit():
-    assert technique_claims({"baseline (fp32)": {"status": "oom"}}, {}) == []
+    assert c6["verdict"] == "not measured" and "baseline (fp32)" in c6["why"] and "prediction" in c6["why"], c6
+    assert "budget" not in cond and fits == {"fp32": 1, "bf16 + checkpointing": 6}   # the yaml's plan
 
 
 def test_lab04_rows_on_a_pretend_gpu(monkeypatch):
-    """The CUDA branches of lab 04's row builders (smoke runs only the CPU ones): a real 8 GiB budget, no
-    simulated-OOM argument, the CUDA context kept out of what fits, estimates on an absolute basis."""
+    """The CUDA branches of lab 04's row builders (smoke runs only the CPU ones): a real 8 GB budget (no scale
+    model), no simulated-OOM argument, the CUDA context kept out of what fits, estimates on an absolute basis."""
     from types import SimpleNamespace
 
     from labutils import device as dev
-    from labutils import estimate as est
-    from labutils.profiling_runs import (add_stage_estimates, budget_like, context_bytes, cpu_budget_kwargs,
-                                         largest_batch_rows)
+    from labutils.profiling_runs import add_stage_estimates, cpu_budget_kwargs, lab_budget, largest_batch_rows
     from tests import fake_cuda
 
     monkeypatch.setattr(dev, "_state", {})
     gpu = fake_cuda.install(monkeypatch, "rtx3070-8gb")
     cuda = torch.device("cuda", 0)
-    # an 8 GB card as torch reports it (7.78 GiB: akshitac8/OW-DETR#46), not 8 GiB
-    assert budget_like(8, TECHNIQUES, cuda) == int(round(7.78 * GiB)) and cpu_budget_kwargs(8 * GiB, cuda) == {}
-    assert context_bytes(cuda) == est.CUDA_CONTEXT_BYTES > 0
+    full = lu.load_config(TECHNIQUES, mode="full")
+    # an 8 GB card as torch reports it (7.78 GiB: akshitac8/OW-DETR#46), not 8 GiB, and no scale-model rows
+    budget, why, rows = lab_budget(cuda, full, full, {"baseline": {}})
+    assert budget == int(round(7.78 * GiB)) and rows == [] and "8 GB card" in why
+    assert cpu_budget_kwargs(8 * GiB, cuda) == {}
     e = {"peak_bytes": 5 * GiB, "resident_bytes": GiB}
     assert MeasuredRuns(cuda).estimate_for(SimpleNamespace(ok=True, memory={"start_bytes": 123}), e) == 5 * GiB
-    rows = [{"step": 0, "stage": "after forward", "allocated": 3 * GiB, "params": GiB, "grads": 0, "optimizer": 0}]
-    add_stage_estimates(rows, {"resident_bytes": GiB, "timeline": [{"label": "step 0 after forward", "bytes": 2 * GiB}]},
-                        start_bytes=7, device=cuda, n_params=1)
-    assert rows[0]["estimate"] == 2 * GiB and rows[0]["other"] == 2 * GiB   # no CPU shift on CUDA
+    stage = [{"step": 0, "stage": "after forward", "allocated": 3 * GiB, "params": GiB, "grads": 0, "optimizer": 0}]
+    timeline = [{"label": "step 0 after forward", "bytes": 2 * GiB}]
+    add_stage_estimates(stage, {"resident_bytes": GiB, "timeline": timeline}, start_bytes=7, device=cuda, n_params=1)
+    assert stage[0]["estimate"] == 2 * GiB and stage[0]["other"] == 2 * GiB   # no CPU shift on CUDA
     cfg = lu.load_config("configs/lab04_profile.yaml", mode="full")
     fixed, per_sample = 2 * GiB, 256 * 2**20
     (row,) = largest_batch_rows(cfg, [("8 GB", 8 * GiB)], fixed, per_sample, cuda)
@@ -112,16 +105,18 @@ def test_lab04_rows_on_a_pretend_gpu(monkeypatch):
     assert key in row and row[key] <= row["largest batch (estimator, raw peak)"]
 
 
-def test_table_claims_name_their_timed_steps_on_a_gpu():
-    """On the H200, lab 04's C2 from the technique table said "not judged: the run does not say how many timed steps
-    stand behind it". The rows carry their timed steps; on a GPU with 2 of them C2 and C4's time say so (needs 10),
-    and C1 says it was measured at one batch size. Breaks if the evidence is dropped again."""
-    row = lambda speed, peak: {"status": "ok", "peak (GiB)": peak, "target tokens/s": speed,  # noqa: E731
-                               "timed steps": 2, "micro x accum": "4 x 1"}
-    by = {"baseline (fp32)": row(100.0, 4.0), "fp16": row(250.0, 2.0), "checkpointing": row(80.0, 3.0)}
-    cond = cl.conditions(model="gpt2", batch="4 x 1", sequence=512, precision="fp32 vs techniques",
-                         hardware="NVIDIA H200", mode="full")
-    c1, c2, c4 = technique_claims(by, cond)
-    assert c2["verdict"] == cl.NOT_JUDGED and "2 timed steps" in c2["why"] and "does not say" not in c2["why"]
-    assert "2 timed steps" in c4["parts"]["time_overhead"]["why"]
-    assert c1["verdict"] == cl.NOT_JUDGED and "one batch size" in c1["why"]
+def test_steps_are_counted_from_1_in_the_table_and_in_the_estimators_phases():
+    """Issue 36: the estimator said the peak comes during "step 1 backward" while the stage table, numbered from 1,
+    showed that peak in its step 2. The estimator's replay numbers its steps from 0: lab 04 shows every phase
+    counted from 1 (as_counted), like its table and figures. Breaks if either side is shifted alone."""
+    from labutils import estimate as est
+
+    cfg = lu.load_config("configs/lab04_profile.yaml", mode="smoke")
+    e = est.estimate_memory(cfg, device="cpu")
+    step_of_peak = int(re.match(r"step (\d+)", as_counted(e["peak_phase"])).group(1))
+    # the replay's timeline: step 0 creates AdamW state, the peak is in the step after it (its second step)
+    assert step_of_peak == 2 and e["peak_phase"].startswith("step 1 ")
+    rows = [{"step": s, "stage": "after forward", "allocated": 1, "estimate": 1, "params": 0, "grads": 0,
+             "optimizer": 0, "other": 1} for s in (0, 1)]
+    assert [r["step"] for r in stage_table(rows)] == [1, 2]
+    assert as_counted("step 0 after forward; step 12 backward") == "step 1 after forward; step 13 backward"

@@ -85,3 +85,23 @@ def test_operator_table_leaves_the_ranges_out():
     assert not keys & {"forward", "backward"}
     assert {e.key for e in prof.key_averages() if e.key.startswith("aten::")} <= keys and "aten::addmm" in keys
     assert "aten::addmm" in operators_only(prof.key_averages()).table(sort_by="self_cpu_time_total", row_limit=50)
+
+
+def test_operator_table_keeps_the_memory_columns():
+    """Issue 36: lab 04's "top operators by self cpu memory" table had no memory column: operators_only rebuilt the
+    event list without the profile's profile_memory flag. Oracle: torch's own table of the same profile, whose
+    memory columns ("Self CPU Mem") are there before the ranges are filtered out."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from labutils.profiling import operators_only, profiler_op_rows
+
+    model, x = torch.nn.Linear(64, 64), torch.randn(32, 64)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with record_function("forward"):
+            loss = model(x).sum()
+        loss.backward()
+    assert "Self CPU Mem" in prof.key_averages().table(row_limit=5)
+    assert "Self CPU Mem" in operators_only(prof.key_averages()).table(sort_by="self_cpu_memory_usage", row_limit=5)
+    rows = {r["op"]: r for r in profiler_op_rows(prof.key_averages(), 1, on_gpu=False)}
+    assert "forward" not in rows and rows["aten::addmm"]["self memory (MiB)"] * 2**20 >= 32 * 64 * 4   # its output
