@@ -10,7 +10,8 @@ Core (every lab and command builds on these):
   config              YAML -> typed dataclasses, with the mode's defaults, --set overrides, strict validation
   env                 where we run: the setup cell, device and version facts, seeds, TF32 switch, budget
   data                the offline corpus, tokenised into fixed-length samples; the accumulation-exact sampler
-  models              GPT-2 sizes plus tiny: hub cache, hub or random weights; tokenizers; checkpointing switch
+  hub                 where weights and tokenizers come from: the hub probe, the local cache, GPT-2's BPE
+  models              GPT-2 sizes plus tiny: the architecture, pretrained or random weights, checkpointing switch
   peaks               dense peak TFLOP/s of NVIDIA GPUs per precision (the denominator of MFU)
   flops               FLOPs of a training step (model and executed), the SDPA kernel, MFU and HFU of a run
   memory              MemoryTracker: peak and live memory of a region, the same meaning on CUDA and CPU

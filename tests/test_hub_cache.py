@@ -3,7 +3,7 @@
 A session fixture writes a Hugging Face hub cache in the layout huggingface_hub itself keeps
 (``hub/models--openai-community--gpt2/{blobs,snapshots/<commit>,refs/main}``) holding checkpoints made with
 ``save_pretrained``: a GPT-2 of small dimensions under GPT-2's real id, with GPT-2's real tokenizer, and a
-``tiny`` checkpoint under :data:`labutils.models.TINY_CACHE_ID`. Subprocesses then run with ``HF_HUB_OFFLINE=1``
+``tiny`` checkpoint under :data:`labutils.hub.TINY_CACHE_ID`. Subprocesses then run with ``HF_HUB_OFFLINE=1``
 and ``HF_HOME`` pointing at it (huggingface_hub reads both when it is imported), so transformers' own loading
 code runs end to end. Nothing is mocked.
 
@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from labutils.models import HUB_IDS, TINY_CACHE_ID, gpt2_config, offline_gpt2_tokenizer
+from labutils.hub import HUB_IDS, TINY_CACHE_ID, offline_gpt2_tokenizer
+from labutils.models import gpt2_config
 
 REPO = Path(__file__).resolve().parent.parent
 
