@@ -78,10 +78,14 @@ MASK_FIX = (f"{CAUSAL_SDPA} is causal attention without a mask: it can honour on
 def refuse_unhonoured_mask(mask: torch.Tensor) -> None:
     """Raise ValueError unless the 2-D padding mask ``mask`` is one :data:`CAUSAL_SDPA` computes exactly: all ones,
     or right padding (no kept position after a padded one in any row). Left padding, or a hole in the middle,
-    would be ignored: the logits would equal the unmasked model's. One host read of a reduction (the stock 'sdpa'
-    path reads its mask back too); never called for a forward without a mask (packed batches pass none)."""
+    would be ignored: the logits would equal the unmasked model's; so would any mask of another shape ([B, 1, T]...).
+    One host read of a reduction (the stock 'sdpa' path reads its mask back too); never called for a forward
+    without a mask (packed batches pass none)."""
+    if mask.ndim != 2:
+        raise ValueError(f"attention_mask of shape {tuple(mask.shape)}: only a 2-D padding mask [batch, positions] "
+                         f"can be checked; {MASK_FIX}")
     kept = mask.bool()
-    if kept.ndim == 2 and kept.shape[1] > 1 and bool((kept[:, 1:] & ~kept[:, :-1]).any()):
+    if kept.shape[1] > 1 and bool((kept[:, 1:] & ~kept[:, :-1]).any()):
         rows = (kept[:, 1:] & ~kept[:, :-1]).any(dim=1).nonzero().flatten().tolist()
         raise ValueError(f"attention_mask of shape {tuple(mask.shape)} has a kept position after a padded one "
                          f"(rows {_shown_rows(rows)}: left padding?); {MASK_FIX}")
@@ -98,7 +102,7 @@ def _mask_guard(module, args, kwargs):
     mask = kwargs.get("attention_mask")
     if mask is None and len(args) > module.labutils_mask_position:
         mask = args[module.labutils_mask_position]
-    if mask is not None and mask.ndim == 2:
+    if mask is not None:
         module.labutils_mask_check(mask)
 
 
