@@ -185,25 +185,49 @@ def load_errors() -> tuple:
     return OSError, ValueError, SafetensorError
 
 
-def cached_weights(repo: str) -> str | None:
-    """The path of ``repo``'s ``model.safetensors`` in the local hub cache, if it holds one."""
+class CheckpointError(ValueError):
+    """A file of a cached checkpoint that is there but cannot be used; ``path`` names it."""
+
+    def __init__(self, path: str, why: str):
+        super().__init__(why)
+        self.path = path
+
+
+def cached_file(repo: str, name: str = "model.safetensors") -> str | None:
+    """The path of ``repo``'s file ``name`` in the local hub cache, if it holds one."""
     from huggingface_hub import try_to_load_from_cache
 
     try:
-        path = try_to_load_from_cache(repo, "model.safetensors")
+        path = try_to_load_from_cache(repo, name)
     except Exception:  # pragma: no cover - an unreadable cache layout: treat as not cached
         return None
     return path if isinstance(path, str) else None
 
 
+def check_cached_config(repo: str) -> None:
+    """:class:`CheckpointError` when ``repo``'s ``config.json`` in the local cache is not a JSON object whose sizes
+    are positive integers (``from_pretrained`` raised a TypeError or a validation error on it). Not cached: nothing."""
+    path = cached_file(repo, "config.json")
+    if path is None:
+        return
+    try:
+        config = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(path, f"not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(path, f"a JSON {type(config).__name__}, not an object")
+    for key in ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size"):
+        if key in config and (type(config[key]) is not int or config[key] < 1):
+            raise CheckpointError(path, f"{key} = {config[key]!r:.40} is not a positive integer")
+
+
 def why_not_loaded(repo: str, exc: BaseException, reachable: bool) -> tuple[str, str, bool]:
-    """(why ``repo`` could not be loaded, the fix, whether the local cache holds its weights)."""
+    """(why ``repo`` could not be loaded, the fix, whether the local cache holds it): the broken file named."""
     text = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-    cached = cached_weights(repo)
+    cached = exc.path if isinstance(exc, CheckpointError) else cached_file(repo)
     if cached:
         return (f"the cached {cached} cannot be read ({type(exc).__name__}: {text})",
                 f"remove it (hf cache rm model/{repo}) and download it again", True)
     if not reachable:
         return "hub unreachable, not in the local cache", "download it once online", False
     return text, "check the hub and the local cache", False
-

@@ -6,13 +6,15 @@ would ignore), the vocabulary padded to a multiple of 64, the chunked loss, torc
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from .config import ModelConfig
-from .hub import (BPE_PACKAGE, HUB_IDS, TINY_CACHE_ID, TINY_VOCAB, ByteTokenizer, HubTokenizer, WeightsUnavailableError,
-                  gpt2_tokenizer, hub_reachable, load_errors, offline_tokenizer_problem, vocab_size, why_not_loaded)
+from .hub import (BPE_PACKAGE, HUB_IDS, TINY_CACHE_ID, TINY_VOCAB, ByteTokenizer, CheckpointError, HubTokenizer,
+                  WeightsUnavailableError, cached_file, check_cached_config, gpt2_tokenizer, hub_reachable, load_errors,
+                  offline_tokenizer_problem, vocab_size, why_not_loaded)
 
 # Architecture of each size (n_layer, n_embd, n_head); all share the 50257-token vocabulary and 1024 positions.
 PRESETS = {
@@ -238,7 +240,26 @@ def _from_cache_or_hub(cfg: ModelConfig, device: torch.device, local_only: bool)
               activation_function=cfg.activation)
     if cfg.dropout is not None:
         kw.update(resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout)
-    model = GPT2LMHeadModel.from_pretrained(repo, dtype=torch.float32, **kw).to(device)
+    check_cached_config(repo)  # a broken config.json: from_pretrained's TypeError traceback
+    from transformers.utils import logging as hf_logging
+
+    def no_report(record):  # transformers' load report and bar: what does not match is said below, in one line
+        return "LOAD REPORT" not in record.getMessage()
+
+    log, bars = logging.getLogger("transformers.modeling_utils"), hf_logging.is_progress_bar_enabled()
+    log.addFilter(no_report)
+    hf_logging.disable_progress_bar()
+    try:
+        model, info = GPT2LMHeadModel.from_pretrained(repo, dtype=torch.float32, output_loading_info=True,
+                                                      ignore_mismatched_sizes=True, **kw)
+    finally:
+        log.removeFilter(no_report)
+        hf_logging.enable_progress_bar() if bars else None
+    unloaded = sorted(info["missing_keys"]) + sorted(k for k, *_ in info["mismatched_keys"])
+    if unloaded:  # config.json's sizes are not the weights': a layer would be trained from random weights
+        raise CheckpointError(cached_file(repo, "config.json") or repo, f"does not match model.safetensors, which "
+                              f"has no weights of its shapes for {len(unloaded)} tensors ({unloaded[0]}, ...)")
+    model.to(device)
     guard_causal_mask(model)
     pad_vocabulary(model, cfg.pad_vocab_to)  # after loading: the checkpoint's 50257 rows load as they are
     install_loss(model, cfg)
@@ -282,7 +303,12 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int =
                 model, tok = _from_cache_or_hub(cfg, device, local_only=False)
             _last_weights.append("pretrained")
             _last_tokenizer.append(tok.name)
-            return Loaded(model, tok, "pretrained")
+            arch = (model.config.n_layer, model.config.n_embd, model.config.n_head)
+            if arch != PRESETS[cfg.name]:  # a checkpoint of other sizes cached under the id: said, trained as it is
+                notice = (f"[labutils] the cached {repo} is not {cfg.name}'s architecture: (n_layer, n_embd, n_head) "
+                          f"= {arch}, {cfg.name} is {PRESETS[cfg.name]}; its pretrained weights are used as they are")
+                print(notice) if verbose else None
+            return Loaded(model, tok, "pretrained", notice)
         except errors as exc:
             why, fix, cached = why_not_loaded(repo, exc, reachable)
             if cfg.name == "tiny" and not cached:
