@@ -54,7 +54,16 @@ Tools (commands and what they share):
   regenerate          `python -m labutils regenerate`: re-run the notebooks, render results and README
   cli                 `python -m labutils run | bench | estimate | doctor | regenerate`
 """
-from . import device
+import os as _os
+import signal as _signal
+import sys as _sys
+
+if _sys.argv[:1] == ["-m"] and _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
+    # `python -m labutils`: a Ctrl-C while the imports below load torch (seconds) is one line and exit 130, not a
+    # traceback from inside torch; nothing is written yet. cli.main takes Ctrl-C over once it runs.
+    _signal.signal(_signal.SIGINT, lambda *_: (print("interrupted", file=_sys.stderr, flush=True), _os._exit(130)))
+
+from . import device  # noqa: E402
 from .config import Config, ConfigError, load_config
 from .data import LMDataset, build_dataset, load_documents
 from .figures import legend_outside, step_axis, step_numbers

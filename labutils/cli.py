@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
+import threading
 
 from .config import ConfigError, load_config, shown
 from .results import OutputPathError, WriteError, check_output_file, write_json
@@ -283,11 +285,24 @@ def main(argv=None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # usage errors (exit 2, one line already printed) and --help (0) return a code too
         return exc.code if isinstance(exc.code, int) else 2
+    interrupted = []
+
+    def on_ctrl_c(signum, frame):  # noted: an import interrupted inside transformers can surface as another error
+        interrupted.append(signum)
+        raise KeyboardInterrupt
+
+    ours = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) != signal.SIG_IGN
+    previous = signal.signal(signal.SIGINT, on_ctrl_c) if ours else None
     try:
         return args.func(args)
     except (ConfigError, OutputPathError) as exc:  # bad input: 2, before any work; a write that failed after it: 1
         print(f"error: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, WriteError) else 2
-    except KeyboardInterrupt:
+    except BaseException as exc:
+        if not (isinstance(exc, KeyboardInterrupt) or interrupted):
+            raise
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        if ours:
+            signal.signal(signal.SIGINT, previous)
