@@ -16,8 +16,10 @@ import functools
 import json
 import math
 import os
+import re
 import stat
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -213,6 +215,26 @@ def _clean(v):
     return v
 
 
+SETUP_CALL = re.compile(r"\.setup\(")  # the setup cell: ``info = lu.setup()`` in every lab
+
+
+def partial_record() -> str | None:
+    """Why this kernel's record of the lab would be partial, or None: the setup cell (which starts the lab's tables
+    and figures afresh) ran again after cells that have not run since, so what they recorded is gone. Read from
+    IPython's own history of the cells this kernel ran (``In``); None outside IPython."""
+    shell = sys.modules["IPython"].get_ipython() if "IPython" in sys.modules else None
+    ran = list(enumerate(getattr(shell, "user_ns", {}).get("In") or []))
+    setups = [i for i, cell in ran if SETUP_CALL.search(cell)]
+    if len(setups) < 2:
+        return None
+    again = {cell for i, cell in ran if i > setups[-1]}
+    lost = [i for i, cell in ran if setups[0] < i < setups[-1] and cell.strip() and cell not in again
+            and not SETUP_CALL.search(cell)]
+    return (f"the setup cell ran again (In [{setups[-1]}]) after {len(lost)} cells that have not run since (In "
+            f"[{lost[0]}] first): what they added to the lab's tables and figures is not in this record; run the "
+            "notebook from the top (Kernel > Restart Kernel and Run All Cells)") if lost else None
+
+
 def record_results(notebook: str, tables: dict[str, list[dict]], figures: dict | None = None, *,
                    env: dict | None = None, mode: str | None = None, notes: dict | None = None,
                    out_dir: str | os.PathLike | None = None, claims: list[dict] | None = None) -> Path:
@@ -228,6 +250,10 @@ def record_results(notebook: str, tables: dict[str, list[dict]], figures: dict |
         env["weights"] = last_weights()
     env.setdefault("gpu_memory_budget_gb", float(os.environ["LAB_GPU_MEMORY_GB"])
                    if os.environ.get("LAB_GPU_MEMORY_GB") else None)
+    partial = partial_record()
+    if partial:
+        print(f"warning: {partial}", file=sys.stderr)
+        notes = {**(notes or {}), "incomplete": partial}
     out = Path(out_dir) if out_dir else results_dir(mode)
     stem = Path(notebook).stem
     fig_paths = []
