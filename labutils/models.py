@@ -259,14 +259,9 @@ def _from_cache_or_hub(cfg: ModelConfig, device: torch.device, local_only: bool)
     if unloaded:  # config.json's sizes are not the weights': a layer would be trained from random weights
         raise CheckpointError(cached_file(repo, "config.json") or repo, f"does not match model.safetensors, which "
                               f"has no weights of its shapes for {len(unloaded)} tensors ({unloaded[0]}, ...)")
-    model.to(device)
-    guard_causal_mask(model)
-    pad_vocabulary(model, cfg.pad_vocab_to)  # after loading: the checkpoint's 50257 rows load as they are
-    install_loss(model, cfg)
     # from_pretrained returns the model in eval mode: dropout off, and transformers hands back a KV cache even
     # under checkpointing. Every lab trains it, so it leaves here in training mode, like a freshly built model.
-    model.train()
-    model.loss_type = "ForCausalLM"  # GPT2LMHeadModel's class name maps to no loss type: avoid a warning
+    model.to(device).train()
     if cfg.name == "tiny":
         return model, ByteTokenizer(TINY_VOCAB)
     from transformers import GPT2TokenizerFast
@@ -301,14 +296,11 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int =
                 if not reachable:
                     raise
                 model, tok = _from_cache_or_hub(cfg, device, local_only=False)
-            _last_weights.append("pretrained")
-            _last_tokenizer.append(tok.name)
             arch = (model.config.n_layer, model.config.n_embd, model.config.n_head)
             if arch != PRESETS[cfg.name]:  # a checkpoint of other sizes cached under the id: said, trained as it is
                 notice = (f"[labutils] the cached {repo} is not {cfg.name}'s architecture: (n_layer, n_embd, n_head) "
                           f"= {arch}, {cfg.name} is {PRESETS[cfg.name]}; its pretrained weights are used as they are")
-                print(notice) if verbose else None
-            return Loaded(model, tok, "pretrained", notice)
+            return _ready(model, tok, cfg, "pretrained", notice, verbose)
         except errors as exc:
             why, fix, cached = why_not_loaded(repo, exc, reachable)
             if cfg.name == "tiny" and not cached:
@@ -331,16 +323,21 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int =
     torch.manual_seed(seed)
     with torch.device(device):
         model = GPT2LMHeadModel(gpt2_config(cfg.name, cfg.dropout, cfg.attn_implementation, cfg.activation))
+    return _ready(model, gpt2_tokenizer(cfg.name), cfg, "random", notice, verbose)
+
+
+def _ready(model, tok, cfg: ModelConfig, weights: str, notice: str | None, verbose: bool) -> Loaded:
+    """What the course adds to a model just loaded or built (the mask guard; the vocabulary padded after the
+    checkpoint's rows are in, or after init, the RNG state untouched; the loss), its notice said, and remembered."""
     guard_causal_mask(model)
-    pad_vocabulary(model, cfg.pad_vocab_to)  # after init: the unpadded model's weights, RNG state untouched
+    pad_vocabulary(model, cfg.pad_vocab_to)
     install_loss(model, cfg)
-    model.loss_type = "ForCausalLM"
+    model.loss_type = "ForCausalLM"  # GPT2LMHeadModel's class name maps to no loss type: avoid a warning
     if notice and verbose:
         print(notice)
-    tok = gpt2_tokenizer(cfg.name)
-    _last_weights.append("random")
+    _last_weights.append(weights)
     _last_tokenizer.append(tok.name)
-    return Loaded(model, tok, "random", notice)
+    return Loaded(model, tok, weights, notice)
 
 
 def enable_checkpointing(model, every_n_layers: int = 1, **checkpoint_kwargs) -> None:
