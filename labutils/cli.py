@@ -269,8 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true", help="smoke mode (tiny model, CPU is fine); never writes results/")
     p.add_argument("--only", metavar="01,03", help="comma-separated lab numbers (default: all four)")
     p.add_argument("--out", metavar="DIR", help="output folder (default: results/, or a temp folder with --smoke)")
-    p.add_argument("--notebooks", metavar="DIR", help="folder of the NN-*.ipynb notebooks to run (default: the "
-                                                      "repository's labs; another folder never updates README.md)")
+    p.add_argument("--notebooks", metavar="DIR", help="folder of the NN-*.ipynb notebooks to run, in that folder with "
+                                                      "its configs/ (default: the repository's labs; another folder "
+                                                      "never updates README.md)")
     p.add_argument("--gpu-memory-gb", type=gpu_memory_gb, default=8.0, metavar="G",
                    help=f"cap CUDA memory to G GiB so any card behaves like the students' (default 8; "
                         f"{GPU_MEMORY_HELP})")
