@@ -10,7 +10,8 @@ Core (every lab and command builds on these):
   config              YAML -> typed dataclasses, with the mode's defaults, --set overrides, strict validation
   env                 where we run: the setup cell, device and version facts, seeds, TF32 switch, budget
   data                the offline corpus, tokenised into fixed-length samples; the accumulation-exact sampler
-  models              GPT-2 sizes plus tiny: hub cache, hub or random weights; tokenizers; checkpointing switch
+  hub                 where weights and tokenizers come from: the hub probe, the local cache, GPT-2's BPE
+  models              GPT-2 sizes plus tiny: the architecture, pretrained or random weights, checkpointing switch
   peaks               dense peak TFLOP/s of NVIDIA GPUs per precision (the denominator of MFU)
   flops               FLOPs of a training step (model and executed), the SDPA kernel, MFU and HFU of a run
   memory              MemoryTracker: peak and live memory of a region, the same meaning on CUDA and CPU
@@ -51,7 +52,16 @@ Tools (commands and what they share):
   regenerate          `python -m labutils regenerate`: re-run the notebooks, render results and README
   cli                 `python -m labutils run | bench | estimate | doctor | regenerate`
 """
-from . import device
+import os as _os
+import signal as _signal
+import sys as _sys
+
+if _sys.argv[:1] == ["-m"] and _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
+    # `python -m labutils`: a Ctrl-C while the imports below load torch (seconds) is one line and exit 130, not a
+    # traceback from inside torch; nothing is written yet. cli.main takes Ctrl-C over once it runs.
+    _signal.signal(_signal.SIGINT, lambda *_: (print("interrupted", file=_sys.stderr, flush=True), _os._exit(130)))
+
+from . import device  # noqa: E402
 from .config import Config, ConfigError, load_config
 from .data import LMDataset, build_dataset, load_documents
 from .figures import legend_outside, step_axis, step_numbers

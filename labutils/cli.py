@@ -8,14 +8,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import subprocess
+import signal
 import sys
-from pathlib import Path
+import threading
 
 from .config import ConfigError, load_config, shown
-from .results import OutputPathError, check_output_file, shown_path, write_json
-
-REPO = Path(__file__).resolve().parents[1]
+from .results import OutputPathError, WriteError, check_output_file, write_json
 
 
 class _Parser(argparse.ArgumentParser):
@@ -68,46 +66,6 @@ def env_gpu_memory_gb() -> float | None:
     except argparse.ArgumentTypeError:
         raise ConfigError("environment", "LAB_GPU_MEMORY_GB", raw[:40], f"must be a number of GiB from 0 to "
                           f"{MAX_GPU_MEMORY_GB} (the card to behave like; 0 or unset = no cap)") from None
-
-
-def _tracked(path: Path) -> bool:
-    """Is ``path`` (inside the repository) a file git tracks? Without git: any existing file there counts."""
-    try:
-        proc = subprocess.run(["git", "-C", str(REPO), "ls-files", "--error-unmatch", "--", str(path)],
-                              capture_output=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return True
-    return proc.returncode == 0
-
-
-def check_json(path: str | None, inputs: dict | None = None) -> None:
-    """Refuse, before any work, a ``--json`` target the result would be lost on or that it would destroy: an empty
-    name, a path through a symbolic link that leads nowhere (a missing target or a loop: creating the folder
-    fails after the run), an input of this command (``inputs``: role -> path), a file of the repository."""
-    if path is None:
-        return
-    where = f"--json {shown_path(path) or repr(path)}"
-    if not path.strip():
-        raise OutputPathError(f"{where}: an empty file name; give a file path such as result.json")
-    p = Path(path).expanduser()
-    for part in (p, *p.parents):
-        if part.is_symlink() and not os.path.exists(part):
-            raise OutputPathError(f"{where}: {shown_path(part)} is a symbolic link that leads nowhere (a missing "
-                                  "target or a loop)")
-    check_output_file(path, "--json")
-    if not p.is_file():
-        return
-    for role, other in (inputs or {}).items():
-        try:
-            same = other is not None and os.path.samefile(p, other)
-        except OSError:
-            same = False
-        if same:
-            raise OutputPathError(f"{where}: is the {role} this command reads; write the JSON elsewhere")
-    real = p.resolve()
-    if (REPO / ".git").exists() and real.is_relative_to(REPO) and _tracked(real):
-        raise OutputPathError(f"{where}: would overwrite {real.relative_to(REPO)}, a file of the repository; write "
-                              "the JSON elsewhere")
 
 
 def _inputs(args, cfg) -> dict:
@@ -214,7 +172,7 @@ def cmd_run(args) -> int:
     cfg = load_config(args.config, args.overrides, mode=mode)
     main_process = is_main_process()  # a real launch of N processes: only rank 0 reports
     if main_process:
-        check_json(args.json, _inputs(args, cfg))  # before any work: a bad path must not cost the run
+        check_output_file(args.json, "--json", _inputs(args, cfg))  # before any work: a bad path must not cost the run
     _apply_budget(verbose=main_process)
     if main_process:
         print(f"mode: {mode} ({reason})")
@@ -236,8 +194,7 @@ def cmd_bench(args) -> int:
     if args.repeats < 1:
         raise ConfigError("--repeats", None, args.repeats, "must be an integer >= 1")
     check_steps(cfg)  # steps at or below the warm-up: nothing to time
-    if args.json:
-        check_output_file(args.json, "--json")  # before any work
+    check_output_file(args.json, "--json", _inputs(args, cfg))  # before any work
     _apply_budget()
     out = bench(cfg, repeats=args.repeats)
     if args.json:
@@ -250,7 +207,7 @@ def cmd_estimate(args) -> int:
     from .advise import cli_estimate  # issue 6: the memory estimator and advisor
 
     cfg = load_config(args.config, args.overrides, mode="full")  # estimates are for the real sizes
-    check_json(args.json, _inputs(args, cfg))
+    check_output_file(args.json, "--json", _inputs(args, cfg))
     from_env = env_gpu_memory_gb()  # checked in every command, by the --gpu-memory-gb rule
     if args.gpu_memory_gb is None and from_env:  # the card to behave like: on a GPU and on the CPU alike
         args.gpu_memory_gb, args.gpu_memory_source = from_env, "LAB_GPU_MEMORY_GB="
@@ -268,7 +225,7 @@ def cmd_estimate(args) -> int:
 def cmd_doctor(args) -> int:
     from .doctor import cli_doctor
 
-    check_json(args.json)  # before the checks run
+    check_output_file(args.json, "--json")  # before the checks run
     _apply_budget(verbose=False)  # (a bad LAB_GPU_MEMORY_GB exits 2 here; the doctor prints the budget itself)
 
     return cli_doctor(args)
@@ -312,8 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true", help="smoke mode (tiny model, CPU is fine); never writes results/")
     p.add_argument("--only", metavar="01,03", help="comma-separated lab numbers (default: all four)")
     p.add_argument("--out", metavar="DIR", help="output folder (default: results/, or a temp folder with --smoke)")
-    p.add_argument("--notebooks", metavar="DIR", help="folder of the NN-*.ipynb notebooks to run (default: the "
-                                                      "repository's labs; another folder never updates README.md)")
+    p.add_argument("--notebooks", metavar="DIR", help="folder of the NN-*.ipynb notebooks to run, in that folder with "
+                                                      "its configs/ (default: the repository's labs; another folder "
+                                                      "never updates README.md)")
     p.add_argument("--gpu-memory-gb", type=gpu_memory_gb, default=8.0, metavar="G",
                    help=f"cap CUDA memory to G GiB so any card behaves like the students' (default 8; "
                         f"{GPU_MEMORY_HELP})")
@@ -328,11 +286,24 @@ def main(argv=None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # usage errors (exit 2, one line already printed) and --help (0) return a code too
         return exc.code if isinstance(exc.code, int) else 2
+    interrupted = []
+
+    def on_ctrl_c(signum, frame):  # noted: an import interrupted inside transformers can surface as another error
+        interrupted.append(signum)
+        raise KeyboardInterrupt
+
+    ours = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) != signal.SIG_IGN
+    previous = signal.signal(signal.SIGINT, on_ctrl_c) if ours else None
     try:
         return args.func(args)
-    except (ConfigError, OutputPathError) as exc:
+    except (ConfigError, OutputPathError) as exc:  # bad input: 2, before any work; a write that failed after it: 1
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
+        return 1 if isinstance(exc, WriteError) else 2
+    except BaseException as exc:
+        if not (isinstance(exc, KeyboardInterrupt) or interrupted):
+            raise
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        if ours:
+            signal.signal(signal.SIGINT, previous)

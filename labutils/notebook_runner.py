@@ -10,6 +10,7 @@ so a file being replaced is never left half written. ``regenerate`` runs every l
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -351,6 +352,9 @@ def execute_notebook(path: Path, env: dict, *, cwd: Path = REPO_ROOT, timeout: i
         elif exc is not None:
             raise exc
     finally:
+        # nbclient registers a clean-up at exit for every run; a kernel that never started leaves it armed, and at
+        # exit it failed an assert (a traceback after our summary). The kernel is shut down here, so it goes.
+        atexit.unregister(client._cleanup_kernel)
         if km.has_kernel:  # belt and braces: never leave a kernel behind
             if interrupted:
                 _kill_kernel(km)

@@ -5,7 +5,7 @@
     python -m labutils regenerate --gpu-memory-gb 0     # no cap: use the whole card
 
 Each notebook runs top to bottom in its own fresh kernel (so one lab's CUDA memory never leaks into the next,
-and ``LAB_GPU_MEMORY_GB`` is applied to a clean process), with the repository root as working directory and
+and ``LAB_GPU_MEMORY_GB`` is applied to a clean process), with the notebook's own folder as working directory and
 ``LAB_RESULTS_DIR`` pointing at a private staging folder. Its last cell, ``lu.record_results(...)``, writes
 ``<stem>.json`` and ``figures/<stem>-*.png`` there; we check them (written at all? the mode we asked for?) and
 only then move them into the output folder. So a failed notebook keeps the previous results, and a "full" run
@@ -179,10 +179,10 @@ def regenerate(notebooks: list[Path], out: Path, *, smoke: bool, gpu_memory_gb: 
                 try:
                     staging = Path(tempfile.mkdtemp(dir=out, prefix=f".staging-{nb.stem}-"))
                     # LAB_RESULTS_READ_DIR: where a lab finds the labs before it (lab 04's C1-C7 table reads them)
-                    o = execute_notebook(nb, kernel_env(staging, smoke, gpu_memory_gb) | {"LAB_RESULTS_READ_DIR": str(out),
-                                                                                   FINAL_ENV: str(out),
-                                                                                   ARTIFACTS_ENV: str(out / "artifacts")},
-                                         timeout=timeout, executed_dir=out / "executed", on_cell=progress, guard=guard)
+                    env = kernel_env(staging, smoke, gpu_memory_gb) | {
+                        "LAB_RESULTS_READ_DIR": str(out), FINAL_ENV: str(out), ARTIFACTS_ENV: str(out / "artifacts")}
+                    o = execute_notebook(nb, env, timeout=timeout, executed_dir=out / "executed", on_cell=progress,
+                                         guard=guard, cwd=nb.parent)  # its own folder's configs, as a student's
                     if o.ok:
                         with guard.critical():  # results move in whole or not at all
                             o.json_path, why = promote(staging, out, nb.stem, mode)

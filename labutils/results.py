@@ -10,11 +10,16 @@ traces, memory snapshots) go to :func:`artifacts_dir`: under ``regenerate``'s ou
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
+import re
 import stat
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -25,6 +30,13 @@ ARTIFACTS_ENV = "LAB_ARTIFACTS_DIR"  # regenerate sets it to <out>/artifacts
 
 class OutputPathError(ValueError):
     """An output path that cannot be written: one line naming the option, the path and why."""
+
+
+class WriteError(OutputPathError, OSError):
+    """Writing an output failed after the work was done (a full disk...): "cannot write PATH: why", one line."""
+
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -45,22 +57,54 @@ def _probe_writable(folder: Path) -> str | None:
     return None
 
 
-def check_output_file(path: str | os.PathLike, option: str = "--json") -> Path:
-    """Refuse, before any work, a file path that writing would fail on: a directory, a path under a regular file,
-    a folder that does not allow creating files. Creates nothing. Returns the path."""
-    p = Path(path).expanduser()
-    where = f"{option} {shown_path(path)}"
-    if str(path) == "" or p.name in ("", ".", ".."):
-        raise OutputPathError(f"{where}: not a file name")
+def _tracked(path: Path) -> bool:
+    """Is ``path`` (inside the repository) a file git tracks? Without git: any existing file there counts."""
     try:
+        proc = subprocess.run(["git", "-C", str(REPO), "ls-files", "--error-unmatch", "--", str(path)],
+                              capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return True
+    return proc.returncode == 0
+
+
+def check_output_file(path, option: str = "--json", inputs: dict | None = None) -> Path | None:
+    """The one check of every command's output file, before any work: refuse a path the result would be lost on or
+    that writing it would destroy. An empty name or one ending in '/', a symbolic link on the way that leads
+    nowhere (a missing target or a loop), a directory or other non-regular file, a path under a regular file, a
+    folder that does not allow creating files, an input of this command (``inputs``: role -> path), a file of the
+    repository. A link to a file is written through (:func:`write_json`). Creates nothing; None passes."""
+    if path is None:
+        return None
+    text = os.fspath(path)
+    where = f"{option} {shown_path(text) or repr(text)}"
+    if not text.strip():
+        raise OutputPathError(f"{where}: an empty file name; give a file path such as result.json")
+    p = Path(text).expanduser()
+    if text.endswith(("/", os.sep)) or p.name in ("", ".", ".."):
+        raise OutputPathError(f"{where}: not a file name (a folder?); give a file path such as {p / 'result.json'}")
+    try:
+        for part in (p, *p.parents):
+            if part.is_symlink() and not os.path.exists(part):
+                raise OutputPathError(f"{where}: {shown_path(part)} is a symbolic link that leads nowhere (a missing "
+                                      "target or a loop)")
         if p.is_dir():
             raise OutputPathError(f"{where}: is a directory; give a file path such as {p / 'result.json'}")
         if p.exists() and not p.is_file():
             raise OutputPathError(f"{where}: exists and is not a regular file")
-        base = _nearest_existing(p.parent if str(p.parent) else Path("."))
+        real = Path(os.path.realpath(p))
+        base = _nearest_existing(real.parent)
     except OSError as exc:  # a name too long, ...
         raise OutputPathError(f"{where}: {exc.strerror or exc}") from None
     _check_creatable(where, base, "nothing")
+    if not real.is_file():
+        return p
+    for role, other in (inputs or {}).items():
+        with contextlib.suppress(OSError):
+            if other is not None and os.path.samefile(real, other):
+                raise OutputPathError(f"{where}: is the {role} this command reads; write the output elsewhere")
+    if (REPO / ".git").exists() and real.is_relative_to(REPO) and _tracked(real):
+        raise OutputPathError(f"{where}: would overwrite {real.relative_to(REPO)}, a file of the repository; write "
+                              "it elsewhere")
     return p
 
 
@@ -104,26 +148,29 @@ def replace_mode(tmp: str | os.PathLike, target: str | os.PathLike) -> None:
 
 
 def write_json(path: str | os.PathLike, data) -> None:
-    """Write strict JSON atomically (temp file + rename): a crash never leaves half a file, nor a temp file.
+    """Write strict JSON as :func:`write_keeping_file` does: atomically, through a link, never half a file.
 
     Strict: NaN and infinities (not JSON) are written as null, numpy/torch scalars as numbers."""
-    path = Path(path)
-    text = json.dumps(_clean(data), indent=2, default=str, allow_nan=False) + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, text.encode("utf-8"))
+    write_keeping_file(Path(path), json.dumps(_clean(data), indent=2, default=str, allow_nan=False) + "\n")
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temp file of this call's own (removed whatever happens), keeping the
-    mode an existing file had: a crash never leaves half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+def write_atomic(path: Path, data) -> None:
+    """Write ``data`` (bytes, or a function that writes into a binary file) to ``path`` through a temp file of this
+    call's own (removed whatever happens), keeping the mode an existing file had: a crash or a full disk never
+    leaves half a file, and the file that was there stays whole. A failure is one :class:`WriteError` line."""
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            data(f) if callable(data) else f.write(data)
         replace_mode(tmp, path)
         os.replace(tmp, path)
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        raise WriteError(f"cannot write {shown_path(path)}: {why[:1].lower()}{why[1:]}") from exc
     finally:
-        if os.path.exists(tmp):
+        if tmp and os.path.exists(tmp):
             os.unlink(tmp)
 
 
@@ -168,6 +215,26 @@ def _clean(v):
     return v
 
 
+SETUP_CALL = re.compile(r"\.setup\(")  # the setup cell: ``info = lu.setup()`` in every lab
+
+
+def partial_record() -> str | None:
+    """Why this kernel's record of the lab would be partial, or None: the setup cell (which starts the lab's tables
+    and figures afresh) ran again after cells that have not run since, so what they recorded is gone. Read from
+    IPython's own history of the cells this kernel ran (``In``); None outside IPython."""
+    shell = sys.modules["IPython"].get_ipython() if "IPython" in sys.modules else None
+    ran = list(enumerate(getattr(shell, "user_ns", {}).get("In") or []))
+    setups = [i for i, cell in ran if SETUP_CALL.search(cell)]
+    if len(setups) < 2:
+        return None
+    again = {cell for i, cell in ran if i > setups[-1]}
+    lost = [i for i, cell in ran if setups[0] < i < setups[-1] and cell.strip() and cell not in again
+            and not SETUP_CALL.search(cell)]
+    return (f"the setup cell ran again (In [{setups[-1]}]) after {len(lost)} cells that have not run since (In "
+            f"[{lost[0]}] first): what they added to the lab's tables and figures is not in this record; run the "
+            "notebook from the top (Kernel > Restart Kernel and Run All Cells)") if lost else None
+
+
 def record_results(notebook: str, tables: dict[str, list[dict]], figures: dict | None = None, *,
                    env: dict | None = None, mode: str | None = None, notes: dict | None = None,
                    out_dir: str | os.PathLike | None = None, claims: list[dict] | None = None) -> Path:
@@ -183,21 +250,16 @@ def record_results(notebook: str, tables: dict[str, list[dict]], figures: dict |
         env["weights"] = last_weights()
     env.setdefault("gpu_memory_budget_gb", float(os.environ["LAB_GPU_MEMORY_GB"])
                    if os.environ.get("LAB_GPU_MEMORY_GB") else None)
+    partial = partial_record()
+    if partial:
+        print(f"warning: {partial}", file=sys.stderr)
+        notes = {**(notes or {}), "incomplete": partial}
     out = Path(out_dir) if out_dir else results_dir(mode)
     stem = Path(notebook).stem
     fig_paths = []
     for name, fig in (figures or {}).items():
         path = out / "figures" / f"{stem}-{name}.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp.png")
-        os.close(fd)
-        try:
-            fig.savefig(tmp, dpi=110, bbox_inches="tight")
-            replace_mode(tmp, path)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        write_atomic(path, functools.partial(fig.savefig, format="png", dpi=110, bbox_inches="tight"))
         fig_paths.append(str(path.relative_to(out)))
     path = out / f"{stem}.json"
     write_json(path, _clean({"notebook": stem, "mode": mode, "env": env, "tables": tables,

@@ -40,7 +40,11 @@ def right_padded():
     return mask
 
 
-@pytest.mark.parametrize("make_mask", [left_padded, holed])
+def holed_3d():
+    return holed()[:, None, :]  # [B, 1, T]: transformers' sdpa honours it; sdpa_causal ignored it (issue 38 §6)
+
+
+@pytest.mark.parametrize("make_mask", [left_padded, holed, holed_3d])
 def test_a_mask_it_cannot_honour_is_refused_naming_the_fix(make_mask):
     mask = make_mask()
     ref = model("sdpa")

@@ -8,6 +8,7 @@ that fails the test if called: the code under test (argument and config validati
 """
 from __future__ import annotations
 
+import errno
 import importlib
 import json
 import os
@@ -343,3 +344,129 @@ def test_a_config_that_is_not_a_regular_file_says_so(tmp_path, capsys, kind):
     path = tmp_path / "c.yaml"
     os.mkfifo(path) if kind == "fifo" else path.mkdir()
     refused(capsys, ["estimate", str(path)], f"{path}: not a regular file")
+
+
+# -------------------------------------------------------------------------------------------- issue 38 §2, §3, §6
+@pytest.fixture
+def no_doctor(monkeypatch):
+    """Fail the test if the doctor's checks start (the output path must be refused first)."""
+    def forbidden(*a, **k):
+        raise AssertionError("the doctor ran although its --json was bad")
+
+    monkeypatch.setattr(importlib.import_module("labutils.doctor"), "run_doctor", forbidden)
+
+
+def _argv(command: str, config, json_path) -> list[str]:
+    return [command] + ([] if command == "doctor" else [str(config)]) + ["--json", str(json_path)]
+
+
+@pytest.mark.parametrize("command", ["run", "bench", "estimate", "doctor"])
+@pytest.mark.parametrize("target, says", [("its config", "is the config file this command reads"),
+                                          ("README.md", "would overwrite README.md, a file of the repository"),
+                                          ("a dangling link", "leads nowhere")])
+def test_every_command_checks_its_json_path_the_same_way(root, tmp_path, capsys, no_work, no_doctor, command, target,
+                                                         says):
+    """§2: `bench mycfg.yaml --json mycfg.yaml` replaced the config, `--json README.md` the tracked README, and a
+    dangling link became a file; run, estimate and doctor refused all three. One check for every command now."""
+    if command == "doctor" and target == "its config":
+        pytest.skip("the doctor reads no config")
+    cfg = tmp_path / "mycfg.yaml"
+    cfg.write_bytes((root / CONFIG).read_bytes())
+    (tmp_path / "dangling.json").symlink_to(tmp_path / "missing.json")
+    path = {"its config": cfg, "README.md": "README.md", "a dangling link": tmp_path / "dangling.json"}[target]
+    before = {p: p.read_bytes() for p in (cfg, root / "README.md")}
+    refused(capsys, _argv(command, cfg, path), "--json", says)
+    assert {p: p.read_bytes() for p in before} == before
+    assert (tmp_path / "dangling.json").is_symlink() and not (tmp_path / "missing.json").exists()
+
+
+@pytest.mark.parametrize("command", ["run", "bench", "estimate", "doctor"])
+def test_a_json_path_ending_in_a_slash_is_refused(tmp_path, capsys, no_work, no_doctor, command):
+    """§6: `--json newdir/` wrote a file named newdir."""
+    refused(capsys, _argv(command, CONFIG, f"{tmp_path / 'newdir'}/"), "--json", "not a file name")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_json_through_a_link_to_a_file_keeps_the_link(tmp_path, capsys):
+    """§6: `--json link.json` (a link to a file) replaced the link with a regular file; it writes through it now."""
+    (tmp_path / "real.json").write_text("{}")
+    link = tmp_path / "link.json"
+    link.symlink_to("real.json")
+    assert cli.main(["estimate", CONFIG, "--json", str(link)]) == 0, capsys.readouterr()
+    assert link.is_symlink() and os.readlink(link) == "real.json"
+    assert "recommendation" in json.loads((tmp_path / "real.json").read_text())
+
+
+class _FullDisk:
+    """A binary file on a filesystem that fills up: its write stores part of the data, then fails as the OS does."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, data):
+        self.f.write(bytes(data[:len(data) // 2]))
+        self.f.flush()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+@pytest.fixture
+def full_disk(monkeypatch):
+    """``full_disk(folder)``: from now on, files opened for writing under ``folder`` hit a full disk (ENOSPC). The
+    writing code is the real one; only the OS's answer to its write changes."""
+    real = os.fdopen
+
+    def install(folder: Path):
+        def fdopen(fd, *a, **k):
+            f = real(fd, *a, **k)
+            return _FullDisk(f) if os.readlink(f"/proc/self/fd/{fd}").startswith(str(folder)) else f
+
+        monkeypatch.setattr(os, "fdopen", fdopen)
+    return install
+
+
+GOOD = '{"earlier": "good result"}\n'
+
+
+def _one_line_no_space(capsys, code: int, path: Path) -> str:
+    out, err = capsys.readouterr()
+    assert code == 1, (out, err)
+    assert err.strip().splitlines() == [f"error: cannot write {path}: no space left on device"], err
+    assert path.read_text() == GOOD  # the earlier good file is whole
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no temp file, nothing half-written
+    return out
+
+
+@pytest.mark.parametrize("command", ["estimate", "bench", "doctor"])
+def test_a_full_disk_is_one_line_and_keeps_the_earlier_file(tmp_path, capsys, monkeypatch, full_disk, command):
+    """§3: on a full filesystem each command's --json ended in an OSError [Errno 28] traceback. (bench's and the
+    doctor's measurements are replaced by a stand-in result: what is tested is writing it.)"""
+    monkeypatch.setattr(importlib.import_module("labutils.bench"), "bench", lambda cfg, repeats: {"ratio": 1.0})
+    monkeypatch.setattr(importlib.import_module("labutils.doctor"), "run_doctor",
+                        lambda: {"checks": [], "summary": {"pass": 0, "fail": 0, "skip": 0}})
+    path = tmp_path / "full" / "r.json"
+    path.parent.mkdir()
+    path.write_text(GOOD)
+    full_disk(path.parent)
+    _one_line_no_space(capsys, cli.main(_argv(command, CONFIG, path)), path)
+
+
+def test_a_full_disk_after_a_run_is_one_line_after_its_summary(tmp_path, capsys, full_disk):
+    """§3: `run ... --json` on a full disk lost the finished run in a traceback; its summary is printed, then one
+    line says what could not be written."""
+    path = tmp_path / "full" / "r.json"
+    path.parent.mkdir()
+    path.write_text(GOOD)
+    full_disk(path.parent)
+    code = cli.main(["run", CONFIG, "--quiet", "--set", "train.steps=2", "train.timing_warmup_steps=1",
+                     "--json", str(path)])
+    out = _one_line_no_space(capsys, code, path)
+    assert "status" in out and "loss" in out  # what was measured is on the screen

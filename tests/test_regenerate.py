@@ -31,9 +31,9 @@ TINY = {
         "import os\nimport matplotlib.pyplot as plt\nimport labutils as lu\nfrom labutils.device import detect_mode\n"
         "mode, reason = detect_mode()\nprint(mode, reason, os.getcwd())\n"
         "_ = os.write(2, b'written to the kernel process stderr, below the notebook\\n')  # like C++ library logs",
-        "rows = [{'run': 'a', 'cwd_is_repo': os.path.exists('labutils/regenerate.py'),\n"
+        "rows = [{'run': 'a', 'cwd_is_its_folder': os.path.exists('91-Tiny.ipynb'),\n"
         "         'budget_gb': os.environ.get('LAB_GPU_MEMORY_GB')},\n"
-        "        {'run': 'b', 'cwd_is_repo': True, 'budget_gb': None}]\n"
+        "        {'run': 'b', 'cwd_is_its_folder': True, 'budget_gb': None}]\n"
         "fig, ax = plt.subplots(figsize=(3, 2))\nax.plot([0, 1], [1, 0], label='loss')\n"
         "ax.set(title='Tiny', xlabel='step', ylabel='loss')\nax.legend()\nplt.show()",
         "lu.record_results('91-Tiny', tables={'runs': rows}, figures={'curve': fig},\n"
@@ -200,7 +200,7 @@ def test_regenerate_fixture_notebooks(tmp_path, tiny):
     assert ok.ok and ok.json_path == tmp_path / "91-Tiny.json"
     data = json.loads(ok.json_path.read_text())
     assert data["mode"] == "smoke" and data["env"]["mode"] == "smoke" and data["env"]["gpu_memory_budget_gb"] == 8
-    assert data["tables"]["runs"][0] == {"run": "a", "cwd_is_repo": True, "budget_gb": "8"}  # cwd, env reached it
+    assert data["tables"]["runs"][0] == {"run": "a", "cwd_is_its_folder": True, "budget_gb": "8"}  # cwd, env reached it
     assert data["figures"] == ["figures/91-Tiny-curve.png"] and (tmp_path / data["figures"][0]).stat().st_size > 0
     assert not broken.ok and (broken.cell_index, broken.execution_count) == (3, 2)
     assert broken.error == "ValueError: boom 1 (line 2: raise ValueError(f'boom {v}'))"  # the line that raised
