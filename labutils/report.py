@@ -167,8 +167,9 @@ def render_lab(data: dict, figure_prefix: str = "", *, readme: bool = False) -> 
               f"- Run: {mode} mode, {env.get('date') or 'date not recorded'}" + (f"; {versions}" if versions else ""),
               ""]
     lines += render_claims(data.get("claims") or [])
-    for name, rows in (data.get("tables") or {}).items():
-        lines += [f"*{name}*", "", format_table(rows), ""]
+    for name, rows in (data.get("tables") or {}).items():  # structured cells (a row's config) stay in the JSON
+        columns = [c for c in (rows[0] if rows else {}) if not any(isinstance(r.get(c), (dict, list)) for r in rows)]
+        lines += [f"*{name}*", "", format_table(rows, columns or None), ""]
     for key, value in (data.get("notes") or {}).items():
         lines.append(f"- {key}: {value}")
     if data.get("notes"):

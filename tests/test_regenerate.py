@@ -127,6 +127,16 @@ def test_render_full_lab_has_provenance_table_and_figures():
     assert "fixture: made-up numbers" in md  # notes are rendered
 
 
+def test_render_leaves_structured_cells_in_the_json():
+    """A row's config (the scale_model table's full_config, a dict of ~40 keys) stays in the results JSON; the page
+    shows the row's scalar columns (the whole dict used to land in one table cell)."""
+    data = {"mode": "full", "env": {}, "tables": {"scale_model": [
+        {"row": "fp32 x 16", "full_fits": False, "status": "oom", "full_config": {"train.micro_batch_size": 16},
+         "overrides": {"train.micro_batch_size": 16}}]}}
+    table = [line for line in rp.render_lab(data).splitlines() if line.startswith("|")]
+    assert table[0] == "| row | full_fits | status |" and "micro_batch_size" not in "".join(table)
+
+
 def test_render_weights_from_rows_and_uncapped_card():
     md = rp.render_lab(fixture_results()["03"])
     assert "Weights: pretrained GPT-2" in md  # env has weights null; the rows say pretrained
