@@ -39,6 +39,9 @@ Labs (the technique itself is written out in the notebook; these hold what its e
 Tools (commands and what they share):
   results             tables, figures and result files with the hardware and weights they came from
   replay              one training step replayed as tensor allocations: the estimator's engine
+  replay_ledger       the replay's ledger: live tensors by name and kind, current and peak bytes
+  replay_attention    the replay's attention: what SDPA / math / eager attention saves and frees
+  replay_loss         the replay's LM head and loss: the full loss's logits, or the chunked loss's
   estimate            a training step's peak memory, predicted without a GPU, and what fits a budget
   advise              what to run when a config does not fit (or could run faster); `labutils estimate`
   reference           a nanoGPT-style GPT-2 that loads the course model's weights: bench's reference
