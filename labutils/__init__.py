@@ -6,6 +6,7 @@ private names (tests/test_structure.py checks both).
 
 Core (every lab and command builds on these):
   device              every CUDA/CPU difference in one place: memory counters, the cap, the mode, BF16/TF32
+  device_facts        device's lowest layer: which device, its name, capability, BF16/TF32, compile support
   cards               the memory torch reports on common GPUs, from real OOM messages: what "a G GB card" means
   config              YAML -> typed dataclasses, with the mode's defaults, --set overrides, strict validation
   env                 where we run: the setup cell, device and version facts, seeds, TF32 switch, budget
