@@ -17,7 +17,8 @@ Core (every lab and command builds on these):
   memory              MemoryTracker: peak and live memory of a region, the same meaning on CUDA and CPU
   compiling           train.compile that really compiles: dynamo reset, backend probe, graph count, loud fallback
   loss_chunks         model.loss chunked: LM head + cross-entropy a chunk of positions at a time (Liger on CUDA)
-  train               the one training loop (AMP, accumulation, clipping, checkpointing) and RunResult
+  run_result          RunResult (what a run measured), the divergence rule, the step-time rule (median of timed steps)
+  train               the one training loop (AMP, accumulation, clipping, checkpointing); run, prepare
   figures             conventions every lab's figures follow (step axis, legends)
 Labs (the technique itself is written out in the notebook; these hold what its experiments need):
   precision           lab 01: number formats, underflow and overflow, loss scaling
