@@ -16,7 +16,7 @@ Core (every lab and command builds on these):
   flops               FLOPs of a training step (model and executed), the SDPA kernel, MFU and HFU of a run
   memory              MemoryTracker: peak and live memory of a region, the same meaning on CUDA and CPU
   compiling           train.compile that really compiles: dynamo reset, backend probe, graph count, loud fallback
-  loss_chunks         model.loss chunked: LM head + cross-entropy a chunk of positions at a time (Liger on CUDA)
+  loss_chunks         model.loss chunked: LM head + cross-entropy a chunk of positions at a time, grads in forward
   run_result          RunResult (what a run measured), the divergence rule, the step-time rule (median of timed steps)
   train               the one training loop (AMP, accumulation, clipping, checkpointing); run, prepare
   figures             conventions every lab's figures follow (step axis, legends)

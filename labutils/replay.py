@@ -91,6 +91,7 @@ class Replay(AttentionReplay, LossReplay):
         # addition is then out of place, and the replay does the same so that the two can be compared.
         self.inplace_accumulate = self.cuda
         self._recomputing = False                         # backward re-runs a checkpointed block's forward
+        self.grads_exist = False                          # a later micro-batch: .grad is allocated already
 
     # dropout mask: CUDA native_dropout keeps a bool mask; the CPU kernel keeps a float mask of the input dtype
     def mask_bytes(self, input_bytes: int) -> int:
@@ -445,6 +446,7 @@ class Replay(AttentionReplay, LossReplay):
             label = f"step {step}"
             led.alloc("window", p.accum * (3 * 8 * self.N + 8 * self.B), "data")
             for mb in range(min(p.accum, 2)):
+                self.grads_exist = mb > 0
                 self.forward(label)
                 led.mark(f"{label} after forward" + (f" (micro-batch {mb})" if p.accum > 1 else ""))
                 self.backward(label, grads_exist=mb > 0)

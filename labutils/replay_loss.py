@@ -55,57 +55,55 @@ class LossReplay:
             led.rename("g.lnf16", "g.lnf")
 
     # ---- model.loss: chunked (labutils.loss_chunks) ------------------------------------------------------------
-    def _chunk_logits(self, C: int) -> None:
-        """One chunk's logits, ``loss_chunks._chunk_logits``: the matmul in the head's dtype, upcast to fp32."""
-        led, V = self.led, self.V
-        led.alloc("chunk.logits", self.c * C * V, "logits")
-        if self.p.amp:
-            led.alloc("chunk.logits32", 4 * C * V, "logits")
-            led.free("chunk.logits")
-            led.rename("chunk.logits32", "chunk.logits")
-
     def chunked_loss_forward(self) -> None:
         """``model.loss: chunked`` forward (:class:`labutils.loss_chunks.ChunkedLinearCrossEntropy`): the shifted
-        targets, the head's input in its matmul dtype (saved, as lm_head saves it), the weight cast (a temporary),
-        then one chunk's logits at a time, log-sum-exp computed in their buffer; a log-sum-exp per position is
-        kept. Liger's fused kernel (CUDA, where installed) is booked as this path."""
-        p, led, N, B, T, h, V = self.p, self.led, self.N, self.B, self.T, self.h, self.V
+        targets, the head's input and weight cast to the matmul dtype (temporaries), then per chunk the logits in
+        fp32 (``logsumexp``'s temporary beside them), ``softmax - onehot`` in their buffer (the one-hot compare a bool
+        temporary), cast to the matmul dtype, and its shares of the gradients: a [C, d] product kept for the hidden
+        states' gradient (concatenated after the loop, saved), a half [V, d] product (under autocast) turned into
+        (first chunk) or added into (later ones) the fp32 weight gradient, saved. Two chunks are booked: the second
+        holds the accumulator."""
+        p, led, N, B, T, h, V, c = self.p, self.led, self.N, self.B, self.T, self.h, self.V, self.c
+        C, wte = min(p.loss_chunk, N), "temporaries" if self.grads_exist else "grads"
         led.alloc("labels.pad", 8 * B * (T + 1))
-        led.alloc("labels.shift", 8 * N, "activations", True)            # the targets, saved
+        led.alloc("labels.shift", 8 * N)                                 # the targets
         led.free("labels.pad")
-        if V != self.V_real:                                             # head_bias: the padded rows' constant
-            led.alloc("loss.bias", 4 * V, "activations", True)
         if p.amp:
-            led.alloc("lmh.in16", 2 * N * h, "activations", True)
+            led.alloc("tmp.h16", 2 * N * h)
             led.alloc("tmp.w16", 2 * V * h, "half_weights")
-        else:
-            led.keep("lnf.out")
-        led.alloc("loss.lse", 4 * N, "activations", True)
-        self._chunk_logits(min(self.p.loss_chunk, N))
-        led.free("chunk.logits", "tmp.w16")
-        led.release("lnf.out")                                           # fp32: saved by the loss instead
+        led.alloc("loss.iota", 8 * V)
+        chunks = 2 if N > C else 1
+        for k in range(chunks):
+            if p.amp:
+                led.alloc("chunk.x16", c * C * V, "logits")
+            led.alloc("chunk.x", 4 * C * V, "logits")
+            led.free("chunk.x16")
+            led.alloc("chunk.lse", 4 * C * V, "logits")                  # logsumexp's x - max
+            led.free("chunk.lse")
+            led.alloc("chunk.onehot", C * V, "logits")
+            led.free("chunk.onehot")
+            if p.amp:
+                led.alloc("chunk.g16", c * C * V, "logits")
+            led.alloc(f"loss.gh{k}", c * min(C, N - k * C) * h)          # its share of the hidden states' gradient
+            if k == 0:
+                led.alloc("tmp.gw16" if p.amp else "wte.buffer", c * V * h, "temporaries" if p.amp else wte)
+                if p.amp:
+                    led.alloc("wte.buffer", 4 * V * h, wte)
+            elif p.amp:
+                led.alloc("tmp.gw16", c * V * h)
+            led.free("tmp.gw16", "chunk.x", "chunk.g16")
+        led.alloc("loss.gh_rest", c * max(0, N - chunks * C) * h)         # the chunks not replayed
+        led.alloc("loss.grad_h", c * N * h, "activations", True)          # their concatenation, saved
+        led.free("loss.gh0", "loss.gh1", "loss.gh_rest", "tmp.h16", "tmp.w16", "loss.iota", "labels.shift")
+        led.release("lnf.out")
         led.free_prefix("cache.")                                        # autocast exits: its cache is dropped
 
     def chunked_loss_backward(self) -> None:
-        """``model.loss: chunked`` backward: the gradients' buffers (the head input's in the matmul dtype, the
-        weight's in fp32), then per chunk the logits recomputed and turned into ``softmax - onehot`` in place,
-        cast to the matmul dtype under autocast, and their shares added in (under autocast a half [V, d] product
-        first); the weight gradient waits in autograd's input buffer for the embedding's, as the full head's."""
-        p, led, N, h, V, c = self.p, self.led, self.N, self.h, self.V, self.c
-        C = min(p.loss_chunk, N)
-        if p.amp:
-            led.alloc("tmp.w16", 2 * V * h, "half_weights")
-        led.alloc("g.lnf16", c * N * h)
-        led.alloc("wte.buffer", 4 * V * h, "temporaries" if self.grads_exist else "grads")
-        self._chunk_logits(C)
-        if p.amp:
-            led.alloc("chunk.g16", c * C * V, "logits")
-            led.free("chunk.logits")
-            led.alloc("tmp.gwte16", c * V * h)
-            led.free("tmp.gwte16", "chunk.g16")
-            led.alloc("g.lnf", 4 * N * h)
-            led.free("g.lnf16")
+        """``model.loss: chunked`` backward: the saved gradients scaled by the incoming one, the fp32 ones in place;
+        the hidden states' (matmul dtype under autocast) upcast to fp32 on the way. The weight gradient waits in
+        autograd's input buffer for the embedding's, as the full head's."""
+        if self.p.amp:
+            self.led.alloc("g.lnf", 4 * self.N * self.h)
+            self.led.free("loss.grad_h")
         else:
-            led.free("chunk.logits")
-            led.rename("g.lnf16", "g.lnf")
-        led.free("tmp.w16", "lmh.in16", "lnf.out", "labels.shift", "loss.lse", "loss.bias")
+            self.led.rename("loss.grad_h", "g.lnf", "temporaries", saved=False)
