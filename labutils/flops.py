@@ -146,7 +146,10 @@ class AttentionProbe:
     events only: cheap, and the same op names whether the model is eager or compiled; compiled code calls the
     kernels through the dispatcher). ``.kernel``: "flash", "memory-efficient", "cuDNN", "math",
     "flash (CPU kernel)"; "... (masked)" when that kernel got an attention mask; "eager (not SDPA)" when no SDPA
-    op ran; None before the block ends. Wrap one warm-up micro-batch (profiling costs time)."""
+    op ran; None before the block ends. Wrap one warm-up micro-batch (profiling costs time). While another profiler
+    runs (a student's ``torch.profiler.profile`` around ``lu.train``) the probe stays out of its way: kineto holds
+    one session at a time and a second one would end the first; ``.kernel`` stays None (the run keeps its
+    prediction, :func:`attention_kernel`)."""
 
     def __init__(self):
         self.kernel, self.ops, self._prof = None, [], None
@@ -157,11 +160,14 @@ class AttentionProbe:
         # kineto prints C++ progress lines (USDT profiler_start / profiler_stop) into every notebook cell that trains
         # unless its log level is set before the process's first profiler: this probe is usually that first one
         os.environ.setdefault("KINETO_LOG_LEVEL", "10")
-        self._prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
-        self._prof.__enter__()
+        if not torch.autograd._profiler_enabled():
+            self._prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+            self._prof.__enter__()
         return self
 
     def __exit__(self, *exc):
+        if self._prof is None:
+            return False
         self._prof.__exit__(*exc)
         if exc[0] is None:
             self.ops = [(e.name, e.input_shapes) for e in self._prof.events() if e.name in _KERNEL_OPS]
