@@ -190,17 +190,13 @@ def _apply_budget(verbose: bool = True) -> None:
         print(budget_line(budget))
 
 
-def _fit_to_card(cfg, mode: str, verbose: bool = True):
-    """Full mode on a GPU: the largest micro-batch the estimator fits on this card (or its LAB_GPU_MEMORY_GB
-    cap), accumulating to the same effective batch, said in one line. An explicit --set of the micro-batch wins."""
-    from . import device as dev
+def _fit_to_card(cfg, verbose: bool = True):
+    """On a GPU: fp16 where it has no native BF16, and in full mode the largest micro-batch the estimator fits on
+    this card (:func:`labutils.train.for_this_card`), each change said in one line."""
+    from .train import for_this_card
 
-    if mode != "full" or not dev.cuda_available() or "train.micro_batch_size" in cfg.origins:
-        return cfg
-    from .advise import default_budget_bytes, fit_micro_batch
-
-    fitted, line = fit_micro_batch(cfg, default_budget_bytes()[0])
-    if line and verbose:
+    fitted, lines = for_this_card(cfg)
+    for line in lines if verbose else ():
         print(line)
     return fitted
 
@@ -218,7 +214,7 @@ def cmd_run(args) -> int:
     _apply_budget(verbose=main_process)
     if main_process:
         print(f"mode: {mode} ({reason})")
-    cfg = _fit_to_card(cfg, mode, verbose=main_process)
+    cfg = _fit_to_card(cfg, verbose=main_process)
     result = run(cfg, progress=not args.quiet)
     if not main_process:
         return 0 if result.ok else 1

@@ -243,6 +243,29 @@ def prepare(cfg: Config, device: torch.device | str | None = None, verbose: bool
     return loaded, dataset
 
 
+def for_this_card(cfg: Config, device: torch.device | str | None = None) -> tuple[Config, list[str]]:
+    """What ``run`` and ``bench`` train on this GPU, with one line per change: bf16 becomes fp16 (GradScaler) where
+    the GPU has no native BF16 (:func:`labutils.device.bf16_support`, as the labs and ``doctor`` decide: on a T4
+    ``torch.cuda.is_bf16_supported()`` says True, by emulation), and in full mode the micro-batch is the largest the
+    estimator fits on this card (its ``LAB_GPU_MEMORY_GB`` cap), accumulating to the same effective batch. A key set
+    with ``--set`` wins. On the CPU: the config as it is."""
+    device = torch.device(device or _env.default_device())
+    if device.type != "cuda":
+        return cfg, []
+    lines = []
+    native, why = dev.bf16_support(device)
+    if cfg.train.precision == "bf16" and not native and "train.precision" not in cfg.origins:
+        cfg = cfg.override({"train.precision": "fp16"})
+        lines.append(f"NOTICE: {why}: training in fp16 with its GradScaler instead of emulated bf16 "
+                     f"(--set train.precision=bf16 to insist)")
+    if cfg.mode == "full" and "train.micro_batch_size" not in cfg.origins:
+        from .advise import default_budget_bytes, fit_micro_batch
+
+        cfg, line = fit_micro_batch(cfg, default_budget_bytes()[0])
+        lines += [line] if line else []
+    return cfg, lines
+
+
 def run(cfg: Config, device: torch.device | str | None = None, *, progress: bool = True, desc: str | None = None,
         verbose: bool = True, **train_kw) -> RunResult:
     """Load, train, measure and clean up one configuration. An out-of-memory error becomes a result with
