@@ -1,35 +1,24 @@
 """``python -m labutils bench CONFIG``: the course's path against a reference, a nanoGPT-style GPT-2.
 
-The course's path is the one loop (:func:`labutils.train.train`) on the config's model. The reference is what a
-performance engineer writes for GPT-2 (:mod:`labutils.reference`: its own ``nn.Linear`` blocks, causal SDPA, tanh
-GELU, tied head, the full loss) holding the *same weights*, driven by a bare loop: its own data path (every
-micro-batch of the run indexed and moved to the device before the clock starts), nanoGPT's AdamW (fused on CUDA), no
-scheduler. Both run the config's precision, compile setting, TF32 flag, batch and steps, fitted to this card as
-``run`` fits them (:func:`labutils.train.for_this_card`: fp16 where the GPU has no native BF16, the largest
-micro-batch the estimator fits). So the ratio, course throughput over reference throughput, prices everything the
-course adds: transformers' model code and the loop's bookkeeping (window sampling, records).
+The course's path is the one loop (:func:`labutils.train.train`). The reference (:mod:`labutils.reference`: its own
+``nn.Linear`` blocks, causal SDPA, tanh GELU, tied head, the full loss) holds the *same weights* and is driven by a
+bare loop: its own data path (the run's micro-batches on the device before the clock starts), nanoGPT's AdamW, no
+scheduler. Both run the config's precision, compile setting, batch and steps, fitted to this card as ``run`` fits
+them (:func:`labutils.train.for_this_card`). The ratio, course throughput over reference throughput, prices what the
+course adds: transformers' model code and the loop's bookkeeping. No checkpointing or padded-vocabulary mask on the
+reference side (nanoGPT has neither): with ``train.gradient_checkpointing`` the ratio includes the recompute.
 
-One statistic, one rule. Both sides are timed the same way: each step's wall-clock time, from the previous step's
-end to the one host read that ends it (the course's loop reads loss, grad norm and scale in one transfer; the
-reference reads its loss), and a run's step time is the median of its timed steps (after the warm-up, and after any
-step that compiled: :func:`labutils.run_result.first_timed_step`). Each side gets ``repeats`` fresh runs in ABBA order
-(reference, labutils, labutils, reference, ...), so drift hits both alike; a side's step time is the median over its
-runs (spread beside it). The ratio is the reference's over the course's; each repeat's neighbouring pair gives one
-ratio, and the verdict reads their spread (:func:`judge`): "met" when every repeat's ratio is >= :data:`GOAL`,
-"missed" when every one is below, "not decided" when they straddle it or there is one repeat (no spread). Only a GPU
-run is judged. On an H100 / H200 the ratio is the goal, and MFU (from the same median step times) is shown beside it;
-on an A100 MFU >= 45 % (issue 28) is judged by the same rule over each repeat's MFU; elsewhere MFU is shown.
-
-Sections, each both sides in ABBA: the config as it is (the headline); with ``train.compile: true`` also eager
-(labelled ``eager``: what compiling gains either side); and the config with the other ``model.loss`` (labelled
-``loss full`` / ``loss chunked``: the loss fast_config.yaml picks by this measurement). Each run records its compile
-status (graphs compiled, the reason for a fallback to eager); an out-of-memory run is a row (status "oom" and the
-error), and that section's remaining runs are skipped. The allocator's free-and-retry count of every run is recorded:
-under a memory cap (``LAB_GPU_MEMORY_GB``) a run near the cap frees cached blocks and retries, which slows it.
-
-The reference has no activation checkpointing and no mask for a padded vocabulary (nanoGPT has neither); with
-``train.gradient_checkpointing`` the ratio includes the recompute (the report says so). Steps at or below the timing
-warm-up (at least 2: the first steps allocate, autotune and, compiled, compile) are refused.
+One statistic, one rule. Both sides time each step up to the one host read that ends it (the course's loop reads
+loss, grad norm and scale in one transfer; the reference its loss); a run's step time is the median of its timed
+steps (after the warm-up, at least 2, and any step that compiled: :func:`labutils.run_result.first_timed_step`).
+Each side gets ``repeats`` fresh runs in ABBA order, a side's step time is the median over its runs (spread beside
+it), and each repeat's neighbouring pair gives one ratio: the verdict (:func:`judge`) is "met" when every repeat's
+ratio is >= :data:`GOAL`, "missed" when every one is below, else "not decided" (so is one repeat: no spread); only a
+GPU run is judged. On an H100 / H200 the ratio is the goal and MFU is shown beside it; on an A100 MFU >= 45 % is
+judged by the same rule over each run's MFU. Sections, both sides each: the config (the headline); with
+``train.compile: true`` eager too; the other ``model.loss`` (``loss full`` / ``loss chunked``: what fast_config.yaml
+picks its loss by). Each run records its compile status and the allocator's retries (a run near a memory cap slows
+down); an out-of-memory run is a row (status "oom", the error) and ends its section.
 """
 from __future__ import annotations
 
@@ -52,10 +41,6 @@ MFU_GOAL_A100 = 0.45  # issue 28: the fast path's MFU goal on an A100 (on an H10
 SIDES = ("reference", "labutils")
 
 
-def _retries(device) -> int | None:
-    return dev.memory_stats(device).get("num_alloc_retries")
-
-
 def reference_loop(cfg: Config, model, dataset, device, warmup: int) -> dict:
     """The reference model trained by a bare loop, timed as the course's loop is: ``step_times`` (each step up to
     its one host read), ``step_time_seconds`` (median of the timed steps), ``timed_steps``, ``num_alloc_retries``,
@@ -71,7 +56,8 @@ def reference_loop(cfg: Config, model, dataset, device, warmup: int) -> dict:
     idx = torch.randint(len(dataset), (n, t.micro_batch_size), generator=torch.Generator().manual_seed(t.seed))
     ids = dataset.input_ids[idx].to(device)
     targets = ref_model.shift_labels(dataset.labels[idx]).to(device)
-    times, compile_steps, graphs, retries = [], [], compiled_graphs(), _retries(device)
+    retries = lambda: dev.memory_stats(device).get("num_alloc_retries")  # noqa: E731  (None on the CPU)
+    times, compile_steps, graphs, start_retries = [], [], compiled_graphs(), retries()
     with _env.matmul_precision(tf32=t.precision == "tf32"):
         mark = time.perf_counter()
         for s in range(t.steps):
@@ -98,8 +84,8 @@ def reference_loop(cfg: Config, model, dataset, device, warmup: int) -> dict:
             times.append(now - mark)
             mark = now
     timed = times[first_timed_step(t.steps, warmup, compile_steps):]
-    return {"step_times": times, "step_time_seconds": statistics.median(timed) if timed else None,
-            "timed_steps": len(timed), "num_alloc_retries": None if retries is None else _retries(device) - retries,
+    return {"step_times": times, "step_time_seconds": statistics.median(timed) if timed else None, "timed_steps":
+            len(timed), "num_alloc_retries": None if start_retries is None else retries() - start_retries,
             "compiled_graphs": None if compiling is None else (compiling.graphs() if compiling.active else 0),
             "compile_fallback": None if compiling is None else compiling.fallback}
 
@@ -226,8 +212,7 @@ def section(cfg: Config, runs: dict, device, positions_per_step: int) -> dict:
                      "positions_per_second": summary([positions_per_step / x for x in times]) if ok else None}
     oom = next((runs[n]["error"] for n in SIDES if runs[n]["status"] != "ok"), None)
     ok = oom is None and all(out[n]["step_time_seconds"] for n in SIDES)
-    ours = out["labutils"]["step_time_seconds"]
-    theirs = out["reference"]["step_time_seconds"]
+    ours, theirs = out["labutils"]["step_time_seconds"], out["reference"]["step_time_seconds"]
     ratios = [r / o for o, r in zip(ours["runs"], theirs["runs"])] if ok else None
     out["ratio"] = theirs["median"] / ours["median"] if ok else None
     out["ratio_runs"] = summary(ratios) if ok else None  # each repeat's pair, neighbours in time

@@ -37,13 +37,6 @@ IGNORE_INDEX = -100
 DEFAULT_CHUNK = 1024  # positions per chunk (model.loss_chunk_size): a [1024, 50304] fp32 chunk is 0.2 GB
 
 
-def compute_dtype(device_type: str, weight_dtype: torch.dtype) -> torch.dtype:
-    """The dtype ``lm_head``'s matmul runs in: autocast's when it is on for this device, else the weight's."""
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return weight_dtype
-
-
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of ``hidden @ weight^T (+ bias)`` against ``targets``, ``chunk`` positions at a time,
     with its gradients computed in the forward (when ``grads``).
@@ -117,7 +110,8 @@ def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     d = hidden.shape[-1]
     targets = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
     flat = hidden.reshape(-1, d)
-    dtype = compute_dtype(flat.device.type, weight.dtype)
+    dev = flat.device.type  # the matmul's dtype: autocast's when it is on here (as lm_head's), else the weight's
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (flat, weight, bias))
     total = ChunkedLinearCrossEntropy.apply(flat, weight, bias, targets, int(chunk_size), dtype, grads)
     if num_items_in_batch is None:
@@ -161,15 +155,9 @@ def _training_forward(self, input_ids=None, labels=None, num_items_in_batch=None
 
 def install(model, chunk_size: int | None = None):
     """Make ``model`` (a GPT2LMHeadModel) compute its training loss with :func:`chunked_lm_loss`: its instance
-    ``forward`` is replaced (the class is untouched; ``uninstall`` restores it). Returns the model."""
+    ``forward`` is replaced (the class is untouched). Returns the model."""
     model.labutils_loss_chunk = int(chunk_size or DEFAULT_CHUNK)
     model.forward = types.MethodType(_training_forward, model)
-    return model
-
-
-def uninstall(model):
-    """Back to the model's own forward (the full logits and loss)."""
-    model.__dict__.pop("forward", None)
     return model
 
 

@@ -147,16 +147,7 @@ def finish_timing(result: RunResult, cfg: Config, seq_length: int, device, first
     if not timed:
         return
     result.step_time_seconds = median
-    result.tokens_per_second = result.tokens_per_step / median
-    _speeds(result, len(timed), real_positions)
+    result.tokens_per_second = result.positions_per_second = result.tokens_per_step / median
+    # target tokens/s: the timed steps' mean target count per median step time
+    result.target_tokens_per_second = sum(result.target_tokens[steps - len(timed):]) / len(timed) / median
     account_flops(result, cfg, seq_length, device, len(timed))
-
-
-def _speeds(result: RunResult, n_timed: int, real_positions: int) -> None:
-    """Positions/s, target tokens/s (the timed steps' mean target count per median step time) and the padding
-    share."""
-    result.positions_per_second = result.tokens_per_second
-    timed_targets = result.target_tokens[len(result.target_tokens) - n_timed:]
-    result.target_tokens_per_second = sum(timed_targets) / n_timed / result.step_time_seconds
-    steps = len(result.target_tokens)
-    result.padding_fraction = 1.0 - real_positions / (result.tokens_per_step * steps) if steps else None
