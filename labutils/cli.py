@@ -285,8 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("bench", help="the course's path (the one loop) against a reference, a nanoGPT-style GPT-2 "
-                                     "with the same weights in a bare loop: step time of both (median, spread over "
-                                     "ABBA repeats) and the ratio (train.compile=true: eager runs too, labelled)")
+                                     "with the same weights in a bare loop: step time of both (each run's median "
+                                     "step, spread over ABBA repeats), the ratio and its verdict (met / missed / not "
+                                     "decided); the other model.loss and, compiled, eager runs too, labelled")
     _add_config_args(p)
     p.add_argument("--repeats", type=positive_int, default=5,
                    help="runs of each loop, in ABBA order (default 5; fewer gives a spread worth little)")
