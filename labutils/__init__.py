@@ -6,6 +6,7 @@ private names (tests/test_structure.py checks both).
 
 Core (every lab and command builds on these):
   device              every CUDA/CPU difference in one place: memory counters, the cap, the mode, BF16/TF32
+  device_facts        device's lowest layer: which device, its name, capability, BF16/TF32, compile support
   cards               the memory torch reports on common GPUs, from real OOM messages: what "a G GB card" means
   config              YAML -> typed dataclasses, with the mode's defaults, --set overrides, strict validation
   env                 where we run: the setup cell, device and version facts, seeds, TF32 switch, budget
@@ -16,8 +17,9 @@ Core (every lab and command builds on these):
   flops               FLOPs of a training step (model and executed), the SDPA kernel, MFU and HFU of a run
   memory              MemoryTracker: peak and live memory of a region, the same meaning on CUDA and CPU
   compiling           train.compile that really compiles: dynamo reset, backend probe, graph count, loud fallback
-  loss_chunks         model.loss chunked: LM head + cross-entropy a chunk of positions at a time (Liger on CUDA)
-  train               the one training loop (AMP, accumulation, clipping, checkpointing) and RunResult
+  loss_chunks         model.loss chunked: LM head + cross-entropy a chunk of positions at a time, grads in forward
+  run_result          RunResult (what a run measured), the divergence rule, the step-time rule (median of timed steps)
+  train               the one training loop (AMP, accumulation, clipping, checkpointing); run, prepare
   figures             conventions every lab's figures follow (step axis, legends)
 Labs (the technique itself is written out in the notebook; these hold what its experiments need):
   precision           lab 01: number formats, underflow and overflow, loss scaling
@@ -38,6 +40,9 @@ Labs (the technique itself is written out in the notebook; these hold what its e
 Tools (commands and what they share):
   results             tables, figures and result files with the hardware and weights they came from
   replay              one training step replayed as tensor allocations: the estimator's engine
+  replay_ledger       the replay's ledger: live tensors by name and kind, current and peak bytes
+  replay_attention    the replay's attention: what SDPA / math / eager attention saves and frees
+  replay_loss         the replay's LM head and loss: the full loss's logits, or the chunked loss's
   estimate            a training step's peak memory, predicted without a GPU, and what fits a budget
   advise              what to run when a config does not fit (or could run faster); `labutils estimate`
   reference           a nanoGPT-style GPT-2 that loads the course model's weights: bench's reference

@@ -173,7 +173,7 @@ def cli_estimate(cfg, args) -> int:
             ("optimizer (AdamW exp_avg + exp_avg_sq)", est["optimizer_bytes"]),
             ("activations (saved by one micro-batch)", est["activations_bytes"]),
             ("  of which log_softmax(logits) fp32" if est.get("loss", "full") == "full" else
-             "  of which the chunked loss's log-sum-exp", est.get("saved_logits_bytes", est["logits_bytes"])),
+             "  of which logits (chunked loss: none)", est.get("saved_logits_bytes", est["logits_bytes"])),
             ("half weight copies (autocast, saved)", est["half_weights_bytes"]),
             ("peak (torch.cuda.max_memory_allocated)", est["peak_bytes"])]
     w = max(len(r[0]) for r in rows)

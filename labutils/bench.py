@@ -1,27 +1,24 @@
 """``python -m labutils bench CONFIG``: the course's path against a reference, a nanoGPT-style GPT-2.
 
-The course's path is the one loop (:func:`labutils.train.train`) on the config's model. The reference is what a
-performance engineer writes for GPT-2 (:mod:`labutils.reference`: its own ``nn.Linear`` blocks, causal SDPA, tanh
-GELU, tied head) holding the *same weights*, driven by a bare loop: its own data path (every micro-batch of the run
-indexed and moved to the device before the clock starts), nanoGPT's AdamW (fused on CUDA), no scheduler, no
-per-step read; the clock runs over the whole timed window, started and stopped on an idle device. Both run the
-config's precision, compile setting, TF32 flag, batch and steps. So the ratio, course throughput over reference
-throughput, prices everything the course adds: transformers' model code, the loop's bookkeeping (window sampling,
-records, one host read per step). Goal on a GPU: >= :data:`GOAL`; on the CPU the ratio is shown, not judged.
+The course's path is the one loop (:func:`labutils.train.train`). The reference (:mod:`labutils.reference`: its own
+``nn.Linear`` blocks, causal SDPA, tanh GELU, tied head, the full loss) holds the *same weights* and is driven by a
+bare loop: its own data path (the run's micro-batches on the device before the clock starts), nanoGPT's AdamW, no
+scheduler. Both run the config's precision, compile setting, batch and steps, fitted to this card as ``run`` fits
+them (:func:`labutils.train.for_this_card`). The ratio, course throughput over reference throughput, prices what the
+course adds: transformers' model code and the loop's bookkeeping. No checkpointing or padded-vocabulary mask on the
+reference side (nanoGPT has neither): with ``train.gradient_checkpointing`` the ratio includes the recompute.
 
-One quantity, one number: a run's step time is its timed window over its timed steps (after the warm-up, and
-for labutils' loop after any step that compiled, as :func:`labutils.train.train` times it); each side gets
-``repeats`` fresh runs in ABBA order (reference, labutils, labutils, reference, ...), so drift hits both alike; the
-ratio is the reference's median step time over labutils' median step time, spread (std, min, max, every run)
-beside both. With ``train.compile: true`` eager runs come too, labelled: what compiling gains either side; the
-headline is always the config's own setting. The allocator's free-and-retry count of every run is recorded:
-under a memory cap (``LAB_GPU_MEMORY_GB``) a run near the cap frees cached blocks and retries, which slows it.
-
-The reference has no activation checkpointing and no mask for a padded vocabulary (nanoGPT has neither); with
-``train.gradient_checkpointing`` the ratio includes the recompute (the report says so).
-
-Steps at or below the timing warm-up (at least 2: the first steps allocate, autotune and, compiled, compile)
-are refused: the ratio would compare warm-up, not the loop.
+One statistic, one rule. Both sides time each step up to the one host read that ends it (the course's loop reads
+loss, grad norm and scale in one transfer; the reference its loss); a run's step time is the median of its timed
+steps (after the warm-up, at least 2, and any step that compiled: :func:`labutils.run_result.first_timed_step`).
+Each side gets ``repeats`` fresh runs in ABBA order, a side's step time is the median over its runs (spread beside
+it), and each repeat's neighbouring pair gives one ratio: the verdict (:func:`judge`) is "met" when every repeat's
+ratio is >= :data:`GOAL`, "missed" when every one is below, else "not decided" (so is one repeat: no spread); only a
+GPU run is judged. On an H100 / H200 the ratio is the goal and MFU is shown beside it; on an A100 MFU >= 45 % is
+judged by the same rule over each run's MFU. Sections, both sides each: the config (the headline); with
+``train.compile: true`` eager too; the other ``model.loss`` (``loss full`` / ``loss chunked``: what fast_config.yaml
+picks its loss by). Each run records its compile status and the allocator's retries (a run near a memory cap slows
+down); an out-of-memory run is a row (status "oom", the error) and ends its section.
 """
 from __future__ import annotations
 
@@ -33,25 +30,25 @@ import torch
 from . import device as dev
 from . import env as _env
 from . import reference as ref_model
-from .compiling import compile_for_training
+from .compiling import compile_for_training, compiled_graphs
 from .config import Config, ConfigError, source_of
-from .train import autocast_for, prepare, scaler_for, train
+from .memory import oom_caught, release
+from .run_result import first_timed_step
+from .train import autocast_for, for_this_card, prepare, scaler_for, train
 
 GOAL = 0.95  # course / reference throughput on a GPU (issue 28)
+MFU_GOAL_A100 = 0.45  # issue 28: the fast path's MFU goal on an A100 (on an H100 / H200 the goal is the ratio)
 SIDES = ("reference", "labutils")
 
 
-def _retries(device) -> int | None:
-    return dev.memory_stats(device).get("num_alloc_retries")
-
-
-def reference_loop(cfg: Config, model, dataset, device, warmup: int) -> tuple[float, int, int | None]:
-    """The reference model trained by a bare loop; returns (seconds per timed step, timed steps, allocator
-    retries). ``model`` is a :class:`labutils.reference.GPT`."""
+def reference_loop(cfg: Config, model, dataset, device, warmup: int) -> dict:
+    """The reference model trained by a bare loop, timed as the course's loop is: ``step_times`` (each step up to
+    its one host read), ``step_time_seconds`` (median of the timed steps), ``timed_steps``, ``num_alloc_retries``,
+    ``compiled_graphs`` and ``compile_fallback``. ``model`` is a :class:`labutils.reference.GPT`."""
     t = cfg.train
     model.train()
-    if t.compile:  # in place, exactly as labutils' loop compiles (dynamo reset, backend check, same settings)
-        compile_for_training(model, device)
+    # in place, exactly as labutils' loop compiles (dynamo reset, backend check, same settings)
+    compiling = compile_for_training(model, device) if t.compile else None
     opt = ref_model.make_optimizer(model, t.lr, t.weight_decay, device)
     autocast, scaler = autocast_for(t.precision, device), scaler_for(t.precision, device)
     # the data path: all micro-batches of the run on the device before the first step, targets shifted once
@@ -59,37 +56,38 @@ def reference_loop(cfg: Config, model, dataset, device, warmup: int) -> tuple[fl
     idx = torch.randint(len(dataset), (n, t.micro_batch_size), generator=torch.Generator().manual_seed(t.seed))
     ids = dataset.input_ids[idx].to(device)
     targets = ref_model.shift_labels(dataset.labels[idx]).to(device)
-
-    def step(s):
-        for i in range(s * accum, (s + 1) * accum):
-            with autocast:
-                _, loss = model(ids[i], targets[i])
-                loss = loss / accum
-            (scaler.scale(loss) if scaler else loss).backward()
-        if scaler:
-            scaler.unscale_(opt)
-        if t.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
-        if scaler:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    retries = _retries(device)
+    retries = lambda: dev.memory_stats(device).get("num_alloc_retries")  # noqa: E731  (None on the CPU)
+    times, compile_steps, graphs, start_retries = [], [], compiled_graphs(), retries()
     with _env.matmul_precision(tf32=t.precision == "tf32"):
-        for s in range(warmup):
-            loss = step(s)
-        loss.item()  # the window starts on an idle device ...
-        start = time.perf_counter()
-        for s in range(warmup, t.steps):
-            loss = step(s)
-        loss.item()  # ... and ends when the device is done
-        elapsed = time.perf_counter() - start
-    retries = None if retries is None else _retries(device) - retries
-    return elapsed / (t.steps - warmup), t.steps - warmup, retries
+        mark = time.perf_counter()
+        for s in range(t.steps):
+            for i in range(s * accum, (s + 1) * accum):
+                with autocast:
+                    _, loss = model(ids[i], targets[i])
+                    loss = loss / accum
+                (scaler.scale(loss) if scaler else loss).backward()
+            if scaler:
+                scaler.unscale_(opt)
+            if t.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            loss.item()  # the step's one host read: it waits for the device, so the step time is real
+            if compiling is not None and compiled_graphs() != graphs:
+                graphs = compiled_graphs()
+                compile_steps.append(s)
+            now = time.perf_counter()
+            times.append(now - mark)
+            mark = now
+    timed = times[first_timed_step(t.steps, warmup, compile_steps):]
+    return {"step_times": times, "step_time_seconds": statistics.median(timed) if timed else None, "timed_steps":
+            len(timed), "num_alloc_retries": None if start_retries is None else retries() - start_retries,
+            "compiled_graphs": None if compiling is None else (compiling.graphs() if compiling.active else 0),
+            "compile_fallback": None if compiling is None else compiling.fallback}
 
 
 def check_steps(cfg: Config) -> int:
@@ -107,28 +105,34 @@ def abba(repeats: int) -> list[str]:
     return [name for pair in pairs for name in pair]
 
 
-def compare(cfg: Config, repeats: int, device, warmup: int) -> dict:
-    """Step time (s), timed steps and allocator retries of each run of both sides, in ABBA order. Every run
-    loads the config's model afresh (same seed: same weights); the reference copies them (:func:`from_hf`)."""
-    from .memory import release
+RUN_KEYS = ("step_time_seconds", "timed_steps", "num_alloc_retries", "compiled_graphs", "compile_fallback")
 
-    runs = {name: {"step_time_seconds": [], "timed_steps": [], "num_alloc_retries": []} for name in SIDES}
-    for k, name in enumerate(abba(repeats)):
+
+def compare(cfg: Config, repeats: int, device, warmup: int) -> dict:
+    """Each side's runs in ABBA order: ``{side: {key: [per run]} | {"status", "error"}}`` (keys: :data:`RUN_KEYS`).
+    Every run loads the config's model afresh (same seed: same weights); the reference copies them. An out-of-memory
+    run ends the comparison: its side gets status "oom" and the error, the runs left are not made."""
+    runs = {name: {"status": "ok", "error": None, **{k: [] for k in RUN_KEYS}} for name in SIDES}
+    for i, name in enumerate(abba(repeats)):
         _env.seed_everything(cfg.train.seed)
-        loaded, dataset = prepare(cfg, device, verbose=k == 0)
-        if name == "reference":
-            model = ref_model.from_hf(loaded.model, dropout=cfg.model.dropout)
-            del loaded
-            release()
-            got = reference_loop(cfg, model, dataset, device, warmup)
-            del model
-        else:
-            r = train(cfg, loaded.model, dataset, device, progress=False)
-            got = (r.step_time_seconds, r.timed_steps, r.num_alloc_retries)
-            del loaded
-        for key, value in zip(("step_time_seconds", "timed_steps", "num_alloc_retries"), got):
-            runs[name][key].append(value)
+        got = None
+        with oom_caught() as oom:
+            loaded, dataset = prepare(cfg, device, verbose=i == 0)
+            if name == "reference":
+                model = ref_model.from_hf(loaded.model, dropout=cfg.model.dropout)
+                del loaded
+                release()
+                got = reference_loop(cfg, model, dataset, device, warmup)
+            else:
+                r = train(cfg, loaded.model, dataset, device, progress=False)
+                got = {k: getattr(r, k) for k in RUN_KEYS}
+        loaded = model = r = None
         release()
+        if oom:
+            runs[name].update(status="oom", error=oom.error)
+            break
+        for key in RUN_KEYS:
+            runs[name][key].append(got[key])
     return runs
 
 
@@ -139,81 +143,111 @@ def summary(values: list[float]) -> dict:
             "runs": list(values)}
 
 
-def measure(cfg: Config, repeats: int, device, warmup: int, positions_per_step: int) -> dict:
-    """Both sides at ``cfg``'s settings: each side's step time and positions/s (median and spread over the
-    runs), the headline ratio (labutils / reference throughput, from the medians) and its per-repeat spread."""
-    got = compare(cfg, repeats, device, warmup)
-    out = {}
-    for name in SIDES:
-        times = got[name]["step_time_seconds"]
-        if any(x is None for x in times):  # pragma: no cover - check_steps leaves a step to time
-            raise RuntimeError(f"bench: a {name} run timed no step")
-        out[name] = {"step_time_seconds": summary(times),
-                     "positions_per_second": summary([positions_per_step / x for x in times]),
-                     "timed_steps": got[name]["timed_steps"], "num_alloc_retries": got[name]["num_alloc_retries"]}
-    ours, theirs = out["labutils"]["step_time_seconds"], out["reference"]["step_time_seconds"]
-    out["ratio"] = theirs["median"] / ours["median"]
-    # each repeat's labutils run against that repeat's reference run (neighbours in time): the ratio's spread
-    out["ratio_runs"] = summary([r / o for o, r in zip(ours["runs"], theirs["runs"])])
-    return out
+def judge(values: list[float], goal: float) -> tuple[str, str]:
+    """The one rule for a goal measured over repeats: ("met" | "missed" | "not decided", why). Met when every
+    repeat's value reaches ``goal``, missed when none does; otherwise, or with one repeat (no spread), not decided."""
+    lo, hi = min(values), max(values)
+    spread = f"{len(values)} repeats, {lo:.3g}..{hi:.3g}"
+    if len(values) < 2:
+        return "not decided", f"one repeat: no spread to judge by (needs >= 2; {spread})"
+    if lo >= goal:
+        return "met", f"every repeat >= {goal:g} ({spread})"
+    if hi < goal:
+        return "missed", f"every repeat < {goal:g} ({spread})"
+    return "not decided", f"the repeats straddle {goal:g} ({spread}): more repeats, or a quieter machine"
 
 
-def verdict(ratio: float, device) -> dict:
-    """The goal and whether this run could judge it: only a GPU run is held to it."""
+def verdict(ratios: list[float] | None, device, oom: str | None = None) -> dict:
+    """The ratio's goal and verdict (:func:`judge` over each repeat's ratio); only a GPU run is judged."""
     if torch.device(device).type != "cuda":
-        return {"goal": GOAL, "judged": False, "met": None,
+        return {"goal": GOAL, "judged": False, "verdict": "not judged", "met": None,
                 "why": "CPU run: the ratio is shown, not judged (the goal is for a GPU)"}
-    return {"goal": GOAL, "judged": True, "met": ratio >= GOAL, "why": None}
+    if not ratios:
+        return {"goal": GOAL, "judged": True, "verdict": "not decided", "met": None,
+                "why": f"no ratio: a run ran out of memory ({oom})"}
+    word, why = judge(ratios, GOAL)
+    return {"goal": GOAL, "judged": True, "verdict": word, "met": {"met": True, "missed": False}.get(word), "why": why}
 
 
-MFU_GOAL_A100 = 0.45  # issue 28: the fast path's MFU goal on an A100; on H100 / H200 the goal is the reference's MFU
-
-
-def mfu_goal(cfg: Config, device, labutils_step_seconds: float, reference_step_seconds: float) -> dict:
+def mfu_goal(cfg: Config, device, labutils_steps: list[float], reference_steps: list[float]) -> dict:
     """Both sides' MFU (PaLM's model FLOPs, :func:`labutils.flops.model_flops_per_token` at the padded vocabulary the
-    GPU runs, over the card's dense peak, :mod:`labutils.peaks`) from their median step times, and the benchmark's
-    MFU goal: >= 45 % on an A100; on an H100 / H200 >= the reference's MFU measured beside it (a fixed 45 %
-    there would be a guess: no H100 run of the reference has been measured); other cards and the CPU: shown, not judged."""
+    GPU runs, over the card's dense peak, :mod:`labutils.peaks`) from their median step times, and its goal: >= 45 %
+    on an A100, judged by :func:`judge` over each run's MFU; on an H100 / H200 the goal is the ratio (MFU shown); other
+    cards and the CPU: shown, not judged."""
     from .flops import model_flops_per_token
     from .models import padded_vocab_size, vocab_size
     from .peaks import peak_info
 
     name = dev.name(device) if torch.device(device).type == "cuda" else None
     peak, why = peak_info(name, cfg.train.precision)
+    if peak is None:
+        return {"labutils": None, "reference": None, "goal": None, "judged": False, "verdict": "not judged",
+                "met": None, "why": why}
     vocab = padded_vocab_size(vocab_size(cfg.model.name), cfg.model.pad_vocab_to)
     flops = model_flops_per_token(cfg.model.name, cfg.data.seq_length, vocab) * cfg.effective_batch_size \
-        * cfg.data.seq_length
-    if peak is None:
-        return {"labutils": None, "reference": None, "goal": None, "judged": False, "met": None, "why": why}
-    ours, theirs = flops / labutils_step_seconds / (peak * 1e12), flops / reference_step_seconds / (peak * 1e12)
+        * cfg.data.seq_length / (peak * 1e12)
+    ours, theirs = flops / statistics.median(labutils_steps), flops / statistics.median(reference_steps)
+    out = {"labutils": ours, "reference": theirs, "goal": None, "judged": False, "verdict": "not judged", "met": None}
     gpu = name.lower()
     if "a100" in gpu:
-        goal, what = MFU_GOAL_A100, f">= {MFU_GOAL_A100:.0%} on an A100"
-    elif "h100" in gpu or "h200" in gpu:
-        goal, what = theirs, "on an H100 / H200 >= the reference's MFU"
-    else:
-        return {"labutils": ours, "reference": theirs, "goal": None, "judged": False, "met": None,
-                "why": f"no MFU goal for {name} (goals: A100, H100, H200): shown, not judged"}
-    return {"labutils": ours, "reference": theirs, "goal": goal, "judged": True, "met": ours >= goal, "why": what}
+        word, why = judge([flops / s for s in labutils_steps], MFU_GOAL_A100)
+        return {**out, "goal": MFU_GOAL_A100, "judged": True, "verdict": word,
+                "met": {"met": True, "missed": False}.get(word), "why": f">= {MFU_GOAL_A100:.0%} on an A100: {why}"}
+    if "h100" in gpu or "h200" in gpu:
+        return {**out, "why": "shown: on an H100 / H200 the goal is the ratio to the reference"}
+    return {**out, "why": f"no MFU goal for {name} (goals: the ratio on every GPU, MFU on an A100): shown"}
 
 
-def _print_section(key: str, sec: dict, device) -> None:
+def section(cfg: Config, runs: dict, device, positions_per_step: int) -> dict:
+    """One comparison from :func:`compare`'s runs: each side's status, step time (median and spread over its runs'
+    medians) and positions/s, timed steps, retries and compile status; the ratio (from the sides' medians), each
+    repeat's ratio (spread), the verdict and MFU."""
+    out = {"train": {k: getattr(cfg.train, k) for k in ("precision", "compile", "micro_batch_size",
+                                                        "accumulation_steps")}, "loss": cfg.model.loss}
     for name in SIDES:
-        st, pos = sec[name]["step_time_seconds"], sec[name]["positions_per_second"]
+        r = runs[name]
+        times = r["step_time_seconds"]
+        ok = r["status"] == "ok" and times and all(x is not None for x in times)
+        out[name] = {**r, "step_time_seconds": summary(times) if ok else None,
+                     "positions_per_second": summary([positions_per_step / x for x in times]) if ok else None}
+    oom = next((runs[n]["error"] for n in SIDES if runs[n]["status"] != "ok"), None)
+    ok = oom is None and all(out[n]["step_time_seconds"] for n in SIDES)
+    ours, theirs = out["labutils"]["step_time_seconds"], out["reference"]["step_time_seconds"]
+    ratios = [r / o for o, r in zip(ours["runs"], theirs["runs"])] if ok else None
+    out["ratio"] = theirs["median"] / ours["median"] if ok else None
+    out["ratio_runs"] = summary(ratios) if ok else None  # each repeat's pair, neighbours in time
+    out["verdict"] = verdict(ratios, device, oom)
+    out["mfu"] = mfu_goal(cfg, device, ours["runs"], theirs["runs"]) if ok else None
+    return out
+
+
+def _compile_text(side: dict) -> str:
+    fell = [f for f in side["compile_fallback"] if f]
+    if fell:
+        return f"fell back to eager ({fell[0][:120]})"
+    graphs = [g for g in side["compiled_graphs"] if g is not None]
+    return f"compiled, {'/'.join(map(str, graphs))} graphs per run" if graphs else "eager"
+
+
+def _print_section(key: str, sec: dict) -> None:
+    for name in SIDES:
+        side, st = sec[name], sec[name]["step_time_seconds"]
+        if st is None:
+            print(f"[{key}] {name:<9} : {side['status']} ({side['error']})")
+            continue
         print(f"[{key}] {name:<9} : step {st['median'] * 1e3:,.2f} ms median (mean {st['mean'] * 1e3:,.2f} +- "
               f"{st['std'] * 1e3:,.2f}, min {st['min'] * 1e3:,.2f}, max {st['max'] * 1e3:,.2f}; runs: "
-              f"{', '.join(f'{x * 1e3:,.2f}' for x in st['runs'])}) = {pos['median']:,.0f} positions/s")
+              f"{', '.join(f'{x * 1e3:,.2f}' for x in st['runs'])}) = "
+              f"{side['positions_per_second']['median']:,.0f} positions/s; {_compile_text(side)}")
     v, rr = sec["verdict"], sec["ratio_runs"]
-    judged = (f"goal >= {v['goal']}: {'met' if v['met'] else 'MISSED'}" if v["judged"] else
-              f"goal >= {v['goal']} on a GPU: not judged ({v['why'].split(': ', 1)[0]})")
-    print(f"[{key}] ratio     : {sec['ratio']:.3f} (labutils / reference throughput, from the medians; per "
-          f"repeat {rr['median']:.3f}, {rr['min']:.3f}..{rr['max']:.3f}); {judged}")
-    m = sec.get("mfu")
+    ratio = (f"{sec['ratio']:.3f} (labutils / reference throughput, from the medians; per repeat "
+             f"{rr['min']:.3f}..{rr['max']:.3f})" if rr else "none")
+    print(f"[{key}] ratio     : {ratio}; goal >= {v['goal']}: {v['verdict'].upper() if v['judged'] else v['verdict']}"
+          f" ({v['why']})")
+    m = sec["mfu"]
     if m and m["labutils"] is not None:
-        verdict_text = (f"goal {m['why']} ({m['goal']:.1%}): {'met' if m['met'] else 'MISSED'}" if m["judged"]
-                        else m["why"])
         print(f"[{key}] MFU       : labutils {m['labutils']:.1%}, reference {m['reference']:.1%} (from the median step "
-              f"times); {verdict_text}")
+              f"times); " + (f"{m['verdict']}: {m['why']}" if m["judged"] else m["why"]))
     elif m:
         print(f"[{key}] MFU       : none ({m['why']})")
     tried = sec["labutils"]["num_alloc_retries"] + sec["reference"]["num_alloc_retries"]
@@ -223,60 +257,71 @@ def _print_section(key: str, sec: dict, device) -> None:
                                                             "memory-bound)" if any(tried) else ""))
 
 
-def reference_ratio(cfg: Config, repeats: int = 3, device=None, verbose: bool = False) -> dict:
-    """The course's path / the reference, at ``cfg``'s own settings only (no eager companion runs): what
-    ``doctor`` reports. Returns :func:`measure`'s dict plus ``verdict`` (goal, judged, met, why), ``device``,
-    ``warmup_steps``, ``repeats``, ``mode`` ("compiled" or "eager"). Raises :class:`ConfigError` when
-    ``train.steps`` leaves no step to time."""
+def _measure(cfg: Config, key: str, repeats: int, device, warmup: int, notes: set, verbose: bool) -> dict:
+    fitted, lines = for_this_card(cfg, device)
+    for line in lines:
+        if verbose and line not in notes:
+            print(line)
+        notes.add(line)
+    runs = compare(fitted, repeats, device, warmup)
+    sec = section(fitted, runs, device, fitted.effective_batch_size * fitted.data.seq_length)
+    if verbose:
+        _print_section(key, sec)
+    return sec
+
+
+def reference_ratio(cfg: Config, repeats: int = 2, device=None, verbose: bool = False) -> dict:
+    """The course's path / the reference, at ``cfg``'s own settings only (no companion sections): what ``doctor``
+    reports. Returns :func:`section`'s dict plus ``device``, ``warmup_steps``, ``repeats``, ``mode`` ("compiled" or
+    "eager"). Raises :class:`ConfigError` when ``train.steps`` leaves no step to time."""
     warmup = check_steps(cfg)
     device = torch.device(device or _env.default_device())
-    cfg = cfg.override({"train.timing_warmup_steps": warmup})
-    sec = measure(cfg, repeats, device, warmup, cfg.effective_batch_size * cfg.data.seq_length)
-    sec["verdict"] = verdict(sec["ratio"], device)
-    sec["mfu"] = mfu_goal(cfg, device, sec["labutils"]["step_time_seconds"]["median"],
-                          sec["reference"]["step_time_seconds"]["median"])
     key = "compiled" if cfg.train.compile else "eager"
-    if verbose:
-        _print_section(key, sec, device)
+    sec = _measure(cfg.override({"train.timing_warmup_steps": warmup}), key, repeats, device, warmup, set(), verbose)
     return {**sec, "device": dev.name(device), "warmup_steps": warmup, "repeats": repeats, "mode": key}
 
 
 def bench(cfg: Config, repeats: int = 5, device=None, verbose: bool = True) -> dict:
-    """The course's path against the reference at the config's settings (the headline, also at the top level),
-    and with ``train.compile: true`` eager runs of both too (labelled ``eager``; ``compile_speedup`` each side)."""
+    """The course's path against the reference at the config's settings (the headline, also at the top level), with
+    ``train.compile: true`` eager too (``eager``; ``compile_speedup`` each side), and the other ``model.loss``
+    (``loss full`` / ``loss chunked``); each section both sides in ABBA."""
     warmup = check_steps(cfg)  # before any work
     device = torch.device(device or _env.default_device())
     cfg = cfg.override({"train.timing_warmup_steps": warmup})
-    modes = (True, False) if cfg.train.compile else (False,)
     where = dev.name(device)
-    positions = cfg.effective_batch_size * cfg.data.seq_length
+    headline = "compiled" if cfg.train.compile else "eager"
+    other = "full" if cfg.model.loss == "chunked" else "chunked"
+    sections = {headline: cfg, f"loss {other}": cfg.override({"model.loss": other})}
+    if cfg.train.compile:
+        sections["eager"] = cfg.override({"train.compile": False})
     if verbose:
         print(f"{cfg.model.name}, {cfg.train.precision}, {cfg.train.micro_batch_size} x "
-              f"{cfg.train.accumulation_steps} x {cfg.data.seq_length} tokens, {cfg.train.steps} steps "
-              f"({warmup} warm-up), on {where}; {repeats} runs of each side, order ABBA; reference: a "
-              f"nanoGPT-style GPT-2 with the same weights, trained by a bare loop")
+              f"{cfg.train.accumulation_steps} x {cfg.data.seq_length} tokens, loss {cfg.model.loss}, "
+              f"{cfg.train.steps} steps ({warmup} warm-up), on {where}; {repeats} runs of each side, order ABBA; "
+              f"each run's step time the median of its timed steps; reference: a nanoGPT-style GPT-2 with the same "
+              f"weights, trained by a bare loop")
         if cfg.train.gradient_checkpointing:
             print("train.gradient_checkpointing: the reference does not recompute; the ratio includes it")
-    headline = "compiled" if cfg.train.compile else "eager"
     out = {"device": where, "warmup_steps": warmup, "repeats": repeats, "order": "ABBA", "headline": headline,
-           "positions_per_step": positions, "goal": GOAL}
-    for compiled in modes:
-        key = "compiled" if compiled else "eager"
-        sec = measure(cfg.override({"train.compile": compiled}), repeats, device, warmup, positions)
-        sec["verdict"] = verdict(sec["ratio"], device)
-        sec["mfu"] = mfu_goal(cfg, device, sec["labutils"]["step_time_seconds"]["median"],
-                              sec["reference"]["step_time_seconds"]["median"])
-        out[key] = sec
-        if verbose:
-            _print_section(key, sec, device)
+           "statistic": "median of each run's per-step times (one host read per step); median over runs",
+           "goal": GOAL}
+    notes: set = set()
+    for key, c in sections.items():
+        out[key] = _measure(c, key, repeats, device, warmup, notes, verbose)
+    out["notices"] = sorted(notes)
     out.update({k: out[headline][k] for k in ("labutils", "reference", "ratio", "ratio_runs", "verdict", "mfu")})
-    if cfg.train.compile:
+    step = [out[k]["labutils"]["step_time_seconds"] for k in (headline, f"loss {other}")]
+    if all(step):  # the two losses side by side: labutils' median step times, each section's own reference beside
+        out["loss_step_ratio"] = {f"{other} / {cfg.model.loss}": step[1]["median"] / step[0]["median"]}
+        if verbose:
+            print(f"model.loss: {other}'s median step is {step[1]['median'] / step[0]['median']:.3f}x "
+                  f"{cfg.model.loss}'s")
+    if cfg.train.compile and all(out[k][n]["step_time_seconds"] for k in (headline, "eager") for n in SIDES):
         out["compile_speedup"] = {name: out["eager"][name]["step_time_seconds"]["median"]
                                   / out["compiled"][name]["step_time_seconds"]["median"] for name in SIDES}
         if verbose:
             print("torch.compile: " + ", ".join(f"{n} {x:.2f}x its eager step" for n, x in
-                                                 out["compile_speedup"].items())
-                  + (" (CPU smoke run: says nothing about a GPU)" if device.type != "cuda" else ""))
+                                                 out["compile_speedup"].items()))
     if verbose and device.type != "cuda":
         print("CPU run: these numbers check that bench works; they are not a GPU measurement")
     return out

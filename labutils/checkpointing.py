@@ -228,8 +228,9 @@ class CountingSaveOnCPU(torch.autograd.graph.save_on_cpu):
 
 
 def _wrap_forward(model, variant: Variant):
-    """Run the model's whole forward under :class:`CountingSaveOnCPU`; returns the undo function."""
-    original = model.forward
+    """Run the model's whole forward under :class:`CountingSaveOnCPU`; returns the undo function, which puts back
+    what was there (an instance forward of its own, e.g. the chunked loss's :func:`labutils.loss_chunks.install`)."""
+    original, before = model.forward, model.__dict__.get("forward")
     device_type = next(model.parameters()).device.type
     weights = frozenset(p.untyped_storage().data_ptr() for p in model.parameters())
 
@@ -248,6 +249,8 @@ def _wrap_forward(model, variant: Variant):
     def undo():
         if model.__dict__.get("forward") is forward:
             del model.forward
+            if before is not None:
+                model.forward = before
     return undo
 
 

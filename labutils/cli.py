@@ -148,17 +148,13 @@ def _apply_budget(verbose: bool = True) -> None:
         print(budget_line(budget))
 
 
-def _fit_to_card(cfg, mode: str, verbose: bool = True):
-    """Full mode on a GPU: the largest micro-batch the estimator fits on this card (or its LAB_GPU_MEMORY_GB
-    cap), accumulating to the same effective batch, said in one line. An explicit --set of the micro-batch wins."""
-    from . import device as dev
+def _fit_to_card(cfg, verbose: bool = True):
+    """On a GPU: fp16 where it has no native BF16, and in full mode the largest micro-batch the estimator fits on
+    this card (:func:`labutils.train.for_this_card`), each change said in one line."""
+    from .train import for_this_card
 
-    if mode != "full" or not dev.cuda_available() or "train.micro_batch_size" in cfg.origins:
-        return cfg
-    from .advise import default_budget_bytes, fit_micro_batch
-
-    fitted, line = fit_micro_batch(cfg, default_budget_bytes()[0])
-    if line and verbose:
+    fitted, lines = for_this_card(cfg)
+    for line in lines if verbose else ():
         print(line)
     return fitted
 
@@ -176,7 +172,7 @@ def cmd_run(args) -> int:
     _apply_budget(verbose=main_process)
     if main_process:
         print(f"mode: {mode} ({reason})")
-    cfg = _fit_to_card(cfg, mode, verbose=main_process)
+    cfg = _fit_to_card(cfg, verbose=main_process)
     result = run(cfg, progress=not args.quiet)
     if not main_process:
         return 0 if result.ok else 1
@@ -246,8 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("bench", help="the course's path (the one loop) against a reference, a nanoGPT-style GPT-2 "
-                                     "with the same weights in a bare loop: step time of both (median, spread over "
-                                     "ABBA repeats) and the ratio (train.compile=true: eager runs too, labelled)")
+                                     "with the same weights in a bare loop: step time of both (each run's median "
+                                     "step, spread over ABBA repeats), the ratio and its verdict (met / missed / not "
+                                     "decided); the other model.loss and, compiled, eager runs too, labelled")
     _add_config_args(p)
     p.add_argument("--repeats", type=positive_int, default=5,
                    help="runs of each loop, in ABBA order (default 5; fewer gives a spread worth little)")

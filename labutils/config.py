@@ -32,7 +32,7 @@ ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
 # tanh formula as one fused kernel (torch.nn.functional.gelu(x, approximate="tanh")).
 LOSSES = ("full", "chunked")
 # full: transformers' loss over the whole [B, T, V] logits; chunked: LM head + cross-entropy a chunk of positions at
-# a time, the logits never whole (labutils.loss_chunks; Liger-Kernel's fused kernel on CUDA where installed)
+# a time, the logits never whole, gradients computed in the forward (labutils.loss_chunks)
 MAX_LOSS_CHUNK = 2**20
 PAD_VOCAB_TO = (64, 128)  # or null: the vocabulary rounded up to a multiple of this, padded logits masked
 MAX_POSITIONS = 1024  # GPT-2's learned position table

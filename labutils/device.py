@@ -1,9 +1,10 @@
 """Every difference between a CUDA GPU and the CPU that labutils needs, in one place.
 
-No other labutils module calls ``torch.cuda`` (a lab notebook may, where that API is its lesson; each such call
-is also one of ``python -m labutils doctor``'s checks). Each function takes a device (``torch.device``, "cuda",
-"cuda:1", "cpu" or None = the default device) and does the CPU equivalent, or returns None, where CUDA has no
-counterpart. CUDA functions always get an explicit device *index*: ``torch.device("cuda")`` has none, and
+No other labutils module calls ``torch.cuda`` but :mod:`labutils.device_facts`, its lowest layer, whose names it
+imports (which device, its name, capability and formats); a lab notebook may, where that API is its lesson (each
+such call is also one of ``python -m labutils doctor``'s checks). Each function takes a device (``torch.device``,
+"cuda", "cuda:1", "cpu" or None = the default device) and does the CPU equivalent, or returns None, where CUDA has
+no counterpart. CUDA functions always get an explicit device *index*: ``torch.device("cuda")`` has none, and
 several ``torch.cuda`` functions refuse it.
 
 Memory budget ("behave like a G-GB card"): a student's G GB card gives torch less than G GiB (an "8 GB"
@@ -28,7 +29,6 @@ API versions (the floor in pyproject.toml is torch 2.6): ``torch.OutOfMemoryErro
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import re
 import subprocess
@@ -36,6 +36,8 @@ import subprocess
 import torch
 
 from . import cards
+from .device_facts import (bf16_support, capability, compile_support, cuda_available, default_device,  # noqa: F401
+                           is_cuda, name, pin_memory_default, resolve, tf32_support)
 
 GiB = 2**30
 # Memory outside the caching allocator (CUDA context, cuBLAS/cuDNN handles and kernels) when it cannot be
@@ -48,10 +50,6 @@ _state: dict = {}  # outside-allocator measurement, cap we set (torch < 2.8 cann
 
 
 # ------------------------------------------------------------------------------------------------- which device
-def cuda_available() -> bool:
-    return torch.cuda.is_available()
-
-
 def smoke_requested() -> bool:
     """LAB_SMOKE=1 (or true/yes/on): run the tiny smoke configuration even on a GPU."""
     return os.environ.get("LAB_SMOKE", "").strip().lower() in ("1", "true", "yes", "on")
@@ -118,26 +116,6 @@ def unusable_gpu() -> dict | None:
                f"(CUDA {built or 'none: a CPU-only build'}) cannot use it (torch.cuda.is_available() is False). "
                f"Fix: {fix}")
     return {"gpus": gpus, "driver": driver, "torch_cuda": built, "fix": fix, "message": message}
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda" if cuda_available() else "cpu")
-
-
-def resolve(device=None) -> torch.device:
-    """A ``torch.device`` with an explicit index on CUDA: ``cuda`` -> this process's GPU, which is
-    ``LOCAL_RANK`` under a multi-GPU launch (before the launcher's library selects it) and the current one
-    otherwise."""
-    device = torch.device(device) if device is not None else default_device()
-    if device.type == "cuda" and device.index is None:
-        local = os.environ.get("LOCAL_RANK", "")
-        index = int(local) if local.isdigit() and int(local) < torch.cuda.device_count() else None
-        device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
-    return device
-
-
-def is_cuda(device=None) -> bool:
-    return resolve(device).type == "cuda"
 
 
 def _index(device) -> int:
@@ -493,43 +471,6 @@ def dump_snapshot(path: str | os.PathLike) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ formats and facts
-def bf16_support(device=None) -> tuple[bool, str]:
-    """Native BF16 (no emulation) on this device, and a reason a student can read: one answer per machine, used
-    by every lab. CUDA: from Ampere (8.0) on. CPU: only with BF16 instructions; elsewhere CPU autocast still runs
-    bfloat16, emulated: correct, many times slower than FP32."""
-    device = resolve(device)
-    if device.type != "cuda":  # native only with BF16 instructions (AVX512-BF16 / AMX): oneDNN's own check
-        native = False
-        with contextlib.suppress(Exception):  # absent from builds without oneDNN
-            native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        cap = torch.backends.cpu.get_cpu_capability()
-        return native, (f"this CPU ({cap}) has native BF16 instructions (oneDNN)" if native else
-                        f"this CPU ({cap}) has no native BF16: autocast would emulate bfloat16 (correct, but many "
-                        f"times slower than FP32)")
-    major, minor = torch.cuda.get_device_capability(device.index)
-    name = torch.cuda.get_device_name(device.index)
-    ok = major >= 8
-    return ok, (f"{name} (compute capability {major}.{minor}) has native BF16" if ok else
-                f"{name} (compute capability {major}.{minor}) has no native BF16 (needs Ampere, 8.0, or newer)")
-
-
-def tf32_support(device=None) -> tuple[bool, str]:
-    device = resolve(device)
-    if device.type != "cuda":
-        return False, "TF32 is a tensor-core format of NVIDIA Ampere and newer GPUs; this run has no GPU"
-    major, minor = torch.cuda.get_device_capability(device.index)
-    name = torch.cuda.get_device_name(device.index)
-    if major >= 8:
-        return True, f"{name} (compute capability {major}.{minor}) has TF32 tensor cores"
-    return False, f"{name} (compute capability {major}.{minor}) predates Ampere: no TF32"
-
-
-def name(device=None) -> str:
-    """The GPU's name as the driver reports it (what ``peak_tflops`` matches), or "CPU"."""
-    device = resolve(device)
-    return torch.cuda.get_device_name(device.index) if device.type == "cuda" else "CPU"
-
-
 def driver_version() -> str | None:
     """The NVIDIA driver's version as nvidia-smi reports it (:func:`driver_gpus`), or None."""
     gpus = driver_gpus()
@@ -548,25 +489,3 @@ def facts(device=None) -> dict | None:
             "driver": driver_version(), "budget_bytes": cap_bytes(device),
             "card_gib": budget["card_gib"] if budget else None,
             "outside_allocator_bytes": budget["outside_allocator_bytes"] if budget else None}
-
-
-def compile_support(device=None) -> tuple[bool, str]:
-    """Whether ``torch.compile`` (inductor) can compile for this device, and why not: on a CUDA GPU inductor writes
-    Triton kernels, and native Windows has no Triton (the fast path's compile raises there). The CPU needs none."""
-    if not is_cuda(device):
-        return True, "CPU: inductor generates C++, no Triton needed"
-    if importlib.util.find_spec("triton") is None:
-        return False, ("torch.compile on a CUDA GPU generates Triton kernels and Triton is not installed here "
-                       "(native Windows has no Triton build): use Linux or WSL2, where pip's torch brings Triton")
-    return True, "Triton is installed"
-
-
-def pin_memory_default(device_type: str) -> bool:
-    """Whether host copies for ``device_type`` should be pinned (only with a GPU: pinning needs its driver)."""
-    return device_type == "cuda" and cuda_available()
-
-
-def capability(device=None) -> tuple[int, int] | None:
-    """The GPU's compute capability (major, minor) as torch reports it; None on the CPU."""
-    device = resolve(device)
-    return tuple(torch.cuda.get_device_capability(device.index)) if device.type == "cuda" else None

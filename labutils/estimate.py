@@ -120,7 +120,7 @@ def estimate_plan(plan: Plan) -> dict:
         "half_weights_bytes": half,                     # autocast's weight copies saved for backward
         "logits_bytes": 4 * replay.N * replay.V,        # one FP32 [B, T, V] tensor (the loss holds 2-3)
         "loss": plan.loss,                              # chunked: never more than one chunk's logits at once
-        "saved_logits_bytes": probe.led.saved_bytes(("logits",)) + (4 * replay.N if plan.loss == "chunked" else 0),
+        "saved_logits_bytes": probe.led.saved_bytes(("logits",)),  # chunked: none (its gradients are saved)
         "loss_chunk_bytes": 4 * min(plan.loss_chunk, replay.N) * replay.V if plan.loss == "chunked" else None,
         "peak_bytes": led.peak,                         # compare with torch.cuda.max_memory_allocated()
         "peak_phase": led.peak_phase,

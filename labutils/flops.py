@@ -17,7 +17,6 @@ import os
 import torch
 
 from . import device as dev
-from .loss_chunks import uses_liger
 from .models import CAUSAL_SDPA, PRESETS, padded_vocab_size, vocab_size
 from .peaks import peak_tflops
 
@@ -62,16 +61,9 @@ def causal_score_fraction(seq_length: int) -> float:
     return (seq_length + 1) / (2 * seq_length)
 
 
-def head_recompute_flops_per_token(name: str, vocab: int | None = None) -> float:
-    """FLOPs per position that the chunked loss (``model.loss: chunked``, labutils.loss_chunks) re-runs in backward:
-    each chunk's logits ``h @ W^T`` once more, 2 * d * vocab. Liger's fused kernel computes the gradients during the
-    forward instead and re-runs nothing."""
-    return 2 * PRESETS[name][1] * (vocab or vocab_size(name))
-
-
 def flops_per_token(name: str, seq_length: int, recompute: bool = False, *, every_n_layers: int = 1,
                     dropout: bool = True, fused_attention: bool = False, causal_skip: bool = False,
-                    vocab: int | None = None, head_recompute: bool = False) -> float:
+                    vocab: int | None = None) -> float:
     """Executed training FLOPs per position (forward + backward + recompute): what the GPU really computes.
 
     ``recompute``: activation checkpointing on (every ``every_n_layers``-th block; see
@@ -80,8 +72,8 @@ def flops_per_token(name: str, seq_length: int, recompute: bool = False, *, ever
     matmul, 2 * T * d per layer and token, as torch's FLOP counter also counts. ``causal_skip``: the fused
     kernel ran with ``is_causal=True`` and no mask, so every attention matmul (forward, backward, the recompute)
     covers only :func:`causal_score_fraction` of the scores; this is the GPU's real work (HFU), which torch's
-    counter (it counts the full T x T) does not model. ``vocab``: the LM head's rows (padded or not).
-    ``head_recompute``: the chunked loss's re-run of the LM head in backward (:func:`head_recompute_flops_per_token`).
+    counter (it counts the full T x T) does not model. ``vocab``: the LM head's rows (padded or not). The chunked
+    loss (``model.loss: chunked``) runs the head's three matmuls once each, as the full loss does: nothing to add.
     Without recompute and with eager attention this equals :func:`model_flops_per_token`.
     """
     n_layer, d, _ = PRESETS[name]
@@ -95,8 +87,6 @@ def flops_per_token(name: str, seq_length: int, recompute: bool = False, *, ever
         attention += len(range(0, n_layer, every_n_layers)) * 4 * seq_length * d
     if causal_skip:
         flops -= attention * (1 - causal_score_fraction(seq_length))
-    if head_recompute:
-        flops += head_recompute_flops_per_token(name, vocab)
     return flops
 
 
@@ -156,7 +146,10 @@ class AttentionProbe:
     events only: cheap, and the same op names whether the model is eager or compiled; compiled code calls the
     kernels through the dispatcher). ``.kernel``: "flash", "memory-efficient", "cuDNN", "math",
     "flash (CPU kernel)"; "... (masked)" when that kernel got an attention mask; "eager (not SDPA)" when no SDPA
-    op ran; None before the block ends. Wrap one warm-up micro-batch (profiling costs time)."""
+    op ran; None before the block ends. Wrap one warm-up micro-batch (profiling costs time). While another profiler
+    runs (a student's ``torch.profiler.profile`` around ``lu.train``) the probe stays out of its way: kineto holds
+    one session at a time and a second one would end the first; ``.kernel`` stays None (the run keeps its
+    prediction, :func:`attention_kernel`)."""
 
     def __init__(self):
         self.kernel, self.ops, self._prof = None, [], None
@@ -167,11 +160,14 @@ class AttentionProbe:
         # kineto prints C++ progress lines (USDT profiler_start / profiler_stop) into every notebook cell that trains
         # unless its log level is set before the process's first profiler: this probe is usually that first one
         os.environ.setdefault("KINETO_LOG_LEVEL", "10")
-        self._prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
-        self._prof.__enter__()
+        if not torch.autograd._profiler_enabled():
+            self._prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+            self._prof.__enter__()
         return self
 
     def __exit__(self, *exc):
+        if self._prof is None:
+            return False
         self._prof.__exit__(*exc)
         if exc[0] is None:
             self.ops = [(e.name, e.input_shapes) for e in self._prof.events() if e.name in _KERNEL_OPS]
@@ -204,8 +200,7 @@ def account_flops(result, cfg, seq_length: int, device: torch.device, n_timed: i
     executed = flops_per_token(m.name, seq_length, recompute=t.gradient_checkpointing,
                                every_n_layers=t.checkpoint_every_n_layers, dropout=m.dropout is None or m.dropout > 0,
                                fused_attention=fused, causal_skip=fused and "masked" not in kernel,
-                               vocab=padded_vocab_size(vocab_size(m.name), m.pad_vocab_to),
-                               head_recompute=m.loss == "chunked" and not uses_liger(device))
+                               vocab=padded_vocab_size(vocab_size(m.name), m.pad_vocab_to))
     targets = result.target_tokens[-n_timed:]
     step = result.step_time_seconds  # the median timed step: the one step time every speed reads
     result.model_flops_per_step = model_flops_per_token(m.name, seq_length) * sum(targets) / len(targets)

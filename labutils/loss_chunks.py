@@ -3,26 +3,24 @@
 GPT-2's largest tensor in a training step is not an activation of a block but the logits, ``[B, T, V]`` with
 V = 50257: at B8 x T1024 they are 1.6 GB in fp32, and the loss holds two or three tensors of that size at once
 (the fp32 copy, ``log_softmax``'s output saved for backward, and in backward the gradients of both). Nobody needs
-them whole: the loss needs, per position, a log-sum-exp and one target logit; the backward needs, per position,
-``softmax - onehot``. So :class:`ChunkedLinearCrossEntropy` walks the positions in chunks of ``chunk_size``:
+them whole: the loss needs, per position, a log-sum-exp and one target logit; the gradient needs, per position,
+``softmax - onehot``. So :class:`ChunkedLinearCrossEntropy` walks the positions in chunks of ``chunk_size`` and, as
+Liger-Kernel's fused linear cross-entropy does, computes the gradients in the forward:
 
-* forward, per chunk: ``logits = h @ W^T (+ bias)`` in the matmul's dtype (autocast's, as ``lm_head`` would), upcast
-  to fp32 as transformers' loss does, log-sum-exp and the target logit, summed; only the log-sum-exp (4 bytes a
-  position) is kept;
-* backward, per chunk: the same logits are recomputed, turned into ``softmax - onehot`` in place, and give their
-  share of the hidden states' gradient and the head weight's (accumulated in fp32). One chunk's logits live at a
-  time.
+* per chunk: ``logits = h @ W^T (+ bias)`` in the matmul's dtype (autocast's, as ``lm_head`` would), their
+  log-sum-exp and target logit in fp32 (the loss), then ``softmax - onehot`` as elementwise ops (``exp(x - lse)``
+  minus ``iota == target``: no scatter), cast to the matmul dtype (what the full head's backward feeds its matmuls);
+  it gives the chunk's share of the hidden states' gradient (``g @ W``) and of the weight's, added into one fp32
+  accumulator (``g^T @ h``). One chunk's logits live at a time, and nothing of size ``[*, V]`` is kept;
+* backward only scales the stored gradients by the incoming one: no recompute, no host sync.
 
-Why a ``torch.autograd.Function`` rather than ``torch.utils.checkpoint`` per chunk: checkpointing would give the
-same recompute, but each chunk's backward would hand autograd its own ``[V, d]`` weight gradient to add up (one
-more head-sized tensor per chunk in flight) and keep ``log_softmax``'s output while it runs; written out, the weight
-gradient is one fp32 buffer added into in place and the softmax is computed in the logits' own buffer. The cost is
-the recompute: one more ``h @ W^T`` per step, 2 * V * d FLOPs per position (:func:`labutils.flops.flops_per_token`
-counts it; MFU's model FLOPs do not change).
-
-Liger-Kernel's fused linear cross-entropy (``pip install labutils[liger]``, Triton, CUDA only) does the same in
-fused kernels and computes the gradients during the forward (no recompute); :func:`chunked_lm_loss` uses it on a
-CUDA device when it is installed and ``use_liger`` allows. Both are held to the same tests (tests/test_chunked_loss.py).
+Compiled, inductor fuses each chunk's log-sum-exp into one reduction and ``softmax - onehot`` and its cast into one
+elementwise kernel over the matmul's output, and the backward graph holds no matmul of the head that common
+subexpression elimination could merge with the forward's (the earlier design recomputed the logits in backward,
+which AOT autograd's CSE merged back: every chunk's logits were saved, tests/test_fast_path.py). FLOPs are the full
+head's, ``3 x 2 * V * d`` per position. The cost is the weight: each chunk reads the head's weight twice and the
+fp32 accumulator once more, about ``16 * V * d`` bytes per extra chunk; so a chunk should be large (the fast
+config's is a fraction of the batch, not a fixed small size).
 
 :func:`install` replaces a GPT2LMHeadModel instance's ``forward`` for training calls with labels: the transformer
 runs as before (gradient checkpointing and ``nn.Module.compile`` included: the compiled call traces the instance's
@@ -31,7 +29,6 @@ go to the model's own forward unchanged.
 """
 from __future__ import annotations
 
-import importlib.util
 import types
 
 import torch
@@ -40,135 +37,83 @@ IGNORE_INDEX = -100
 DEFAULT_CHUNK = 1024  # positions per chunk (model.loss_chunk_size): a [1024, 50304] fp32 chunk is 0.2 GB
 
 
-def compute_dtype(device_type: str, weight_dtype: torch.dtype) -> torch.dtype:
-    """The dtype ``lm_head``'s matmul runs in: autocast's when it is on for this device, else the weight's."""
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return weight_dtype
-
-
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of ``hidden @ weight^T (+ bias)`` against ``targets``, ``chunk`` positions at a time.
+    """Summed cross-entropy of ``hidden @ weight^T (+ bias)`` against ``targets``, ``chunk`` positions at a time,
+    with its gradients computed in the forward (when ``grads``).
 
     ``hidden`` [N, d], ``weight`` [V, d], ``bias`` [V] or None, ``targets`` [N] (``IGNORE_INDEX`` = no loss),
-    ``dtype`` the matmul dtype. Returns the fp32 sum over the positions that count. Nothing of size N x V is saved
-    for backward: only the log-sum-exp of each position (and ``hidden`` in the matmul dtype, as ``lm_head`` saves it).
+    ``dtype`` the matmul dtype. Returns the fp32 sum over the positions that count. Saved for backward: the gradient
+    of ``hidden`` (matmul dtype, [N, d]), of ``weight`` (fp32, [V, d]) and of ``bias`` (fp32): never [*, V].
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk: int, dtype: torch.dtype):
+    def forward(ctx, hidden, weight, bias, targets, chunk: int, dtype: torch.dtype, grads: bool):
         with torch.autocast(hidden.device.type, enabled=False):  # casts are explicit below
-            h = hidden.to(dtype)                                   # as lm_head's autocast cast (saved, as there)
-            w = weight.to(dtype)
-            n = h.shape[0]
+            h, w = hidden.to(dtype), weight.to(dtype)              # as lm_head's autocast casts them
+            n, vocab = h.shape[0], w.shape[0]
+            need_h, need_w = grads and hidden.requires_grad, grads and weight.requires_grad
+            need_b = grads and bias is not None and bias.requires_grad
+            grad_h = []
+            grad_w = grad_b = None
             total = torch.zeros((), dtype=torch.float32, device=h.device)
-            lse = torch.empty(n, dtype=torch.float32, device=h.device)
+            iota = torch.arange(vocab, device=h.device)
             for s in range(0, n, chunk):
                 e = min(s + chunk, n)
                 t = targets[s:e]
-                x = _chunk_logits(h[s:e], w, bias)
+                valid = t != IGNORE_INDEX
+                x = (h[s:e] @ w.t()).float()                                   # fp32, as transformers' loss
+                if bias is not None:
+                    x += bias.float()
                 target_logit = x.gather(1, t.clamp_min(0).unsqueeze(1)).squeeze(1)
-                top = x.amax(dim=-1, keepdim=True)
-                lse[s:e] = x.sub_(top).exp_().sum(-1).log_() + top.squeeze(1)   # log-sum-exp, in x's buffer
-                del x
-                total += torch.where(t != IGNORE_INDEX, lse[s:e] - target_logit, 0.0).sum()
-        ctx.save_for_backward(h, weight, bias, targets, lse)
-        ctx.chunk, ctx.dtype, ctx.hidden_dtype = chunk, dtype, hidden.dtype
+                lse = torch.logsumexp(x, dim=-1)
+                total += torch.where(valid, lse - target_logit, 0.0).sum()
+                if not grads:
+                    continue
+                # softmax - onehot (no scatter), ignored rows 0: in x's buffer in eager; compiled, one elementwise
+                # kernel from the matmul's output (the fp32 logits are never written out)
+                g = x.sub_(lse.unsqueeze(1)).exp_().add_(iota == t.unsqueeze(1), alpha=-1).mul_(valid.unsqueeze(1))
+                if need_b:
+                    grad_b = g.sum(0) if grad_b is None else grad_b.add_(g.sum(0))
+                g = g.to(dtype)                                                 # as the head's matmul sees it
+                if need_h:
+                    grad_h.append(g @ w)
+                if need_w and grad_w is None:                                   # an fp32 accumulator
+                    grad_w = (g.t() @ h[s:e]).float()
+                elif need_w and g.dtype == grad_w.dtype:  # fp32: in place, no [V, d] temporary (out=, which
+                    torch.addmm(grad_w, g.t(), h[s:e], out=grad_w)            # torch's FLOP counter sees)
+                elif need_w:
+                    grad_w.add_(g.t() @ h[s:e])                                 # a half product, added in
+                del x, g
+        ctx.save_for_backward(torch.cat(grad_h) if need_h else None, grad_w, grad_b)
+        ctx.dtypes = hidden.dtype, weight.dtype, None if bias is None else bias.dtype
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
-        h, weight, bias, targets, lse = ctx.saved_tensors
-        chunk, dtype = ctx.chunk, ctx.dtype
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_b = bias is not None and ctx.needs_input_grad[2]
-        with torch.autocast(h.device.type, enabled=False):
-            w = weight.to(dtype)
-            n = h.shape[0]
-            grad_h = torch.empty_like(h) if need_h else None
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_w else None
-            grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=h.device) if need_b else None
-            scale = grad_total.float()
-            for s in range(0, n, chunk):
-                e = min(s + chunk, n)
-                t = targets[s:e]
-                valid = (t != IGNORE_INDEX).float()
-                g = _chunk_logits(h[s:e], w, bias)
-                g.sub_(lse[s:e].unsqueeze(1)).exp_()                           # softmax, in the logits' buffer
-                g.scatter_add_(1, t.clamp_min(0).unsqueeze(1), -valid.unsqueeze(1))   # - onehot(target)
-                g.mul_((valid * scale).unsqueeze(1))                            # ignored positions: 0
-                if need_b:
-                    grad_b += g.sum(0)
-                g = g.to(dtype)                                                 # as the head's matmul sees it
-                if need_h:
-                    torch.mm(g, w, out=grad_h[s:e])
-                if need_w and g.dtype == grad_w.dtype:   # in place, no [V, d] temporary; out= rather than addmm_,
-                    torch.addmm(grad_w, g.t(), h[s:e], out=grad_w)     # which torch's FLOP counter does not see
-                elif need_w:
-                    grad_w.add_(g.t() @ h[s:e])                                 # half product, fp32 accumulator
-                del g
-        grad_hidden = grad_h.to(ctx.hidden_dtype) if need_h else None
-        grad_weight = grad_w.to(weight.dtype) if need_w else None
-        grad_bias = grad_b.to(bias.dtype) if need_b else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None
-
-
-def _chunk_logits(h, w, bias):
-    """One chunk's logits in fp32: the matmul in ``h``'s dtype (lm_head's), then upcast as transformers' loss does."""
-    x = (h @ w.t()).float()
-    if bias is not None:
-        x += bias.float()
-    return x
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Liger-Kernel (optional, CUDA only)
-# ---------------------------------------------------------------------------------------------------------------
-LIGER_PACKAGE = "liger-kernel"
-
-
-def liger_available() -> bool:
-    """Is Liger-Kernel installed? (``find_spec``: nothing is imported; Triton is imported only when it is used.)"""
-    return importlib.util.find_spec("liger_kernel") is not None
-
-
-def uses_liger(device: torch.device | str, use_liger: bool = True) -> bool:
-    """Whether :func:`chunked_lm_loss` takes Liger's fused kernel on ``device``: CUDA, installed, and allowed."""
-    return use_liger and torch.device(device).type == "cuda" and liger_available()
-
-
-def _liger_sum(hidden, weight, bias, targets):
-    """Liger's fused linear cross-entropy, summed; the weight gradient accumulated in fp32 where the installed
-    version takes ``accum_dtype`` (as the torch path does)."""
-    import inspect
-
-    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
-
-    kw = {"accum_dtype": torch.float32} if "accum_dtype" in inspect.signature(
-        liger_fused_linear_cross_entropy).parameters else {}
-    return liger_fused_linear_cross_entropy(hidden, weight, targets, bias, ignore_index=IGNORE_INDEX,
-                                            reduction="sum", **kw)
+        scale = grad_total.float()  # fp32 gradients scaled in place (no second [V, d]); the others cast on the way
+        out = [None if g is None else g.mul_(scale) if g.dtype == dt else (g.float() * scale).to(dt)
+               for g, dt in zip(ctx.saved_tensors, ctx.dtypes)]
+        return out[0], out[1], out[2], None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The causal-LM loss, as transformers' ForCausalLMLoss computes it, chunked
 # ---------------------------------------------------------------------------------------------------------------
 def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None = None,
-                    num_items_in_batch=None, chunk_size: int = DEFAULT_CHUNK, use_liger: bool = True) -> torch.Tensor:
+                    num_items_in_batch=None, chunk_size: int = DEFAULT_CHUNK) -> torch.Tensor:
     """transformers' causal-LM loss of ``hidden`` [B, T, d] through a head ``weight`` [V, d] (+ ``bias`` [V]):
     labels shifted by one (the last position has no target), -100 ignored; the sum over target tokens divided
     by ``num_items_in_batch`` when given (token-exact accumulation: the window's target count), else the mean.
 
     ``bias``: e.g. a constant large negative on padded vocabulary rows, so they never win and add 0 to the softmax.
-    On CUDA with Liger-Kernel installed (and ``use_liger``), Liger's fused kernel computes the sum instead."""
+    The gradients are computed only when autograd will want them (grad mode on, an input that requires grad)."""
     d = hidden.shape[-1]
     targets = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
     flat = hidden.reshape(-1, d)
-    if uses_liger(flat.device, use_liger):
-        total = _liger_sum(flat, weight, bias, targets)
-    else:
-        dtype = compute_dtype(flat.device.type, weight.dtype)
-        total = ChunkedLinearCrossEntropy.apply(flat, weight, bias, targets, int(chunk_size), dtype)
+    dev = flat.device.type  # the matmul's dtype: autocast's when it is on here (as lm_head's), else the weight's
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (flat, weight, bias))
+    total = ChunkedLinearCrossEntropy.apply(flat, weight, bias, targets, int(chunk_size), dtype, grads)
     if num_items_in_batch is None:
         return total / (targets != IGNORE_INDEX).sum()
     if torch.is_tensor(num_items_in_batch):
@@ -203,23 +148,16 @@ def _training_forward(self, input_ids=None, labels=None, num_items_in_batch=None
     out = self.transformer(input_ids, **kwargs)
     head = self.lm_head
     loss = chunked_lm_loss(out.last_hidden_state, head.weight, labels, head_bias(head), num_items_in_batch,
-                           self.labutils_loss_chunk, self.labutils_use_liger)
+                           self.labutils_loss_chunk)
     return CausalLMOutputWithCrossAttentions(loss=loss, logits=None, hidden_states=out.hidden_states,
                                              attentions=out.attentions)
 
 
-def install(model, chunk_size: int | None = None, use_liger: bool = True):
+def install(model, chunk_size: int | None = None):
     """Make ``model`` (a GPT2LMHeadModel) compute its training loss with :func:`chunked_lm_loss`: its instance
-    ``forward`` is replaced (the class is untouched; ``uninstall`` restores it). Returns the model."""
+    ``forward`` is replaced (the class is untouched). Returns the model."""
     model.labutils_loss_chunk = int(chunk_size or DEFAULT_CHUNK)
-    model.labutils_use_liger = bool(use_liger)
     model.forward = types.MethodType(_training_forward, model)
-    return model
-
-
-def uninstall(model):
-    """Back to the model's own forward (the full logits and loss)."""
-    model.__dict__.pop("forward", None)
     return model
 
 

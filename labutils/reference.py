@@ -155,8 +155,3 @@ def make_optimizer(model: nn.Module, lr: float, weight_decay: float, device: tor
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, fused=torch.device(device).type == "cuda")
-
-
-def num_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-

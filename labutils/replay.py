@@ -26,10 +26,10 @@ tracker on a machine without a GPU; the CUDA prediction itself can only be check
 """
 from __future__ import annotations
 
-import math
-from collections import Counter
-
 from .models import CAUSAL_SDPA, FAST_GELU, N_POSITIONS, PRESETS, padded_vocab_size, vocab_size
+from .replay_attention import AttentionReplay
+from .replay_ledger import KINDS, Ledger  # noqa: F401  (KINDS: labutils.estimate reads it here)
+from .replay_loss import LossReplay
 
 CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8   # cuBLAS default workspace per (handle, stream)
 
@@ -44,72 +44,6 @@ def cublas_workspace_bytes(major: int | None = None) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The ledger: live tensors, current and peak bytes, by kind
-# ----------------------------------------------------------------------------------------------------------
-KINDS = ("weights", "grads", "optimizer", "activations", "logits", "half_weights", "temporaries", "data",
-         "workspace")   # what each tensor is booked as: the parts of the peak
-
-
-class Ledger:
-    """The live tensors of a replay by name, with their bytes, kind (one of :data:`KINDS`) and whether autograd
-    saved them; the current and peak bytes, the phase and the parts at the peak, and a timeline of marks.
-    CUDA's caching allocator rounds each block up to 512 bytes: ``round_to=512``."""
-
-    def __init__(self, round_to: int = 1):
-        self.live: dict[str, tuple[int, str, bool]] = {}   # name -> (bytes, kind, saved for backward)
-        self.by_kind: Counter = Counter()
-        self.cur = self.peak = 0
-        self.peak_kinds: dict = {}
-        self.peak_phase = ""
-        self.phase = ""
-        self.timeline: list[tuple[str, int, int]] = []
-        self.round_to = round_to
-
-    def alloc(self, name: str, nbytes: float, kind: str = "temporaries", saved: bool = False) -> None:
-        nbytes = int(math.ceil(nbytes / self.round_to) * self.round_to)
-        if nbytes <= 0:
-            return
-        if name in self.live:
-            raise AssertionError(f"estimator bug: {name} allocated twice")
-        self.live[name] = (nbytes, kind, saved)
-        self.cur += nbytes
-        self.by_kind[kind] += nbytes
-        if self.cur > self.peak:
-            self.peak, self.peak_phase, self.peak_kinds = self.cur, self.phase, dict(self.by_kind)
-
-    def free(self, *names: str) -> None:
-        for name in names:
-            if name in self.live:
-                nbytes, kind, _ = self.live.pop(name)
-                self.cur -= nbytes
-                self.by_kind[kind] -= nbytes
-
-    def free_prefix(self, prefix: str, saved_only: bool = False) -> None:
-        self.free(*[n for n, (_, _, s) in self.live.items() if n.startswith(prefix) and (s or not saved_only)])
-
-    def release(self, *names: str) -> None:
-        """A Python reference goes away: the tensor is freed unless autograd saved it."""
-        self.free(*[n for n in names if n in self.live and not self.live[n][2]])
-
-    def rename(self, old: str, new: str, kind: str | None = None, saved: bool | None = None) -> None:
-        nbytes, k, s = self.live.pop(old)
-        self.by_kind[k] -= nbytes
-        k = kind or k
-        self.by_kind[k] += nbytes
-        self.live[new] = (nbytes, k, s if saved is None else saved)
-
-    def keep(self, name: str, kind: str = "activations") -> None:
-        """A temporary turns out to be saved for backward."""
-        self.rename(name, name, kind=kind, saved=True)
-
-    def saved_bytes(self, kinds=("activations", "logits")) -> int:
-        return sum(b for b, k, s in self.live.values() if s and k in kinds)
-
-    def mark(self, label: str) -> None:
-        self.timeline.append((label, self.cur, self.peak))
-
-
-# ----------------------------------------------------------------------------------------------------------
 # One training step of HF GPT-2, tensor by tensor
 # ----------------------------------------------------------------------------------------------------------
 def _block_params(h: int) -> dict[str, int]:
@@ -120,7 +54,7 @@ def _block_params(h: int) -> dict[str, int]:
             "mlp.c_proj.bias": h}
 
 
-class Replay:
+class Replay(AttentionReplay, LossReplay):
     """HF GPT-2 training steps for one ``plan`` (a :class:`labutils.estimate.Plan`: model, shape, precision,
     checkpointing, attention, device), booked tensor by tensor in ``self.led`` (a :class:`Ledger`).
 
@@ -157,12 +91,7 @@ class Replay:
         # addition is then out of place, and the replay does the same so that the two can be compared.
         self.inplace_accumulate = self.cuda
         self._recomputing = False                         # backward re-runs a checkpointed block's forward
-
-    def _qkv_aliases(self) -> tuple[str, ...]:
-        """Which of q', k', v' (the bmm operands of eager / math attention) are views of qkv, not copies."""
-        if self.B != 1 or (self.attn == "math" and self.p.amp):
-            return ()
-        return ("v'",) if self.attn == "math" else ("q'", "k'", "v'")
+        self.grads_exist = False                          # a later micro-batch: .grad is allocated already
 
     # dropout mask: CUDA native_dropout keeps a bool mask; the CPU kernel keeps a float mask of the input dtype
     def mask_bytes(self, input_bytes: int) -> int:
@@ -183,7 +112,7 @@ class Replay:
 
     # ---- forward ---------------------------------------------------------------------------------------------
     def forward(self, label: str) -> None:
-        p, led, N, T, B, h, V = self.p, self.led, self.N, self.T, self.B, self.h, self.V
+        p, led, N, T, B, h = self.p, self.led, self.N, self.T, self.B, self.h
         led.phase = f"{label} forward"
         led.alloc("emb.inputs_embeds", 4 * N * h)              # alive until GPT2Model.forward returns
         led.alloc("emb.pos_ids", 8 * T, "activations", True)
@@ -211,35 +140,16 @@ class Replay:
         led.free("emb.inputs_embeds", "emb.pos_embeds")
         if not mask_saved:
             led.free("mask4d")
-        if self.chunked:
-            self.chunked_loss_forward()
-            return
-        if p.amp:
-            self.half_copy("wte", V * h, None)
-            led.alloc("lmh.in16", 2 * N * h, "activations", True)
-        else:
-            led.keep("lnf.out")
-        led.alloc("logits", self.c * N * V, "logits")
-        # padded vocabulary: the LM head's constant bias (models.pad_vocabulary) is added inside addmm: nothing new
-        # ForCausalLMLoss: logits.float() (a copy under autocast), shift labels, cross_entropy = log_softmax + nll
-        if p.amp:
-            led.alloc("logits.fp32", 4 * N * V, "logits")
-        led.alloc("labels.pad", 8 * B * (T + 1))
-        led.alloc("labels.shift", 8 * N, "activations", True)
-        led.alloc("log_softmax", 4 * N * V, "logits", True)
-        led.free("logits.fp32", "labels.pad")
-        led.free("logits")                                       # the model returns; only .loss is kept
-        led.release("lnf.out")                                   # fp32: saved by lm_head instead
-        led.free_prefix("cache.")                                # autocast exits: its cache is dropped
+        self.head_and_loss_forward()
 
     def block_forward(self, i: int) -> None:
         """GPT2Block.forward: ln_1 -> attn (c_attn, SDPA, c_proj, dropout) -> add -> ln_2 -> mlp -> add.
 
         Tensors autograd saves live until backward; in a checkpointed block's forward nothing is saved, so the
         same tensors die as soon as the Python code drops them (``led.release``, a no-op for saved tensors)."""
-        p, led, N, T, B, h, a, c, e = self.p, self.led, self.N, self.T, self.B, self.h, self.a, self.c, self.e
+        p, led, N, h, c, e = self.p, self.led, self.N, self.h, self.c, self.e
         x = f"h{i}."
-        Nh, n, aTT = N * h, 4 * N * h, self.a * B * T * T
+        Nh, n = N * h, 4 * N * h
         recomputing = self._recomputing
         S = recomputing or i not in self.ckpt                 # does autograd keep what it saves?
         A = "activations" if S else "temporaries"
@@ -265,52 +175,7 @@ class Replay:
         led.alloc(x + "qkv", 3 * c * Nh)
         release("ln1.in16")
         # --- attention
-        if self.attn == "flash":
-            keep("qkv")                                         # q, k, v are views of it; the kernel saves them
-            lse_T = -(-T // 32) * 32 if (self.cuda and not p.amp) else T   # memory-efficient kernel pads to 32
-            save("sdpa.lse", 4 * a * B * lse_T)
-            if self.masked:
-                save("sdpa.bias", c * B * T * T)                # bool mask converted to the query dtype
-            save("attn.out", c * Nh)
-            release("sdpa.lse", "sdpa.bias")
-        else:
-            # math / eager: q, k, v copied for bmm; scores [B, a, T, T] materialised and saved
-            f = 4 if self.attn == "math" else c                 # CPU math SDPA upcasts half inputs to fp32
-            # bmm needs [B*a, T, d] operands: a copy of the head views, except when B == 1 and no cast is
-            # needed, where the reshape is a view of qkv (the math path scales q and k first: copies anyway)
-            aliased = self._qkv_aliases()
-            for t in ("q'", "k'", "v'"):
-                if t not in aliased:
-                    save(t, f * Nh)
-            if aliased:
-                keep("qkv")
-            else:
-                led.free(x + "qkv")
-            led.alloc(x + "scores", f * aTT)
-            soft = 4 if self.attn == "eager" else f              # eager: + fp32 mask promotes the scores to fp32
-            if soft != f:
-                led.alloc(x + "scores32", soft * aTT)
-                led.free(x + "scores")
-                led.rename(x + "scores32", x + "scores")
-            save("probs", soft * aTT)
-            led.free(x + "scores")
-            if self.attn == "eager" and soft != c:
-                led.alloc(x + "probs16", c * aTT)               # .type(value.dtype)
-                if not p.dropout:
-                    keep("probs16")
-            pb = c if self.attn == "eager" else f
-            if p.dropout:
-                save("attn_drop.mask", self.mask_bytes(pb) * aTT)
-                save("attn_drop.out", pb * aTT)
-                led.free(x + "probs16")
-            release("q'", "k'", "probs", "probs16", "attn_drop.mask")
-            led.alloc(x + "attn.bmm", f * Nh)
-            release("v'", "attn_drop.out", "qkv")
-            if f != c:
-                led.alloc(x + "attn.bmm16", c * Nh)
-                led.free(x + "attn.bmm")
-            save("attn.out", c * Nh)                            # transpose(1, 2).contiguous()
-            led.free(x + "attn.bmm", x + "attn.bmm16")
+        self.attention_forward(i, save, keep, release)
         # --- output projection, dropout, residual
         self.half_copy(x + "attn.c_proj", h * h, i, bias=h)
         led.alloc(x + "attn.proj", c * Nh)
@@ -393,7 +258,7 @@ class Replay:
         """One backward node: it allocates its outputs (input gradients, parameter gradients), then releases
         what it saved and the gradient it consumed; the parameter gradients then go on: a half copy's gradient
         is cast back to fp32, and AccumulateGrad keeps it (.grad is None) or adds it in place."""
-        led, half, exist = self.led, cast and self.p.amp, self._grads_exist
+        led, half, exist = self.led, cast and self.p.amp, self.grads_exist
         for name, nbytes, *kind in out:
             led.alloc(name, nbytes, *kind)
         for name, numel in params:
@@ -414,10 +279,10 @@ class Replay:
             led.free("tmp.g32." + name)
 
     def backward(self, label: str, grads_exist: bool) -> None:
-        p, led, N, h, V, c = self.p, self.led, self.N, self.h, self.V, self.c
-        self._grads_exist = grads_exist
+        p, led, h, V = self.p, self.led, self.h, self.V
+        self.grads_exist = grads_exist
         led.phase = f"{label} backward: loss and LM head"
-        NV, Nh = N * V, N * h
+        Nh = self.N * h
         if self.chunked:
             self.chunked_loss_backward()
         else:
@@ -437,7 +302,7 @@ class Replay:
             self.node(out=[("g.emb", 4 * Nh)], free=["g.res", "emb.drop_mask"])
             led.rename("g.emb", "g.res")
         self.node(out=[("g.wpe_in", 4 * self.T * h)])                       # the add's broadcast: sum over B
-        ws = [("g.emb_ws", 4 * Nh + 16 * N)] if self.cuda else []          # CUDA: sorted ids, partial sums
+        ws = [("g.emb_ws", 4 * Nh + 16 * self.N)] if self.cuda else []     # CUDA: sorted ids, partial sums
         self.node(out=[("g.wte", 4 * V * h)] + ws, free=["res.0", "g.emb_ws"])  # embedding_dense_backward
         # the buffer holds lm_head's contribution: a fresh fp32 copy under autocast (added into in place),
         # a transposed view of the matmul's output in fp32 (so the sum is a new tensor); the chunked loss's is
@@ -450,84 +315,6 @@ class Replay:
         else:
             led.rename("wte.buffer", "grad.wte", "grads")
         led.free_prefix("g.")
-
-    def full_loss_backward(self) -> None:
-        """transformers' loss and the LM head, backward: three [N, V] fp32 tensors at the worst moment."""
-        p, led, N, h, V, c, grads_exist = self.p, self.led, self.N, self.h, self.V, self.c, self._grads_exist
-        NV, Nh = N * V, N * h
-        self.node(out=[("g.nll", 4 * NV, "logits")], free=["labels.shift"])  # nll_loss: dense [N, V] fp32
-        self.node(out=[("g.lsm", 4 * NV, "logits")], free=["g.nll", "log_softmax"])  # log_softmax backward
-        if p.amp:
-            self.node(out=[("g.logits", c * NV, "logits")], free=["g.lsm"])  # .float() backward: cast back
-        else:
-            led.rename("g.lsm", "g.logits")
-        # lm_head: grad wrt its input and wrt the (tied) wte weight; the latter waits in autograd's input
-        # buffer for the embedding's contribution at the very end of backward
-        self.node(out=[("g.lnf16", c * Nh), ("tmp.gwte16", c * V * h)],
-                  free=["g.logits", "lmh.in16", "w16.wte"] + ([] if p.amp else ["lnf.out"]))
-        if p.amp:
-            led.alloc("wte.buffer", 4 * V * h, "temporaries" if grads_exist else "grads")
-            led.free("tmp.gwte16")
-            self.node(out=[("g.lnf", 4 * Nh)], free=["g.lnf16"])
-        else:
-            led.rename("tmp.gwte16", "wte.buffer", "temporaries" if grads_exist else "grads")
-            led.rename("g.lnf16", "g.lnf")
-
-    # ---- model.loss: chunked (labutils.loss_chunks) ------------------------------------------------------------
-    def _chunk_logits(self, C: int) -> None:
-        """One chunk's logits, ``loss_chunks._chunk_logits``: the matmul in the head's dtype, upcast to fp32."""
-        led, V = self.led, self.V
-        led.alloc("chunk.logits", self.c * C * V, "logits")
-        if self.p.amp:
-            led.alloc("chunk.logits32", 4 * C * V, "logits")
-            led.free("chunk.logits")
-            led.rename("chunk.logits32", "chunk.logits")
-
-    def chunked_loss_forward(self) -> None:
-        """``model.loss: chunked`` forward (:class:`labutils.loss_chunks.ChunkedLinearCrossEntropy`): the shifted
-        targets, the head's input in its matmul dtype (saved, as lm_head saves it), the weight cast (a temporary),
-        then one chunk's logits at a time, log-sum-exp computed in their buffer; a log-sum-exp per position is
-        kept. Liger's fused kernel (CUDA, where installed) is booked as this path."""
-        p, led, N, B, T, h, V = self.p, self.led, self.N, self.B, self.T, self.h, self.V
-        led.alloc("labels.pad", 8 * B * (T + 1))
-        led.alloc("labels.shift", 8 * N, "activations", True)            # the targets, saved
-        led.free("labels.pad")
-        if V != self.V_real:                                             # head_bias: the padded rows' constant
-            led.alloc("loss.bias", 4 * V, "activations", True)
-        if p.amp:
-            led.alloc("lmh.in16", 2 * N * h, "activations", True)
-            led.alloc("tmp.w16", 2 * V * h, "half_weights")
-        else:
-            led.keep("lnf.out")
-        led.alloc("loss.lse", 4 * N, "activations", True)
-        self._chunk_logits(min(self.p.loss_chunk, N))
-        led.free("chunk.logits", "tmp.w16")
-        led.release("lnf.out")                                           # fp32: saved by the loss instead
-        led.free_prefix("cache.")                                        # autocast exits: its cache is dropped
-
-    def chunked_loss_backward(self) -> None:
-        """``model.loss: chunked`` backward: the gradients' buffers (the head input's in the matmul dtype, the
-        weight's in fp32), then per chunk the logits recomputed and turned into ``softmax - onehot`` in place,
-        cast to the matmul dtype under autocast, and their shares added in (under autocast a half [V, d] product
-        first); the weight gradient waits in autograd's input buffer for the embedding's, as the full head's."""
-        p, led, N, h, V, c = self.p, self.led, self.N, self.h, self.V, self.c
-        C = min(p.loss_chunk, N)
-        if p.amp:
-            led.alloc("tmp.w16", 2 * V * h, "half_weights")
-        led.alloc("g.lnf16", c * N * h)
-        led.alloc("wte.buffer", 4 * V * h, "temporaries" if self._grads_exist else "grads")
-        self._chunk_logits(C)
-        if p.amp:
-            led.alloc("chunk.g16", c * C * V, "logits")
-            led.free("chunk.logits")
-            led.alloc("tmp.gwte16", c * V * h)
-            led.free("tmp.gwte16", "chunk.g16")
-            led.alloc("g.lnf", 4 * N * h)
-            led.free("g.lnf16")
-        else:
-            led.free("chunk.logits")
-            led.rename("g.lnf16", "g.lnf")
-        led.free("tmp.w16", "lmh.in16", "lnf.out", "labels.shift", "loss.lse", "loss.bias")
 
     def _branch_grad(self, name: str, dropout_mask: str) -> str:
         """The residual gradient entering a branch: cast to the branch's dtype (fp32: the same tensor), then
@@ -555,9 +342,9 @@ class Replay:
 
     def block_backward(self, i: int) -> None:
         """GPT2Block backward, node by node, from the block output back to its input."""
-        p, led, N, T, B, h, c, e = self.p, self.led, self.N, self.T, self.B, self.h, self.c, self.e
+        led, N, h, c, e = self.led, self.N, self.h, self.c, self.e
         x = f"h{i}."
-        Nh, n, aTT = N * h, 4 * N * h, self.a * B * T * T
+        Nh, n = N * h, 4 * N * h
         node = self.node
         # residual add: the gradient goes on to the MLP branch, cast to its dtype (fp32: the same tensor)
         g = self._branch_grad("g.b", x + "resid2.mask")
@@ -606,32 +393,7 @@ class Replay:
         g = self._branch_grad("g.a", x + "resid1.mask")
         node(out=[("g.attn_out", c * Nh)], params=[(x + "attn.c_proj.weight", h * h), (x + "attn.c_proj.bias", h)],
              free=[g if g != "g.res" else "", "w16." + x + "attn.c_proj"])
-        if self.attn == "flash":
-            ws = [("g.sdpa_ws", 4 * Nh + 4 * self.a * N)] if self.cuda else []   # fp32 dq accumulator
-            node(out=[("g.dq", c * Nh), ("g.dk", c * Nh), ("g.dv", c * Nh)] + ws,
-                 free=["g.sdpa_ws", "g.attn_out", x + "attn.out", x + "sdpa.lse", x + "sdpa.bias", x + "qkv"])
-            node(out=[("g.qkv", 3 * c * Nh)], free=["g.dq", "g.dk", "g.dv"])   # split backward: one [N, 3h]
-        else:
-            f = 4 if self.attn == "math" else c
-            soft = 4 if self.attn == "eager" else f
-            pb = c if self.attn == "eager" else f
-            if f != c:
-                node(out=[("g.bmm", f * Nh)], free=["g.attn_out"])
-            else:
-                led.rename("g.attn_out", "g.bmm")
-            led.free(x + "attn.out")
-            aliased = self._qkv_aliases()
-            v_last = "v'" in aliased and "q'" not in aliased          # qkv was saved for v only
-            node(out=[("g.probs", pb * aTT), ("g.v", f * Nh)],
-                 free=["g.bmm", x + "v'", x + "attn_drop.out"] + ([x + "qkv"] if v_last else []))
-            if p.dropout:
-                node(out=[("g.probs2", pb * aTT)], free=["g.probs", x + "attn_drop.mask"])
-            if soft != pb:
-                node(out=[("g.probs32", soft * aTT)], free=["g.probs", "g.probs2"])
-            node(out=[("g.scores", soft * aTT)],
-                 free=["g.probs", "g.probs2", "g.probs32", x + "probs", x + "probs16"])
-            node(out=[("g.q", f * Nh), ("g.k", f * Nh)], free=["g.scores", x + "q'", x + "k'", x + "qkv"])
-            node(out=[("g.qkv", 3 * c * Nh)], free=["g.q", "g.k", "g.v"])
+        self.attention_backward(i)
         # attn.c_attn
         node(out=[("g.ln1_16", c * Nh)],
              params=[(x + "attn.c_attn.weight", 3 * h * h), (x + "attn.c_attn.bias", 3 * h)],
@@ -684,6 +446,7 @@ class Replay:
             label = f"step {step}"
             led.alloc("window", p.accum * (3 * 8 * self.N + 8 * self.B), "data")
             for mb in range(min(p.accum, 2)):
+                self.grads_exist = mb > 0
                 self.forward(label)
                 led.mark(f"{label} after forward" + (f" (micro-batch {mb})" if p.accum > 1 else ""))
                 self.backward(label, grads_exist=mb > 0)

@@ -151,6 +151,20 @@ def test_offload_hooks_do_not_leak_after_an_error(plain):
     model.zero_grad(set_to_none=True)
 
 
+@pytest.mark.parametrize("name", ["offload", "checkpoint + offload"])
+def test_offloads_undo_keeps_an_installed_chunked_loss(name):
+    """A model with the chunked loss installed (an instance forward, labutils.loss_chunks.install): the offload
+    variants wrap that forward and their undo puts it back. Breaks if the undo deleted the instance forward (the
+    model would go back to the full logits and loss without a word)."""
+    from labutils import loss_chunks
+
+    model = loss_chunks.install(_model(), chunk_size=16)
+    undo = VARIANTS[name]().apply(model)
+    assert not loss_chunks.installed(model)  # wrapped while the variant is on
+    undo()
+    assert loss_chunks.installed(model) and model(**_batch(), use_cache=False).logits is None
+
+
 def test_measure_and_largest_batch_under_a_budget():
     cfg = tiny_config(train__steps=2, train__micro_batch_size=4, data__seq_length=32)
     free = cm.measure(cfg, [ck.baseline(), ck.full()], "cpu", progress=False)

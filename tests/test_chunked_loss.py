@@ -14,10 +14,6 @@ from labutils.profiling_runs import logits_share_rows
 # (autocast dtype or None, relative tolerance for the loss, for the gradients). bf16 keeps 8 bits of mantissa: the
 # full path rounds the head's weight gradient to bf16 once, the chunked path accumulates it in fp32.
 PRECISIONS = {"fp32": (None, 1e-6, 1e-5), "bf16": (torch.bfloat16, 1e-3, 2e-2), "fp16": (torch.float16, 1e-3, 5e-3)}
-IMPLS = ["torch", pytest.param("liger", marks=[pytest.mark.real_kernels, pytest.mark.skipif(
-    not (torch.cuda.is_available() and LC.liger_available()),
-    reason="Liger-Kernel's fused kernel is Triton on CUDA: covered by this test on a GPU with "
-           "`pip install labutils[liger]`")])]
 
 
 def hook_masked(logits, real):
@@ -39,15 +35,14 @@ def case(device, V=160, real=150, d=24, B=3, T=37, seed=0):
     return hidden, weight, labels.to(device)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize("chunk,num_items", [(7, 40), (16, None), (4096, 55)])
-def test_loss_and_gradients_equal_the_full_loss(impl, precision, chunk, num_items):
+def test_loss_and_gradients_equal_the_full_loss(precision, chunk, num_items):
     """Padding (-100), num_items_in_batch (the window's target count) or the mean, a padded vocabulary (the padded
     rows' constant bias vs the hook's masked logits), chunks that do not divide the positions and one that holds
     them all. Breaks on a missing shift, an ignored -100 counted, a wrong normaliser, padded rows that take part
     in the softmax, or a gradient share of a chunk lost."""
-    device = "cuda" if impl == "liger" else "cpu"
+    device = "cpu"
     dtype, tol_loss, tol_grad = PRECISIONS[precision]
     hidden, weight, labels = case(device)
     real = 150
@@ -59,7 +54,7 @@ def test_loss_and_gradients_equal_the_full_loss(impl, precision, chunk, num_item
                                weight.shape[0], num_items_in_batch=num_items)
     ref = torch.autograd.grad(full, [hidden, weight])
     with amp:
-        loss = LC.chunked_lm_loss(hidden, weight, labels, bias, num_items, chunk, use_liger=impl == "liger")
+        loss = LC.chunked_lm_loss(hidden, weight, labels, bias, num_items, chunk)
     got = torch.autograd.grad(loss, [hidden, weight])
     assert loss.dtype == torch.float32
     assert loss.item() == pytest.approx(full.item(), rel=tol_loss)

@@ -572,14 +572,16 @@ def test_setup_says_so_loudly(monkeypatch, tmp_path, capsys):
 
 @pytest.mark.skipif(sys.gettrace() is not None, reason="another tracer (coverage or a debugger) is running")
 def test_device_module_fully_covered(monkeypatch, tmp_path):
-    """The pretend GPU runs 100 % of labutils/device.py's lines (the report is printed)."""
+    """The pretend GPU runs 100 % of labutils/device.py's and device_facts.py's lines (the report is printed)."""
     import importlib
 
+    import labutils.device_facts as facts
     coverage = pytest.importorskip("coverage")
-    cov = coverage.Coverage(include=[dev.__file__], data_file=None)
+    cov = coverage.Coverage(include=[dev.__file__, facts.__file__], data_file=None)
     cov.start()
     try:
-        importlib.reload(dev)  # module-level lines count too
+        importlib.reload(facts)  # module-level lines count too
+        importlib.reload(dev)
         for profile in PROFILES:
             exercise_device_module(monkeypatch, tmp_path, profile)
         with monkeypatch.context() as m:
@@ -615,19 +617,20 @@ def _code(text: str) -> str:
 
 
 def test_no_torch_cuda_call_outside_the_device_module(root):
-    """Every CUDA call of labutils goes through labutils/device.py; the doctor's checks
-    (doctor_checks.py) are the one exception: they call the raw torch.cuda functions that lab 04 shows students, to
-    confirm them on a real GPU."""
+    """Every CUDA call of labutils goes through labutils/device.py (and device_facts.py, its lowest layer); the
+    doctor's checks (doctor_checks.py) are the one exception: they call the raw torch.cuda functions that lab 04
+    shows students, to confirm them on a real GPU."""
     import re
     offenders = {p.name: sorted(set(re.findall(r"torch\.cuda\.[\w.]+\(", _code(p.read_text()))))
-                 for p in (root / "labutils").glob("*.py") if p.name not in ("device.py", "doctor_checks.py")}
+                 for p in (root / "labutils").glob("*.py")
+                 if p.name not in ("device.py", "device_facts.py", "doctor_checks.py")}
     assert not {k: v for k, v in offenders.items() if v}
 
 
 def test_raw_cuda_calls_in_notebooks_are_lab04_lessons_checked_by_doctor(root):
     import json
     import re
-    doctor = (root / "labutils" / "doctor_checks.py").read_text() + (root / "labutils" / "device.py").read_text()
+    doctor = "".join((root / "labutils" / f).read_text() for f in ("doctor_checks.py", "device.py", "device_facts.py"))
     for nb in sorted(root.glob("[0-9][0-9]-*.ipynb")):
         code = "\n".join("".join(c["source"]) for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code")
         calls = set(re.findall(r"torch\.cuda\.([\w.]+)\(", _code(code)))

@@ -525,8 +525,9 @@ def _bench_times(monkeypatch, ours: float, theirs: float):
     import labutils.bench as bench
 
     def compare(cfg, repeats, device, warmup):
-        return {side: {"step_time_seconds": [s] * repeats, "timed_steps": [cfg.train.steps - warmup] * repeats,
-                       "num_alloc_retries": [0] * repeats}
+        return {side: {"status": "ok", "error": None, "step_time_seconds": [s] * repeats,
+                       "timed_steps": [cfg.train.steps - warmup] * repeats, "num_alloc_retries": [0] * repeats,
+                       "compiled_graphs": [2] * repeats, "compile_fallback": [None] * repeats}
                 for side, s in (("labutils", ours), ("reference", theirs))}
     monkeypatch.setattr(bench, "compare", compare)
 
@@ -558,6 +559,7 @@ def test_fast_path_plumbing_on_a_pretend_h100(gpu, monkeypatch, mfu, want):
     r = rows(ds.check_fast_path, CUDA0)[FAST]
     assert r["status"] == want and r["value"] == pytest.approx(100 * mfu) and "not judged" in r["detail"]
     assert r["reference_ratio"] == pytest.approx(0.75) and "reference 0.750x" in r["detail"]
+    assert "per pair 0.750..0.750" in r["detail"]  # two ABBA pairs: the ratio has a spread
     assert r.get("gates_regenerate", True) is True and "reference_ratio" in r and "compile_seconds" in r
     f, t = _fast_file(), seen[0].train
     assert (t.micro_batch_size, t.accumulation_steps) == (f["micro_batch_size"], f["accumulation_steps"])

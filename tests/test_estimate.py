@@ -364,7 +364,7 @@ def test_advisor_speeds_fall_back_to_the_cards_peak_table(tmp_path, monkeypatch)
 
 
 CHUNKED = {"model.loss": "chunked", "model.loss_chunk_size": 64}
-CHUNKED_CASES = [  # model.loss: chunked (labutils.loss_chunks): one chunk's logits at a time, recomputed in backward
+CHUNKED_CASES = [  # model.loss: chunked (labutils.loss_chunks): one chunk's logits at a time, gradients in the forward
     {"train.precision": "fp32", "data.pack": False, **CHUNKED},
     {"train.precision": "bf16", "train.gradient_checkpointing": True, "train.accumulation_steps": 2,
      "data.pack": False, **CHUNKED},
@@ -390,14 +390,15 @@ def test_cpu_replay_matches_the_tracker_with_the_chunked_loss(over, one_thread):
 
 def test_the_chunked_loss_takes_the_logits_off_the_peak():
     """GPT-2 small, B8 x T1024 bf16 (an 8 GB card's lesson): the full loss's peak holds logits-sized tensors; the
-    chunked loss's at most one chunk's logits in fp32 and their half cast. Breaks if the replay booked the full loss for model.loss: chunked."""
+    chunked loss's at most one chunk's logits in fp32 and one chunk-sized temporary (logsumexp's, or the half cast).
+    Breaks if the replay booked the full loss for model.loss: chunked."""
     cfg = cfg_for("gpt2", **{"train.micro_batch_size": 8, "data.seq_length": 1024, "train.precision": "bf16"})
     full, chunked = E.estimate_memory(cfg), E.estimate_memory(cfg, loss="chunked", loss_chunk=1024)
     assert full["peak_breakdown"]["logits"] >= 2 * full["logits_bytes"]
     assert chunked["loss_chunk_bytes"] == 4 * 1024 * 50257  # one fp32 chunk; under autocast also its half cast
-    assert chunked["peak_breakdown"]["logits"] <= 1.5 * chunked["loss_chunk_bytes"]
+    assert chunked["peak_breakdown"]["logits"] <= 2 * chunked["loss_chunk_bytes"]
     assert full["peak_bytes"] - chunked["peak_bytes"] >= full["logits_bytes"]
-    assert chunked["saved_logits_bytes"] == 4 * 8 * 1024 and full["saved_logits_bytes"] == full["logits_bytes"]
+    assert chunked["saved_logits_bytes"] == 0 and full["saved_logits_bytes"] == full["logits_bytes"]
 
 
 @pytest.mark.parametrize("card", ["rtx3070-8gb", "t4", "h100"])

@@ -203,6 +203,23 @@ def test_attention_probe_reads_the_kernel_that_ran():
     assert result.ok and result.attention_kernel == "flash (CPU kernel)"
 
 
+def test_a_users_profiler_keeps_recording_through_the_loops_probe():
+    """Lab 04 teaches torch.profiler: a student's profiler around ``lu.train`` must record the whole run. The loop's
+    step-0 AttentionProbe opened a second profiler session, whose exit ended the student's (0 events recorded).
+    Oracle: torch's own profiler events (matmuls of every step). Breaks if the probe profiles under another
+    profiler again."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = tiny(**FAST_MODEL, **{"data.seq_length": 32, "train.steps": 2})
+    loaded = lu.prepare(cfg, "cpu", verbose=False)[0]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        result = lu.train(cfg, loaded.model, lu.prepare(cfg, "cpu", verbose=False)[1], "cpu", progress=False,
+                          track_memory=False)
+        assert torch.autograd._profiler_enabled()  # still on after the loop's probe
+    steps = [e for e in prof.events() if e.name == "Optimizer.step#AdamW.step"]
+    assert result.ok and len(steps) == cfg.train.steps, [e.name for e in prof.events()][:20]
+
+
 def test_kernel_names_come_from_torch_and_name_cudnn_attention():
     """Issue 28: on Hopper with torch 2.14's cuDNN, SDPA prefers cuDNN attention; the run must say cuDNN, not flash.
     Oracles: torch's SDPBackend enum (what ``torch._fused_sdp_choice`` returns) and each profiled op's schema (which

@@ -12,7 +12,7 @@ from conftest import COMPILED_TINY, INDUCTOR, tiny_config
 import labutils as lu
 from tests import fake_cuda
 from labutils.cli import main
-from labutils.flops import flops_per_token, model_flops_per_token
+from labutils.flops import account_flops, flops_per_token, model_flops_per_token
 
 lt = importlib.import_module("labutils.train")  # the module (labutils.train is the function)
 
@@ -53,7 +53,7 @@ def test_mfu_uses_target_tokens_and_the_precisions_peak(monkeypatch, ckpt):
     cfg = tiny_config(model__name="gpt2", data__seq_length=128, train__precision="bf16", train__micro_batch_size=8,
                       train__gradient_checkpointing=ckpt, model__dropout=0.1)
     r = _finished(cfg)
-    lt.account_flops(r, cfg, 128, torch.device("cuda"), n_timed=2)  # the last two steps are timed
+    account_flops(r, cfg, 128, torch.device("cuda"), n_timed=2)  # the last two steps are timed
     model = model_flops_per_token("gpt2", 128) * (900 + 800) / 1.0
     # no attention kernel recorded here: the loop assumes flash, whose causal mask skips the scores above the diagonal
     executed = flops_per_token("gpt2", 128, recompute=ckpt, fused_attention=True, causal_skip=True) * 8 * 128 * 2 / 1.0
@@ -68,15 +68,15 @@ def test_mfu_is_none_on_an_unknown_gpu_or_format(monkeypatch):
     cfg = tiny_config(model__name="gpt2", train__precision="bf16")
     fake_cuda.install(monkeypatch, "t4")  # no BF16 tensor cores
     r = _finished(cfg)
-    lt.account_flops(r, cfg, cfg.data.seq_length, torch.device("cuda"), n_timed=2)
+    account_flops(r, cfg, cfg.data.seq_length, torch.device("cuda"), n_timed=2)
     assert r.mfu is None and r.hfu is None and r.achieved_tflops > 0
     with monkeypatch.context() as m:
         fake_cuda.install(m, "h100", name="Some Future GPU")
         r = _finished(cfg)
-        lt.account_flops(r, cfg, cfg.data.seq_length, torch.device("cuda"), n_timed=2)
+        account_flops(r, cfg, cfg.data.seq_length, torch.device("cuda"), n_timed=2)
     assert r.mfu is None and r.hfu is None
     r = _finished(cfg)  # and on the CPU
-    lt.account_flops(r, cfg, cfg.data.seq_length, torch.device("cpu"), n_timed=2)
+    account_flops(r, cfg, cfg.data.seq_length, torch.device("cpu"), n_timed=2)
     assert r.mfu is None and r.hfu is None
 
 

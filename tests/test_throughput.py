@@ -8,6 +8,7 @@ import torch
 import labutils as lu
 from labutils.data import IGNORE_INDEX
 from labutils.flops import attention_kernel
+from labutils.run_result import finish_timing
 
 from conftest import tiny_config
 
@@ -70,7 +71,7 @@ def test_one_step_time_the_median_and_every_speed_reads_it():
     def finished(times):
         r = lt.RunResult(config=cfg.to_dict(), env={"device": "cpu"}, tokens_per_step=256, step_times=list(times),
                          target_tokens=[200] * len(times))
-        lt._finish_timing(r, cfg, 64, torch.device("cpu"), 1, [], 256 * len(times))
+        finish_timing(r, cfg, 64, torch.device("cpu"), 1, [], 256 * len(times))
         return r
 
     slow_step = finished([3.0, 1.0, 1.0, 5.0])  # warm-up, then one host hiccup among three timed steps

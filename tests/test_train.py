@@ -253,3 +253,17 @@ def test_compile_seconds_apart_from_step_times(ragged_corpus):
     assert res.compiled_graphs >= 1 and res.compile_fallback is None and res.to_dict()["compiled_graphs"] >= 1
     eager, _ = _train(tiny_config(ragged_corpus, train__steps=3), track_memory=False)
     assert eager.compile_seconds is None and eager.timed_steps == 3 and eager.compiled_graphs is None
+
+
+@pytest.mark.parametrize("profile,extra,want", [("t4", (), "fp16"), ("h100", (), "bf16"),
+                                                ("t4", ("--set", "train.precision=bf16"), "bf16")])
+def test_run_of_a_bf16_config_trains_fp16_where_the_gpu_has_no_native_bf16(monkeypatch, capsys, profile, extra, want):
+    """A T4 (compute capability 7.5: fake_cuda's profile, NVIDIA's spec) emulates BF16, and
+    torch.cuda.is_bf16_supported() says True there: `run` of the fast config (bf16) trained emulated BF16. Now it
+    trains fp16 with one notice, as the labs and doctor decide (device.bf16_support); an H100 keeps bf16, and an
+    explicit --set wins. Breaks if the choice read is_bf16_supported() again or the notice were missing or repeated."""
+    from test_fit_micro_batch import run_cli
+
+    t, out = run_cli(monkeypatch, capsys, profile, *extra)
+    notices = [line for line in out.splitlines() if line.startswith("NOTICE") and "fp16" in line]
+    assert t.precision == want and len(notices) == (want == "fp16")
