@@ -17,7 +17,7 @@ from .amp_memory import (batch_sweep, dtype_rows, measure_step_memory, memory_br
 from .env import matmul_precision
 from .memory import fmt_bytes
 from .op_profile import (OpProfile, gpu_busy, op_group, op_group_rows, op_profile, plot_op_groups,  # noqa: F401
-                         profile_reading, slow_op_readings, slowest_op_rows, step_time_rows, top_op_rows)
+                         profile_reading, step_time_rows, top_op_rows)
 from .peaks import peak_info
 
 PRECISION_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

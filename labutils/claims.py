@@ -27,7 +27,6 @@ PREDICTION_LABEL = "prediction of labutils.estimate (arithmetic, not a measureme
 OWNER = {"C1": "01-Mixed_Precision", "C2": "01-Mixed_Precision", "C3": "02-Gradient_Accumulation",
          "C4": "03-Gradient_Checkpointing", "C5": "03-Gradient_Checkpointing", "C6": "04-Memory_Profiling",
          "C7": "04-Memory_Profiling"}
-SMOKE_NOT_JUDGED = ("C1", "C2", "C3", "C4", "C6")   # claims whose every quantity needs a full-mode run
 FULL = ("full_model",)
 
 
@@ -152,7 +151,7 @@ def claim_entry(claim_id: str, values: dict | None, cond: dict, *, reason: str |
     ``evidence``: one :class:`Evidence` for all quantities or {quantity: Evidence}; its hardware defaults to
     ``cond["hardware"]``. Without evidence a speed quantity is ``not judged`` (no timed steps recorded).
     ``reason``: a clause the lab computed from the same numbers (e.g. which memory term did not shrink),
-    appended to the why; the lab must not let it contradict the verdict (see :func:`judged_words`).
+    appended to the why; the lab must not let it contradict the verdict.
     ``prediction``: {quantity: number} from the estimator, recorded and labelled as a prediction, never as a
     measurement. ``extra``: more measured context (e.g. the largest batch each setup fits).
     In smoke mode (``cond["mode"] != "full"``) the measurement is labelled a smoke measurement.
@@ -190,12 +189,6 @@ def claim_entry(claim_id: str, values: dict | None, cond: dict, *, reason: str |
     return entry
 
 
-def judged_words(entry: dict, name: str) -> str:
-    """The verdict of one quantity of a recorded entry ("holds", "not judged", ...): for a lab's reason clause
-    that must agree with the verdict (e.g. C5's "the best segment is / is not sqrt(L)")."""
-    return (entry.get("parts") or {}).get(name, {}).get("verdict", NOT_MEASURED)
-
-
 def _plain(claim: Claim, values: dict) -> str:
     return ", ".join(f"{q.label} {q.fmt(values[q.name])}" for q in claim.quantities if values.get(q.name) is not None)
 
@@ -206,24 +199,6 @@ def not_measured(claim_id: str, why: str, cond: dict, *, prediction: dict | None
     ``prediction_for``) is labelled as one."""
     return claim_entry(claim_id, None, cond, not_measured=why, prediction=prediction, lab=lab,
                        prediction_for=prediction_for)
-
-
-def not_judged(claim_id: str, why: str, cond: dict, values: dict | None = None, *, lab: str | None = None,
-               evidence=None, extra: dict | None = None) -> dict:
-    """A ``not judged`` entry whatever the numbers: ``why`` (one sentence: what the run lacks) and what the run
-    did measure (``values``, shown labelled, not judged). For a claim the lab knows it cannot judge here."""
-    e = claim_entry(claim_id, values, cond, lab=lab, evidence=evidence, extra=extra)
-    claim = CLAIMS[claim_id]
-    shown = _plain(claim, {k: v for k, v in (values or {}).items() if v is not None})
-    e["verdict"] = NOT_JUDGED
-    e["parts"] = {q.name: {"verdict": NOT_JUDGED if q.name in (values or {}) else NOT_MEASURED, "why": why}
-                  for q in claim.quantities}
-    for item in (e["measured"] or {}).values():
-        item["judged"] = NOT_JUDGED
-    smoke = cond.get("mode") != "full"
-    e["why"] = (f"Not judged: {why.rstrip('.')}" + (f"; this run measured {shown} (shown, not judged)" if shown else "")
-                + (smoke_tag(cond) if smoke and shown else "") + ".")
-    return e
 
 
 # ------------------------------------------------------------------------------------------ the whole C1-C7 table

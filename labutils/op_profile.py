@@ -1,9 +1,9 @@
 """One training step op by op, from a ``torch.profiler`` profile: each ATen op's group (matmul-like ops against the
 memory-bound rest: :func:`op_group`), its self time per step and input dtypes (:func:`op_profile`), the groups side
-by side (:func:`op_group_rows`, :func:`plot_op_groups`, :func:`profile_reading`: lab 01); the slowest ops of a step
-before and after a fix of the same maths (:func:`slowest_op_rows`, :func:`step_time_rows`, :func:`slow_op_readings`:
-lab 04). Op time is the sum of the ops' self times under the profiler, not a wall-clock step time: a ratio of op
-times is not the step speed-up of a timed run. ``import labutils.op_profile as opp`` (labs 01 and 04: ``am.``).
+by side (:func:`op_group_rows`, :func:`plot_op_groups`, :func:`profile_reading`: lab 01); the step times before
+and after a fix of the same maths (:func:`step_time_rows`: lab 04). Op time is the sum of the ops' self times under
+the profiler, not a wall-clock step time: a ratio of op times is not the step speed-up of a timed run.
+``import labutils.op_profile as opp`` (labs 01 and 04: ``am.``).
 """
 from __future__ import annotations
 
@@ -214,45 +214,7 @@ def profile_reading(profiles: dict, amp: str, activation: str, baseline: str = "
     return [first, second]
 
 
-# --------------------------------------------------------------------------------------------- the slowest ops, a fix
-# Where a profile of HF GPT-2's published maths is expected to spend its time on a GPU (lab 04), by op name: the
-# pieces of gelu_new (its pow is on CUDA autocast's FP32 list, so the 4d-wide activation runs in FP32), the casts
-# (the loss's FP32 copy of the logits among them) and the FP32 log-softmax of the logits. Only names are listed
-# here; whether they top a table is read from the profile.
-SUSPECTS = {"gelu_new's pieces": ("aten::pow", "aten::tanh", "aten::tanh_backward"),
-            "casts / copies (the FP32 logits copy among them)": ("aten::_to_copy", "aten::copy_"),
-            "the logits' log_softmax": ("aten::_log_softmax", "aten::_log_softmax_backward_data")}
-
-
-def aten_ops(profile: OpProfile) -> list[dict]:
-    """The profile's ATen operators, slowest first: the ops that move data. Left out: ``record_function`` ranges
-    (``forward``), autograd's nodes and the optimizer's range, whose self time is the Python and framework time
-    between operators (on a GPU: none, their kernels belong to the ATen ops)."""
-    return [r for r in profile.ops if r["op"].startswith("aten::")]
-
-
-def slowest_op_rows(profiles: dict, n: int = 8) -> list[dict]:
-    """The ``n`` slowest ATen ops (self time per step, :func:`aten_ops`) of each profile ``{label: OpProfile}``,
-    side by side: one row per op in any of the top lists, in the first profile's order (then the others'), with
-    its rank, time, share of the step's op time and input dtypes in every profile (None / "-": that profile never
-    ran the op)."""
-    names: list[str] = []
-    for prof in profiles.values():
-        names += [r["op"] for r in aten_ops(prof)[:n] if r["op"] not in names]
-    rows = []
-    for name in names:
-        row = {"op": name, "group": op_group(name)}
-        for label, prof in profiles.items():
-            ops = aten_ops(prof)
-            rank = next((i for i, r in enumerate(ops, start=1) if r["op"] == name), None)
-            r = ops[rank - 1] if rank else None
-            row.update({f"{label}_rank": rank, f"{label}_ms": r["ms"] if r else None,
-                        f"{label}_share": r["ms"] / prof.total_ms if r and prof.total_ms else None,
-                        f"{label}_dtypes": r.get("dtypes", "-") if r else "-"})
-        rows.append(row)
-    return rows
-
-
+# --------------------------------------------------------------------------------------------- a fix, timed
 def step_time_rows(times: dict, baseline: str = "before") -> list[dict]:
     """One row per run ``{label: [seconds per timed step]}``: median step time, its noise (+- half the
     inter-quartile range, relative), the timed steps, and the speed-up over ``baseline`` with its noise
@@ -269,48 +231,3 @@ def step_time_rows(times: dict, baseline: str = "before") -> list[dict]:
                      f"speedup_vs_{baseline}": speedup,
                      "speedup_noise": t["spread"] / t["ratio"] ** 2 if t["spread"] is not None and t["ratio"] else None})
     return rows
-
-
-def slow_op_readings(profiles: dict, times: dict, n: int = 8, before: str = "before", after: str = "after") -> list[str]:
-    """What the ``before`` profile's slowest ops and the timed steps of both runs say, every number from them: the
-    top ``n`` ops of ``before``, which of :data:`SUSPECTS` are among them, the gelu_new ops that the fix removed
-    (calls per step, a count, true on any device), and the step time. On a GPU the speed-up of the fix, or "not
-    decided" when its noise is as large as the effect; from a CPU profile what the CPU measured and no GPU
-    conclusion (a CPU's kernels and memory system are not a GPU's)."""
-    b, a = profiles[before], profiles[after]
-    top = aten_ops(b)[:n]
-    share = lambda r, p: f"{r['ms'] / p.total_ms:.0%}" if p.total_ms else "-"  # noqa: E731
-    lines = [f"top {len(top)} ATen ops of the '{before}' step by self {b.basis}: "
-             + ", ".join(f"{r['op']} {r['ms']:.2f} ms ({share(r, b)}, inputs {r.get('dtypes', '-')})" for r in top)
-             + "."]
-    in_top = {label: [r for r in top if r["op"] in ops] for label, ops in SUSPECTS.items()}
-    lines.append("; ".join(
-        (f"{label}: in the top {n} ("
-         + ", ".join(f"{r['op']} #{top.index(r) + 1}, {r['fp32_input_ms']:.2f} of {r['ms']:.2f} ms with FP32 inputs"
-                     for r in found) + ")") if found else f"{label}: not in the top {n}"
-        for label, found in in_top.items()) + ".")
-    calls = lambda p, op: sum(r["calls"] for r in p.ops if r["op"] == op)  # noqa: E731
-    gelu = [(op, calls(b, op), calls(a, op)) for op in SUSPECTS["gelu_new's pieces"] if calls(b, op)]
-    if gelu:
-        lines.append("the fix removed gelu_new's separate ops: " + ", ".join(
-            f"{op} {nb:.0f} -> {na:.0f} calls per step" for op, nb, na in gelu)
-            + f"; aten::gelu {calls(b, 'aten::gelu'):.0f} -> {calls(a, 'aten::gelu'):.0f} calls (one kernel).")
-    t = cl.timed_ratio(times[before], times[after])
-    if t["ratio"] is None:
-        return lines + ["no timed steps: no step time to compare."]
-    x = 1 / t["ratio"]
-    noise = t["spread"] / t["ratio"] ** 2 if t["spread"] is not None else None
-    noise_txt = f"noise ±{100 * noise:.1f} %" if noise is not None else "noise unknown (fewer than 2 timed steps)"
-    measured = (f"median step {t['median_a'] * 1e3:.2f} ms ({before}) -> {t['median_b'] * 1e3:.2f} ms ({after}) over "
-                f"{t['timed_steps']} timed steps: {x:.2f}x, {noise_txt}")
-    if not b.on_gpu:
-        lines.append(f"the CPU measured: {measured}. These are CPU times: a CPU has neither tensor cores nor a GPU's "
-                     f"memory system, and autocast's CPU op lists are not CUDA's, so this says nothing about the same "
-                     f"step on a GPU: no GPU conclusion is drawn. On a GPU this line reports the fix's speed-up.")
-        return lines
-    if noise is None or noise >= abs(x - 1):
-        lines.append(f"on this GPU: {measured}: the speed-up of the fix is not decided ({noise_txt}).")
-    else:
-        lines.append(f"on this GPU: {measured}: the fix made the step {x:.2f}x as fast "
-                     + ("(faster)." if x > 1 else "(slower: the 'after' maths did not pay off here)."))
-    return lines
