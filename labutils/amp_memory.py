@@ -10,35 +10,15 @@ from dataclasses import dataclass, field
 import torch
 
 from .env import matmul_precision, seed_everything
-from .memory import MemoryTracker, state_bytes
+from .memory import MemoryTracker, is_weight_copy, state_bytes
 from .precision import AMP_DTYPES, COLORS, DTYPE_NAMES
 from .results import byte_unit
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-_VIEW_FNS = {"TBackward0", "TransposeBackward0", "TransposeBackward1", "ViewBackward0", "UnsafeViewBackward0",
-             "PermuteBackward0", "ExpandBackward0", "AliasBackward0", "ReshapeAliasBackward0"}
 PHASES = {"after forward": "forward", "after backward": "backward", "after optimizer step": "optimizer step"}
 
 
 # --------------------------------------------------------------------------------------------- saved tensors
-def _skip_views(fn):
-    """Follow single-input view/transpose nodes (F.linear saves ``weight.t()``, a view of the cast copy)."""
-    for _ in range(8):
-        nxt = [f for f, _ in fn.next_functions if f is not None] if fn is not None else []
-        if fn is None or type(fn).__name__ not in _VIEW_FNS or len(nxt) != 1:
-            return fn
-        fn = nxt[0]
-    return fn
-
-
-def _is_weight_copy(t: torch.Tensor) -> bool:
-    """True for autocast's cast of a parameter (or a view of it): a ``_to_copy`` of a leaf weight."""
-    fn = _skip_views(t.grad_fn)
-    if fn is None or type(fn).__name__ != "ToCopyBackward0":
-        return False
-    return any(getattr(_skip_views(nf), "variable", None) is not None for nf, _ in fn.next_functions if nf is not None)
-
-
 @dataclass
 class SavedTensorCensus:
     """Bytes autograd saves for backward, each storage once, by kind: ``parameter`` (an FP32 weight: no new memory),
@@ -60,7 +40,7 @@ class SavedTensorCensus:
         if key in self._seen or st.nbytes() == 0:
             return t
         self._seen.add(key)
-        kind = ("parameter" if key in self.param_ptrs else "half weight copy" if _is_weight_copy(t) else
+        kind = ("parameter" if key in self.param_ptrs else "half weight copy" if is_weight_copy(t) else
                 "activation half" if t.dtype in HALF_DTYPES else "activation fp32")
         self.by_kind[kind] = self.by_kind.get(kind, 0) + st.nbytes()
         return t

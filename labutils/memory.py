@@ -218,6 +218,29 @@ def tensor_bytes(tensors) -> int:
     return total
 
 
+_VIEW_FNS = {"TBackward0", "TransposeBackward0", "TransposeBackward1", "ViewBackward0", "UnsafeViewBackward0",
+             "PermuteBackward0", "ExpandBackward0", "AliasBackward0", "ReshapeAliasBackward0"}
+
+
+def _skip_views(fn):
+    """Follow single-input view/transpose nodes (F.linear saves ``weight.t()``, a view of the cast copy)."""
+    for _ in range(8):
+        nxt = [f for f, _ in fn.next_functions if f is not None] if fn is not None else []
+        if fn is None or type(fn).__name__ not in _VIEW_FNS or len(nxt) != 1:
+            return fn
+        fn = nxt[0]
+    return fn
+
+
+def is_weight_copy(t: torch.Tensor) -> bool:
+    """True for autocast's cast of a parameter (or a view of it): a ``_to_copy`` of a leaf weight. Labs 01 and 04
+    both sort the tensors autograd saves with it."""
+    fn = _skip_views(t.grad_fn)
+    if fn is None or type(fn).__name__ != "ToCopyBackward0":
+        return False
+    return any(getattr(_skip_views(nf), "variable", None) is not None for nf, _ in fn.next_functions if nf is not None)
+
+
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """What the training state holds right now: weights, gradients and optimizer state, in bytes."""
     params = list(model.parameters())

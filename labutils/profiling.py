@@ -20,21 +20,10 @@ from collections import defaultdict
 import torch
 
 from . import device as dev
-from .memory import LiveStorages
+from .memory import LiveStorages, is_weight_copy
 from .op_profile import op_group, op_profile
 
 MiB = 2**20
-
-
-def _is_weight_copy(t: torch.Tensor) -> bool:
-    """A cast of a parameter (autocast's cached half copy): ToCopyBackward whose input is a leaf."""
-    fn = t.grad_fn
-    while fn is not None and type(fn).__name__ in ("TBackward0", "ViewBackward0", "TransposeBackward0"):
-        fn = fn.next_functions[0][0] if fn.next_functions else None
-    if fn is None or type(fn).__name__ != "ToCopyBackward0":
-        return False
-    nxt = fn.next_functions[0][0] if fn.next_functions else None
-    return nxt is not None and type(nxt).__name__ == "AccumulateGrad"
 
 
 def saved_tensors_by_module(model: torch.nn.Module, batch: dict, autocast=None, depth: int = 3) -> list[dict]:
@@ -53,7 +42,7 @@ def saved_tensors_by_module(model: torch.nn.Module, batch: dict, autocast=None, 
         if st.data_ptr() not in seen and st.data_ptr() not in params and st.nbytes() > 0:
             seen.add(st.data_ptr())
             r = rows.setdefault(stack[-1], {"module": stack[-1], "activations": 0, "weight_copies": 0, "tensors": 0})
-            r["weight_copies" if _is_weight_copy(t) else "activations"] += st.nbytes()
+            r["weight_copies" if is_weight_copy(t) else "activations"] += st.nbytes()
             r["tensors"] += 1
         keep.append(st)  # alive until we are done, so its address is not reused meanwhile
         # no tensor returned: returning ``t`` would tie an output to the node saving it (a C++ reference cycle)
