@@ -5,7 +5,6 @@ accumulating and claim C3, and the micro-batch advice per card. ``import labutil
 from __future__ import annotations
 
 import math
-import statistics
 
 import numpy as np
 
@@ -23,11 +22,7 @@ def tail_loss(r) -> float | None:
 
 def median_step(r) -> tuple[float | None, float | None]:
     """(median of a run's timed step times, +- half their inter-quartile range, relative); Nones if none was timed."""
-    times = cl.timed_step_times(r) if getattr(r, "ok", True) else []
-    if not times:
-        return None, None
-    q = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else None
-    return statistics.median(times), ((q[2] - q[0]) / 2 / statistics.median(times) if q else None)
+    return cl.median_spread(cl.timed_step_times(r) if getattr(r, "ok", True) else [])
 
 
 def run_row(r, **extra) -> dict:

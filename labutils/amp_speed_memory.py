@@ -46,10 +46,8 @@ def speedup_rows(runs: dict, baseline: str = "fp32") -> list[dict]:
                SPEEDUP: None, "speedup_noise": None, "timed_on": cl.hardware(r.env) if r.ok else None}
         times = cl.timed_step_times(r) if r.ok else []
         if times:
-            med = statistics.median(times)
-            q = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else None
-            row.update(median_step_ms=1e3 * med, step_noise=(q[2] - q[0]) / 2 / med if q else None,
-                       timed_steps=len(times))
+            med, noise = cl.median_spread(times)
+            row.update(median_step_ms=1e3 * med, step_noise=noise, timed_steps=len(times))
             if base.ok and cl.timed_step_times(base):
                 x, ev = speed_evidence(base, r, (baseline, p))
                 row.update({SPEEDUP: x, "speedup_noise": ev.spread if p != baseline else None})

@@ -72,10 +72,6 @@ CARDS: tuple[Card, ...] = (
 BY_KEY = {c.key: c for c in CARDS}
 
 
-def card(key: str) -> Card:
-    return BY_KEY[key]
-
-
 def card_total_bytes(gb: float) -> tuple[int, str]:
     """(bytes torch would report on a card sold as ``gb`` GB, the rule that gave it).
 

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-import statistics
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Callable
 
 import torch
-from torch import nn
 
 from . import device as dev
 from . import env as _env
@@ -19,7 +17,7 @@ from .checkpointing import Variant
 from .config import Config
 from .memory import LiveStorages, oom_caught, release
 from .train import RunResult, prepare, train
-from .verdict_rule import timed_ratio, timed_step_times
+from .verdict_rule import median_spread, timed_step_times
 
 MiB = 2**20
 
@@ -47,14 +45,12 @@ class Measured:
     @property
     def step_time(self) -> float | None:
         times = timed_step_times(self.result) if self.ok else []
-        return statistics.median(times) if times else self.result.step_time_seconds if self.ok else None
+        return median_spread(times)[0] if times else self.result.step_time_seconds if self.ok else None
 
     @property
     def step_spread(self) -> float | None:
         """+- of the step time, relative (half the inter-quartile range of the timed steps over their median)."""
-        times = timed_step_times(self.result) if self.ok else []
-        spread = timed_ratio(times, times)["spread"] if len(times) >= 2 else None
-        return None if spread is None else spread / 2    # timed_ratio adds both runs' half-IQRs: one run's is half
+        return median_spread(timed_step_times(self.result) if self.ok else [])[1]
 
     @property
     def micro_batch(self) -> int:

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .verdict_rule import (DOES_NOT_HOLD, HOLDS, JUDGED, MIN_LAYERS, MIN_TIMED_STEPS, NEEDS, NOT_DECIDED,
-                           NOT_JUDGED, NOT_MEASURED, PARTLY, SPEED_NEEDS, VERDICTS, Evidence, Quantity,
-                           evidence_for, hardware, hardware_of, is_smoke, judge_quantity, on_cpu,
-                           run_pair_evidence, summarise, timed_ratio, timed_step_times)
+from .verdict_rule import (DOES_NOT_HOLD, HOLDS, JUDGED, MIN_LAYERS, MIN_TIMED_STEPS, NOT_DECIDED, NOT_JUDGED,
+                           NOT_MEASURED, PARTLY, VERDICTS, Evidence, Quantity, evidence_for, hardware, judge_quantity,
+                           median_spread, on_cpu, run_pair_evidence, summarise, timed_ratio, timed_step_times)
 
 SMOKE_LABEL = "smoke measurement (tiny model, few steps, CPU): shows the code runs; not a GPU result"
 PREDICTION_LABEL = "prediction of labutils.estimate (arithmetic, not a measurement)"

@@ -26,8 +26,6 @@ from torch.utils._pytree import tree_leaves
 
 from . import device as dev
 
-MB, GB, GiB = 10**6, 10**9, 2**30
-
 
 def gib(n: float | None) -> float | None:
     """Bytes in GiB, as a number for a table or a plot (None stays None); :func:`fmt_bytes` writes it as text."""
@@ -197,12 +195,6 @@ class MemoryTracker:
     @property
     def peak_above_start(self) -> int:
         return self.peak_bytes - self.start_bytes
-
-    def summary(self) -> str:
-        extra = (f", reserved {fmt_bytes(self.reserved_bytes)} (peak {fmt_bytes(self.peak_reserved_bytes)})"
-                 if self.reserved_bytes is not None else "")
-        return (f"[{self.device.type}] start {fmt_bytes(self.start_bytes)}, peak {fmt_bytes(self.peak_bytes)}, "
-                f"end {fmt_bytes(self.end_bytes)}{extra}")
 
 
 def tensor_bytes(tensors) -> int:

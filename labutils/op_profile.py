@@ -7,7 +7,6 @@ the profiler, not a wall-clock step time: a ratio of op times is not the step sp
 """
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 
 from . import claims as cl
@@ -222,11 +221,10 @@ def step_time_rows(times: dict, baseline: str = "before") -> list[dict]:
     rows = []
     for label, ts in times.items():
         t = cl.timed_ratio(times[baseline], ts)
-        q = statistics.quantiles(ts, n=4, method="inclusive") if len(ts) > 1 else None
-        median = statistics.median(ts) if ts else None
+        median, noise = cl.median_spread(ts)
         speedup = 1 / t["ratio"] if t["ratio"] else None
         rows.append({"run": label, "median_step_ms": median * 1e3 if median else None,
-                     "noise_pct": 100 * (q[2] - q[0]) / 2 / median if q and median else None,
+                     "noise_pct": 100 * noise if noise is not None else None,
                      "timed_steps": len(ts),
                      f"speedup_vs_{baseline}": speedup,
                      "speedup_noise": t["spread"] / t["ratio"] ** 2 if t["spread"] is not None and t["ratio"] else None})

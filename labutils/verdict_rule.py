@@ -164,23 +164,26 @@ NEEDS = {"gpu": _need_gpu, "full_model": _need_full_model, "timed_steps": _need_
 SPEED_NEEDS = ("gpu", "timed_steps")
 
 
+def median_spread(times) -> tuple[float | None, float | None]:
+    """The one definition of a timed quantity: (median of ``times``, +- half their inter-quartile range relative
+    to that median); (None, None) without times, a spread of None with one."""
+    xs = [float(t) for t in times]
+    if not xs:
+        return None, None
+    m = statistics.median(xs)
+    q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else None
+    return m, ((q[2] - q[0]) / 2 / m if q and m else None)
+
+
 def timed_ratio(times_a, times_b) -> dict:
     """Median and spread of a timed comparison: ``times_a`` / ``times_b`` (seconds per step, warm-up excluded) of
     the two runs. Returns {"ratio": median(b) / median(a), "spread": +- of that ratio from the two runs' half
     inter-quartile ranges (relative, added), "timed_steps": the fewer of the two counts, "median_a", "median_b"}.
     For an overhead use ``ratio - 1`` (same spread); for a speed-up of b over a use 1 / ratio."""
-    a, b = [float(t) for t in times_a], [float(t) for t in times_b]
+    a, b = list(times_a), list(times_b)
     if not a or not b:
         return {"ratio": None, "spread": None, "timed_steps": min(len(a), len(b)), "median_a": None, "median_b": None}
-
-    def rel_half_iqr(xs):
-        if len(xs) < 2:
-            return None
-        q = statistics.quantiles(xs, n=4, method="inclusive")
-        return (q[2] - q[0]) / 2 / statistics.median(xs)
-
-    ma, mb = statistics.median(a), statistics.median(b)
-    ra, rb = rel_half_iqr(a), rel_half_iqr(b)
+    (ma, ra), (mb, rb) = median_spread(a), median_spread(b)
     ratio = mb / ma
     spread = None if ra is None or rb is None else ratio * (ra + rb)
     return {"ratio": ratio, "spread": spread, "timed_steps": min(len(a), len(b)), "median_a": ma, "median_b": mb}

@@ -64,13 +64,13 @@ def test_card_table_holds_the_published_totals():
         if c.torch_total_gib is not None:
             assert any(f"{c.torch_total_gib:.2f} GiB" in s for s in c.sources), c.key
             assert c.total_bytes < c.sold_as_gb * GiB
-    assert cards.card("geforce-8gb").torch_total_gib == PUBLISHED["RTX 3070 (8 GB)"]
-    assert cards.card("t4").torch_total_gib == PUBLISHED["Colab T4 (16 GB)"]
-    assert cards.card("h100-80gb").torch_total_gib == PUBLISHED["H100 80GB HBM3"]
-    assert cards.card("a100-80gb").torch_total_gib == PUBLISHED["A100 80GB"]
+    assert cards.BY_KEY["geforce-8gb"].torch_total_gib == PUBLISHED["RTX 3070 (8 GB)"]
+    assert cards.BY_KEY["t4"].torch_total_gib == PUBLISHED["Colab T4 (16 GB)"]
+    assert cards.BY_KEY["h100-80gb"].torch_total_gib == PUBLISHED["H100 80GB HBM3"]
+    assert cards.BY_KEY["a100-80gb"].torch_total_gib == PUBLISHED["A100 80GB"]
     # the pretend GPU's profiles were transcribed from the same issues, separately
     for key, prof in (("geforce-8gb", "rtx3070-8gb"), ("t4", "t4"), ("h100-80gb", "h100")):
-        assert abs(cards.card(key).total_bytes - fake_cuda.PROFILES[prof].total) < 6 * MiB
+        assert abs(cards.BY_KEY[key].total_bytes - fake_cuda.PROFILES[prof].total) < 6 * MiB
 
 
 def test_a_g_gb_card_is_what_users_have():
