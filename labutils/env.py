@@ -39,17 +39,13 @@ def quiet_false_profiler_warning(version: str = torch.__version__) -> bool:
 quiet_false_profiler_warning()
 
 
-def default_device() -> torch.device:
-    return device.default_device()
-
-
-def bf16_supported(dev: torch.device | str | None = None) -> tuple[bool, str]:
-    """BF16 support and a reason a student can read (see :func:`labutils.device.bf16_support`)."""
-    return device.bf16_support(dev)
-
-
-def tf32_supported(dev: torch.device | str | None = None) -> tuple[bool, str]:
-    return device.tf32_support(dev)
+# the device module's answers under the names the labs use (``lu.bf16_supported(device)``: (bool, a reason a student
+# can read)); every CUDA/CPU difference stays in labutils.device
+default_device = device.default_device
+bf16_supported = device.bf16_support
+tf32_supported = device.tf32_support
+set_memory_budget = device.card_budget       # make this GPU behave like a ``gb`` GB card; None on CPU or gb None
+memory_budget_bytes = device.cap_bytes       # what the allocator may hold: the cap if set, else the card's total
 
 
 def _fp32_precision_switches() -> dict:
@@ -126,20 +122,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
-def set_memory_budget(gb: float | None, dev: torch.device | str | None = None) -> dict | None:
-    """Make this GPU behave like a ``gb``-GiB card (see :func:`labutils.device.card_budget`); None on CPU or when
-    ``gb`` is None. ``LAB_GPU_MEMORY_GB`` sets it from outside (``setup()``, ``python -m labutils run``)."""
-    return device.card_budget(gb, dev)
-
-
 def apply_budget_from_env(dev: torch.device | str | None = None) -> dict | None:
     """Apply ``LAB_GPU_MEMORY_GB`` (if set) to this process's GPU: what notebooks and the CLI call first."""
     return device.card_budget(device.budget_from_env(), dev)
-
-
-def memory_budget_bytes(dev: torch.device | str | None = None) -> int | None:
-    """The usable CUDA memory for this process's allocator: the cap if one is set, else the card's total."""
-    return device.cap_bytes(dev)
 
 
 def environment(dev: torch.device | str | None = None, mode: str | None = None, weights: str | None = None) -> dict:
