@@ -26,14 +26,8 @@ def step_axis(ax, label: str = "optimizer step", axis: str = "x"):
     return ax
 
 
-def legend_outside(ax, where: str = "right", **kwargs):
-    """A legend outside the axes, where it covers no curve (for panels with no free corner): to the ``right``, or
-    ``below`` the axes (side-by-side panels, where a legend on the right would run into the next panel)."""
-    if where == "below":
-        kwargs.setdefault("ncols", 2)
-        return ax.legend(bbox_to_anchor=(0.5, -0.18), loc="upper center", borderaxespad=0.0, **kwargs)
-    if where != "right":
-        raise ValueError(f"legend_outside: where={where!r}; allowed: 'right', 'below'")
+def legend_outside(ax, **kwargs):
+    """A legend to the right of the axes, where it covers no curve (for panels with no free corner)."""
     return ax.legend(bbox_to_anchor=(1.01, 1), loc="upper left", borderaxespad=0.0, **kwargs)
 
 

@@ -265,10 +265,6 @@ def test_legend_outside_places_the_legend_off_the_axes():
     box = ax.get_window_extent()
     right = lu.legend_outside(ax).get_window_extent()
     assert right.x0 >= box.x1
-    below = lu.legend_outside(ax, "below").get_window_extent()
-    assert below.y1 <= box.y0
-    with pytest.raises(ValueError, match="where='left'.*'right', 'below'"):
-        lu.legend_outside(ax, "left")
     plt.close(fig)
 
 
