@@ -86,30 +86,21 @@ CLAIMS: dict[str, Claim] = {c.id: c for c in (
 SPEED_QUANTITIES = {(c.id, q.name) for c in CLAIMS.values() for q in c.quantities if q.kind == "speed"}
 
 
-def judge(claim_id: str, values: dict, evidence=None, *, hardware: str | None = None, mode: str | None = None,
-          model: str | None = None) -> tuple[str, str, dict]:
-    """(verdict, why, parts) with the evidence checked: ``evidence`` is one :class:`Evidence` for every quantity
-    or {quantity name: Evidence}; the hardware, mode and model default to ``hardware``, ``mode`` and ``model``
-    (the conditions'). ``parts``: {quantity name: {"verdict", "why"}}. The rule of :mod:`labutils.verdict_rule`."""
+def judge(claim_id: str, values: dict, evidence=None) -> tuple[str, str, dict]:
+    """(verdict, why, parts) for ``values`` ({quantity name: number or None}); ``parts``: {quantity name:
+    {"verdict", "why"}}. ``evidence`` (one :class:`Evidence` for every quantity or {quantity name: Evidence}) is
+    checked against each quantity's needs; without it this is the bare threshold rule (what the numbers would mean
+    *if* the run could support them): a recorded entry (:func:`claim_entry`) always checks the evidence."""
     claim = CLAIMS[claim_id]
-    evs = evidence_for(claim.quantities, evidence, hardware, mode, model)
-    parts = {}
-    for q in claim.quantities:
-        j, clause = judge_quantity(q, values.get(q.name), evs[q.name])
-        parts[q.name] = {"verdict": j, "why": clause}
+    evs = evidence_for(claim.quantities, evidence, None) if evidence is not None else {}
+    parts = {q.name: dict(zip(("verdict", "why"), judge_quantity(q, values.get(q.name), evs.get(q.name))))
+             for q in claim.quantities}
     return (*summarise(claim.quantities, parts), parts)
 
 
-def verdict(claim_id: str, values: dict, evidence=None, *, hardware: str | None = None) -> tuple[str, str]:
-    """(verdict, why) for ``values`` ({quantity name: number or None}). Without ``evidence`` and ``hardware``
-    this is the bare threshold rule (what the numbers would mean *if* the run could support them); a recorded
-    entry (:func:`claim_entry`) always checks the evidence."""
-    if evidence is None and hardware is None:
-        claim = CLAIMS[claim_id]
-        parts = {q.name: dict(zip(("verdict", "why"), judge_quantity(q, values.get(q.name), None)))
-                 for q in claim.quantities}
-        return summarise(claim.quantities, parts)
-    return judge(claim_id, values, evidence, hardware=hardware)[:2]
+def verdict(claim_id: str, values: dict, evidence=None) -> tuple[str, str]:
+    """(verdict, why): :func:`judge` without the parts."""
+    return judge(claim_id, values, evidence)[:2]
 
 
 def _measured(claim: Claim, values: dict, parts: dict | None = None) -> dict:

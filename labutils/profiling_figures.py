@@ -7,13 +7,12 @@ from __future__ import annotations
 import numpy as np
 
 from .figures import legend_outside
+from .op_profile import GROUP_COLORS, OTHER
 
 GiB, MiB = 2**30, 2**20
 KIND_COLORS = {"weights": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52",
                "logits": "#8172b3", "half_weights": "#937860", "temporaries": "#da8bc3", "data": "#8c8c8c",
                "workspace": "#ccb974"}
-GROUP_COLORS = {"matmul": "#4c72b0", "elementwise / reductions": "#dd8452", "casts / copies": "#c44e52",
-                "other": "#8c8c8c"}
 
 
 def _axes(title: str, ncols: int = 1, figsize=(8, 4.5), **kw):
@@ -129,7 +128,7 @@ def plot_profile_ops(rows: list[dict], title: str, n: int = 8):
                             (axes[1], "self memory (MiB)", "self memory per step (MiB): not freed in the op")):
         top = sorted(rows, key=lambda r: -r[key])[:n][::-1]
         ax.barh([r["op"].replace("aten::", "") for r in top], [r[key] for r in top],
-                color=[GROUP_COLORS.get(r["group"], GROUP_COLORS["other"]) for r in top])
+                color=[GROUP_COLORS.get(r["group"], GROUP_COLORS[OTHER]) for r in top])
         ax.set_xlabel(xlabel)
         ax.grid(axis="x", alpha=0.3)
     axes[1].legend(handles=[Patch(color=c, label=g) for g, c in GROUP_COLORS.items()], fontsize=8, loc="lower right")
