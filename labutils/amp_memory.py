@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .env import matmul_precision, seed_everything
-from .memory import MemoryTracker, is_weight_copy, state_bytes
+from .memory import MemoryTracker, cpu_budget_kwargs, is_weight_copy, state_bytes
 from .precision import AMP_DTYPES, COLORS, DTYPE_NAMES
 from .results import byte_unit
 
@@ -182,11 +182,8 @@ def batch_sweep(cfgs: dict, rows: dict, reuse: dict, device, amp: str, budget_by
     from . import claims as cl
     from .train import run
 
-    kw, results, by = {}, {}, {}
-    if budget_bytes is not None and torch.device(device).type == "cpu":
-        with MemoryTracker(device) as alive:
-            pass
-        kw["cpu_budget_bytes"] = alive.start_bytes + budget_bytes
+    kw = cpu_budget_kwargs(budget_bytes, device) if budget_bytes is not None else {}
+    results, by = {}, {}
     for label, ov in rows.items():
         p, b = ov["train.precision"], ov["train.micro_batch_size"]
         if p in reuse and reuse[p].config["train"]["micro_batch_size"] == b:

@@ -197,6 +197,15 @@ class MemoryTracker:
         return self.peak_bytes - self.start_bytes
 
 
+def cpu_budget_kwargs(budget: int, device) -> dict:
+    """``lu.run``'s arguments for a budget: none on CUDA; on CPU the budget plus every CPU tensor alive now."""
+    if torch.device(device).type == "cuda":
+        return {}
+    with MemoryTracker(device) as t:
+        pass
+    return {"cpu_budget_bytes": t.start_bytes + budget}
+
+
 def tensor_bytes(tensors) -> int:
     """Bytes of distinct storages among ``tensors`` (views of one storage count once)."""
     seen, total = set(), 0

@@ -18,7 +18,7 @@ from . import cards
 from . import device as dev
 from . import estimate as est
 from .loss_chunks import DEFAULT_CHUNK
-from .memory import MemoryTracker, gib, oom_caught, release
+from .memory import MemoryTracker, cpu_budget_kwargs, gib, oom_caught, release  # noqa: F401 (pr.cpu_budget_kwargs)
 from .models import padded_vocab_size, vocab_size
 from .train import autocast_for, make_optimizer, prepare, run
 
@@ -33,15 +33,6 @@ def lab_budget(device: torch.device, full_cfg, cfg, rows: dict) -> tuple[int, st
         return total, f"an 8 GB card ({rule})", []
     sm = est.scale_model_budget(full_cfg, cfg, rows)
     return sm["budget_bytes"], sm["why"], sm["rows"]
-
-
-def cpu_budget_kwargs(budget: int, device: torch.device) -> dict:
-    """``lu.run``'s arguments for a budget: none on CUDA; on CPU the budget plus every CPU tensor alive now."""
-    if device.type == "cuda":
-        return {}
-    with MemoryTracker(device) as t:
-        pass
-    return {"cpu_budget_bytes": t.start_bytes + budget}
 
 
 def as_counted(phase: str) -> str:
