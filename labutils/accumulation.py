@@ -15,7 +15,7 @@ from . import env as _env
 from .config import Config, load_config
 from .data import IGNORE_INDEX, LMDataset
 from .estimate import scale_model_budget
-from .memory import LiveStorages, MemoryTracker, fmt_bytes, oom_caught, release
+from .memory import MemoryTracker, fmt_bytes, memory_in_use, oom_caught, release
 from .train import autocast_for, make_optimizer, prepare, scaler_for, step_scheduler, train
 
 
@@ -61,18 +61,6 @@ def held_model(cfg: Config, device=None, adamw_state: bool = False):
         model.zero_grad(set_to_none=True)
         loaded = state = model = None
         release()
-
-
-def memory_in_use(device=None) -> int:
-    """Bytes of tensors alive now: on CUDA the allocator's allocated bytes; on the CPU every live tensor storage (a
-    garbage-collector scan), what the CPU tracker counts at the start of a region: it is in every peak measured next."""
-    device = torch.device(device or _env.default_device())
-    release()
-    if device.type == "cuda":
-        return int(dev.allocated(device) or 0)
-    live = LiveStorages()
-    live.add_existing()
-    return live.current
 
 
 def baseline_line(device, baseline: int, where: str) -> tuple[int, str]:

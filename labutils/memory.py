@@ -197,13 +197,18 @@ class MemoryTracker:
         return self.peak_bytes - self.start_bytes
 
 
-def cpu_budget_kwargs(budget: int, device) -> dict:
-    """``lu.run``'s arguments for a budget: none on CUDA; on CPU the budget plus every CPU tensor alive now."""
-    if torch.device(device).type == "cuda":
-        return {}
+def memory_in_use(device=None) -> int:
+    """Bytes of tensors alive now, after :func:`release`: on CUDA the allocator's allocated bytes; on the CPU every
+    live tensor storage. What a :class:`MemoryTracker` counts at the start of a region: it is in every peak."""
+    release()
     with MemoryTracker(device) as t:
         pass
-    return {"cpu_budget_bytes": t.start_bytes + budget}
+    return t.start_bytes
+
+
+def cpu_budget_kwargs(budget: int, device) -> dict:
+    """``lu.run``'s arguments for a budget: none on CUDA; on CPU the budget plus every CPU tensor alive now."""
+    return {} if torch.device(device).type == "cuda" else {"cpu_budget_bytes": memory_in_use(device) + budget}
 
 
 def tensor_bytes(tensors) -> int:
