@@ -16,13 +16,12 @@ def step_numbers(values) -> range:
     return range(FIRST_STEP, FIRST_STEP + len(values))
 
 
-def step_axis(ax, label: str = "optimizer step", axis: str = "x"):
-    """Label a step axis and give it integer ticks only (no 1.5 steps). Returns ``ax``."""
+def step_axis(ax, label: str = "optimizer step"):
+    """Label the x axis as a step axis and give it integer ticks only (no 1.5 steps). Returns ``ax``."""
     from matplotlib.ticker import MaxNLocator
 
-    target = ax.xaxis if axis == "x" else ax.yaxis
-    target.set_major_locator(MaxNLocator(integer=True))
-    target.set_label_text(label)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_label_text(label)
     return ax
 
 
