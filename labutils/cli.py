@@ -265,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("regenerate", help="re-execute the lab notebooks and regenerate results tables and figures")
     p.add_argument("--smoke", action="store_true", help="smoke mode (tiny model, CPU is fine); never writes results/")
     p.add_argument("--only", metavar="01,03", help="comma-separated lab numbers (default: all four)")
-    p.add_argument("--out", metavar="DIR", help="output folder (default: results/, or a temp folder with --smoke)")
+    p.add_argument("--out", metavar="DIR", help="output folder (default: results/<this GPU>/, or a temp folder with "
+                                                "--smoke)")
     p.add_argument("--notebooks", metavar="DIR", help="folder of the NN-*.ipynb notebooks to run, in that folder with "
                                                       "its configs/ (default: the repository's labs; another folder "
                                                       "never updates README.md)")
@@ -274,6 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{GPU_MEMORY_HELP})")
     p.add_argument("--skip-doctor", action="store_true",
                    help="full mode runs `python -m labutils doctor` first and stops if it fails; skip that check")
+    p.add_argument("--bench", action="store_true", help="after the doctor, `bench configs/fast_config.yaml` into "
+                                                        "<out>/bench.json (make gpu-results)")
+    p.add_argument("--plan", action="store_true", help="print the predicted time per lab on this GPU (or --gpu) "
+                                                       "and stop; a full run prints it first anyway")
+    p.add_argument("--gpu", metavar="NAME", help="with --plan: the GPU to plan for, as torch names it "
+                                                 "(e.g. 'NVIDIA H100 80GB HBM3'); runs on a CPU too")
     p.set_defaults(func=cmd_regenerate)
     return parser
 

@@ -7,6 +7,7 @@ import datetime as _dt
 import platform
 import random
 import sys
+import time
 import warnings
 
 import numpy as np
@@ -156,8 +157,16 @@ def environment(dev: torch.device | str | None = None, mode: str | None = None, 
     }
 
 
+SETUP_AT: float | None = None  # time.perf_counter() at the last setup()
+
+
 def setup(seed: int = 42, verbose: bool = True) -> dict:
     """The notebooks' setup cell: decide the mode once, apply the memory budget, seed, and print the facts."""
+    from .run_result import RUN_LOG
+
+    global SETUP_AT
+    SETUP_AT = time.perf_counter()  # the lab's elapsed time counts from here (record_results)
+    RUN_LOG.clear()  # the lab's training runs since its setup cell
     mode, reason = detect_mode()
     dev = device.resolve(None)
     budget = apply_budget_from_env(dev)

@@ -243,6 +243,16 @@ def _cuda_available() -> bool:
     return dev.cuda_available()
 
 
+def _gpu_name() -> str | None:
+    """This machine's GPU as torch names it, or None (no CUDA GPU that answers)."""
+    from . import device as dev
+
+    try:
+        return dev.name("cuda") if dev.cuda_available() else None
+    except (RuntimeError, AssertionError):  # a CPU build of torch, a driver that does not answer
+        return None
+
+
 def summary_line(outcomes: list[Outcome], seconds: float) -> str:
     failed = [o for o in outcomes if not o.ok]
     took = f"{int(seconds // 60)} min {seconds % 60:.0f} s" if seconds >= 60 else f"{seconds:.1f} s"
@@ -302,6 +312,47 @@ def run_doctor_first(out: Path, gpu_memory_gb: float | None) -> int:
     return 0
 
 
+def card_folder(name: str) -> str:
+    """results/<this>: one folder per card ("NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3"), so a run on another
+    card adds its own folder and never overwrites this one."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
+
+
+def run_bench(out: Path) -> float:
+    """``python -m labutils bench configs/fast_config.yaml --json <out>/bench.json`` (``--bench``): the fast path and
+    the reference side by side on this card. Its verdict is printed, never a gate for the labs. Returns seconds."""
+    t0 = time.perf_counter()
+    print("regenerate: the fast path against the reference (python -m labutils bench configs/fast_config.yaml)",
+          flush=True)
+    code = subprocess.run([sys.executable, "-m", "labutils", "bench", "configs/fast_config.yaml", "--json",
+                           str(out / "bench.json")], cwd=REPO_ROOT).returncode
+    if code:
+        print(f"regenerate: bench exited {code} (its output is above); the labs run anyway", flush=True)
+    return time.perf_counter() - t0
+
+
+def write_run_record(out: Path, plan: dict | None, actual: dict, outcomes: list[Outcome]) -> None:
+    """``<out>/run.json``: the card, torch, CUDA, the date and commit, and each part's predicted and actual time."""
+    from .env import environment
+
+    env = environment(mode="full")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                            text=True).stdout.strip() or None
+    record = {"gpu": env.get("gpu_name"), "torch": env.get("torch"), "cuda": env.get("cuda"), "date": env.get("date"),
+              "commit": commit, "labs": {o.stem: "ok" if o.ok else "FAILED" for o in outcomes},
+              "seconds": actual, "predicted_seconds": None if plan is None else
+              {"doctor": plan["doctor_seconds"], **{p["lab"]: p["seconds"] for p in plan["labs"]}}}
+    write_atomic(out / "run.json", (json.dumps(record, indent=2) + "\n").encode("utf-8"))
+
+
+def print_plan(gpu: str, labs: list[str], doctor: bool, gpu_memory_gb: float | None) -> dict:
+    from .timeplan import course_plan, plan_lines
+
+    plan = course_plan(gpu, labs, doctor=doctor, card_gb=gpu_memory_gb or None)
+    print("\n".join(plan_lines(plan)), flush=True)
+    return plan
+
+
 def _refuse(message: str) -> int:
     print(f"error: {message}", file=sys.stderr)
     return 2
@@ -313,7 +364,17 @@ def cli_regenerate(args) -> int:
 
     smoke = bool(args.smoke)
     results_default = REPO_ROOT / RESULTS_DIR
-    out = Path(args.out).expanduser().resolve() if args.out else None if smoke else results_default
+    if getattr(args, "gpu", None) and not getattr(args, "plan", False):
+        return _refuse("--gpu NAME only goes with --plan (a run plans for the GPU it runs on)")
+    gpu = getattr(args, "gpu", None) or _gpu_name()
+    if getattr(args, "plan", False):
+        from .peaks import peak_tflops
+        if gpu is None or peak_tflops(gpu, "fp32") is None:
+            return _refuse(f"--plan: {'no CUDA GPU here: name one with --gpu' if gpu is None else repr(gpu)}: the "
+                           "plan needs a GPU in labutils.peaks' table, as torch names it, e.g. --gpu "
+                           "'NVIDIA H100 80GB HBM3', 'NVIDIA A100-SXM4-80GB', 'NVIDIA GeForce RTX 3070'")
+    out = (Path(args.out).expanduser().resolve() if args.out else None if smoke or args.plan
+           else results_default / card_folder(gpu) if gpu else results_default)
     if smoke and out and (out == results_default or results_default in out.parents):
         return _refuse(f"--smoke --out {args.out}: smoke results never go into {RESULTS_DIR}/ (use a temporary folder, "
                        "or leave --out out)")
@@ -345,7 +406,10 @@ def cli_regenerate(args) -> int:
     if not notebooks:
         return _refuse(f"no lab notebooks ({NOTEBOOK_GLOB}) in {folder}")
     stems = [nb.stem for nb in every]
-    readme = REPO_ROOT / "README.md" if not smoke and out == results_default and folder == REPO_ROOT else None
+    if getattr(args, "plan", False):
+        print_plan(gpu, [lab_id(nb.stem) for nb in notebooks], not args.skip_doctor, gb)
+        return 0
+    readme = REPO_ROOT / "README.md" if not smoke and in_results and folder == REPO_ROOT else None
     try:  # refuse now, not after the run: a corrupt results file
         if out is not None and out.is_dir():
             load_results(out, stems)
@@ -365,17 +429,29 @@ def cli_regenerate(args) -> int:
     print(f"regenerate: {len(notebooks)} notebook(s), {'smoke' if smoke else 'full'} mode, {cap}, "
           f"results -> {out}{where}", flush=True)
     t0 = time.perf_counter()
+    plan, actual = None, {}
+    if not smoke and gpu:
+        plan = print_plan(gpu, [lab_id(nb.stem) for nb in notebooks], not args.skip_doctor, gb)
     if not smoke and not getattr(args, "skip_doctor", False):
         code = run_doctor_first(out, gb)
+        actual["doctor"] = time.perf_counter() - t0
         if code != 0:
             print(f"regenerate: `python -m labutils doctor` failed (exit {code}; its table is above, its JSON in "
                   f"{out / 'doctor.json'}): no notebook was run. Fix what failed, or pass --skip-doctor to run "
                   f"the labs anyway.", file=sys.stderr)
             return 1
+    if getattr(args, "bench", False):
+        actual["bench"] = run_bench(out)
     try:
         outcomes = regenerate(notebooks, out, smoke=smoke, gpu_memory_gb=gb, readme=readme, stems=stems)
     except Interrupted as exc:
         print(exc.summary(), file=sys.stderr, flush=True)
         return exc.exit_code
+    if plan is not None:
+        from .timeplan import against_actual
+
+        actual.update({lab_id(o.stem): o.seconds for o in outcomes})
+        print("\n".join(against_actual(plan, {k: v for k, v in actual.items() if k != "bench"})), flush=True)
+        write_run_record(out, plan, actual, outcomes)
     print(summary_line(outcomes, time.perf_counter() - t0))
     return 0 if all(o.ok for o in outcomes) else 1

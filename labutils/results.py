@@ -21,6 +21,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 RESULTS_DIR = Path("results")
@@ -262,8 +263,13 @@ def record_results(notebook: str, tables: dict[str, list[dict]], figures: dict |
         write_atomic(path, functools.partial(fig.savefig, format="png", dpi=110, bbox_inches="tight"))
         fig_paths.append(str(path.relative_to(out)))
     path = out / f"{stem}.json"
+    from . import env as _env
+    from .run_result import RUN_LOG
+
+    elapsed = time.perf_counter() - _env.SETUP_AT if _env.SETUP_AT is not None else None
     write_json(path, _clean({"notebook": stem, "mode": mode, "env": env, "tables": tables,
-                             "figures": fig_paths, "notes": notes or {}, "claims": claims or []}))
+                             "figures": fig_paths, "notes": notes or {}, "claims": claims or [],
+                             "runs": list(RUN_LOG), "elapsed_seconds": elapsed}))
     # under `regenerate` the file is written to a private staging folder and moved when the notebook ends: print
     # where it will be (LAB_RESULTS_FINAL_DIR), never the staging folder, which no longer exists after the run
     final = Path(os.environ["LAB_RESULTS_FINAL_DIR"]) / path.name if os.environ.get("LAB_RESULTS_FINAL_DIR") else path

@@ -12,6 +12,21 @@ from .config import Config
 from .flops import account_flops
 
 
+# Every lu.train of this process since the lab's setup cell (env.setup clears it), one row each: what the lab trained,
+# recorded with its results (record_results: "runs"), which is what regenerate's time plan (labutils.timeplan) is
+# checked against.
+RUN_LOG: list[dict] = []
+
+
+def log_run(result: "RunResult", cfg: Config, desc: str | None) -> None:
+    t, steps = cfg.train, len(result.losses)
+    RUN_LOG.append({"desc": desc, "model": cfg.model.name, "precision": t.precision, "micro_batch_size":
+                    t.micro_batch_size, "accumulation_steps": t.accumulation_steps, "seq_length": cfg.data.seq_length,
+                    "checkpointing": t.gradient_checkpointing, "steps": steps, "executed_flops":
+                    result.executed_flops_per_step * steps if result.executed_flops_per_step else None,
+                    "seconds": sum(result.step_times) + result.untimed_seconds})
+
+
 class NonFiniteLossError(FloatingPointError):
     pass
 

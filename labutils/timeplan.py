@@ -28,23 +28,24 @@ HOST_BLOCK_S = 1.6e-3      # host seconds per block and micro-batch, forward + b
 AUTOCAST_HOST = 1.5        # autocast's casts: more launches per block (BF16 run: 38.1 ms, host-bound)
 CHECKPOINT_HOST = 1.4      # a checkpointed block launches its forward twice
 HOST_STEP_S = 8e-3         # clipping + AdamW + zero_grad per optimizer step
-LOAD_S = 1.0               # building a model on the GPU, moving the dataset there
+LOAD_S = 2.0               # building the model on the GPU, the dataset there, the first step's kernel choices
 KERNEL_S = 20.0            # a fresh kernel: imports, setup, the lab's figures and tables, record_results
 DOCTOR_S = 64.0            # doctor's checks (H200 run)
 COMPILE_S = 64.0           # doctor compiling the fast path (H200 run)
 GOAL_S = 8 * 60            # the whole course (doctor + four labs) within one device command (issue 39)
 
 
-def run_cost(cfg, gpu_name: str | None, device: str = "cuda") -> dict:
+def run_cost(cfg, gpu_name: str | None, device: str = "cuda", loads: bool = True, card_bytes: int | None = None) -> dict:
     """FLOPs and predicted seconds of ``lu.run(cfg)`` on ``gpu_name`` (``device="cpu"``: the FLOPs a CPU run counts,
-    no fused attention, for checking against a smoke run's own counts; its seconds mean nothing)."""
+    no fused attention, for checking against a smoke run's own counts; its seconds mean nothing). ``loads``: the run
+    builds its model (``lu.run``); False for a run on a model already loaded (lab 03's scans and sweeps). ``card_bytes``:
+    the memory cap the run is under; one the estimator says does not fit stops in its first step (an "oom" row)."""
     t, m, d = cfg.train, cfg.model, cfg.data
     fused = device == "cuda" and m.attn_implementation in ("sdpa", "sdpa_causal")
     per_token = flops_per_token(m.name, d.seq_length, recompute=t.gradient_checkpointing,
                                 every_n_layers=t.checkpoint_every_n_layers, dropout=m.dropout is None or m.dropout > 0,
                                 fused_attention=fused, causal_skip=fused and (d.pack or m.attn_implementation == "sdpa_causal"),
-                                vocab=padded_vocab_size(vocab_size(m.name), m.pad_vocab_to),
-                                head_recompute=m.loss == "chunked")
+                                vocab=padded_vocab_size(vocab_size(m.name), m.pad_vocab_to))
     step_flops = per_token * t.micro_batch_size * t.accumulation_steps * d.seq_length
     precision = t.precision
     peak = peak_tflops(gpu_name, precision) or peak_tflops(gpu_name, "fp32")
@@ -53,5 +54,160 @@ def run_cost(cfg, gpu_name: str | None, device: str = "cuda") -> dict:
             * (AUTOCAST_HOST if precision in ("fp16", "bf16") else 1)
             * (CHECKPOINT_HOST if t.gradient_checkpointing else 1) + HOST_STEP_S)
     step = max(compute or 0.0, host)
-    return {"steps": t.steps, "flops": step_flops * t.steps, "compute_s": compute, "host_s": host,
-            "bound": "host" if host >= (compute or 0.0) else "compute", "seconds": t.steps * step + LOAD_S}
+    steps = t.steps
+    if card_bytes is not None:
+        from .estimate import estimate_memory, fits
+        steps = t.steps if fits(estimate_memory(cfg), card_bytes) else 1
+    return {"steps": steps, "flops": step_flops * steps, "compute_s": compute, "host_s": host,
+            "bound": "host" if host >= (compute or 0.0) else "compute", "seconds": steps * step + LOAD_S * loads}
+
+
+# ------------------------------------------------------------------------------------- what each lab trains
+def _load(path: str, mode: str):
+    return load_config(path, mode=mode)
+
+
+def _lab01(mode: str, device: str) -> list:
+    """Lab 01: four precisions (one fp16 again with the injected overflow), the batch sweep's other points, and the
+    two-step check of amp_step against lu.train."""
+    cfgs = {p: _load(f"configs/{p}_config.yaml", mode) for p in ("fp32", "fp16", "bf16")}
+    if mode == "smoke":
+        cfgs = {p: c.override({"train.steps": 24, "train.timing_warmup_steps": 4}) for p, c in cfgs.items()}
+    amp = "bf16"  # where native (every card the plan is for since Ampere); else fp16: the same cost here
+    runs = [("amp_step check", cfgs["fp16"].override({"train.steps": min(2, cfgs["fp16"].train.steps)}))]
+    runs += [(p, cfgs["fp32"].override({"train.precision": p}) if p == "tf32" else cfgs[p])
+             for p in ("fp32", "tf32", "fp16", "bf16")]
+    b = _load("configs/fp32_config.yaml", "full").train.micro_batch_size
+    runs += [(f"{p} x {m}", cfgs[p].override({"train.micro_batch_size": m, "train.steps": 12,
+                                              "train.timing_warmup_steps": min(cfgs[p].train.timing_warmup_steps, 11)}))
+             for p in ("fp32", amp) for m in (1, 2 * b)]
+    return runs + [("fp16 + injected overflow", cfgs["fp16"])]
+
+
+def _lab02(mode: str, device: str) -> list:
+    """Lab 02: the two train_step checks, the micro-batch 2 sweep, the split of B = 32, the learning-rate runs."""
+    cfg = _load("configs/lab02_accumulation.yaml", mode)
+    amp = "bf16" if device == "cuda" else "fp32"  # CPU runs train in fp32 (emulated autocast is slow)
+    cfg = cfg.override({"train.precision": amp})
+    check = {"train.micro_batch_size": 2, "train.accumulation_steps": 4, "model.dropout": 0.0,
+             "train.steps": min(cfg.train.steps, 2)}
+    runs = [(f"train_step check {p}", cfg.override({**check, "train.precision": p})) for p in dict.fromkeys([amp, "fp16"])]
+    runs += [(f"2 x {k}", cfg.override({"train.micro_batch_size": 2, "train.accumulation_steps": k}))
+             for k in (1, 4, 8, 16)]
+    runs += [(f"{m} x {32 // m}", cfg.override({"train.micro_batch_size": m, "train.accumulation_steps": 32 // m}))
+             for m in (4, 8, 16, 32)]
+    ratio, w0, s0 = 4, cfg.train.warmup_steps, cfg.train.steps
+    w1 = max(2, round(w0 / ratio))
+    s1 = max(w1, s0 // ratio)
+    m_big = 16  # the largest micro-batch of the split that fits (full: an 8 GB card; the estimator's answer)
+    def lr(B, steps, warmup):
+        m = min(m_big, B)
+        return cfg.override({"train.micro_batch_size": m, "train.accumulation_steps": B // m, "train.steps": steps,
+                             "train.warmup_steps": warmup})
+    runs += [("lr baseline", lr(8, s1 * ratio, w1 * ratio))] + [(f"lr B=32 #{i}", lr(32, s1, w1 if i < 3 else 0))
+                                                               for i in range(4)]
+    return runs
+
+
+def _lab03(mode: str, device: str) -> list:
+    """Lab 03: the on/off pairs, the scale model's rows, the largest-batch scans (as far as the estimator says they
+    go on an 8 GB card), every k, the variants beyond, the combinations."""
+    from .cards import card_total_bytes
+    from .estimate import largest_batch
+
+    cfg = _load("configs/lab03_checkpointing.yaml", mode)
+    B, L = cfg.train.micro_batch_size, PRESETS[cfg.model.name][0]
+    pair_steps = max(cfg.train.steps, cfg.train.timing_warmup_steps + 10) if device == "cuda" else cfg.train.steps
+    ck = {"train.gradient_checkpointing": True}
+    runs = [(f"pair {b} {on}", cfg.override({"train.micro_batch_size": b, "train.steps": pair_steps, **(ck if on else {})}))
+            for b in sorted({1, B}) for on in (False, True)]
+    runs += [(f"scale model {i}", cfg.override(o)) for i, o in enumerate(
+        [{"train.micro_batch_size": 1}, {"train.micro_batch_size": B}, {"train.micro_batch_size": B, **ck}])]
+    card = card_total_bytes(8)[0]
+    probe = cfg.override({"train.steps": 2, "train.timing_warmup_steps": min(cfg.train.timing_warmup_steps, 1)})
+    for on in (False, True):
+        last = min(4 * B, largest_batch(_load("configs/lab03_checkpointing.yaml", "full"), card,
+                                        checkpointing=on) + 1)
+        runs += [(f"largest {on} {b}", probe.override({"train.micro_batch_size": b, **(ck if on else {})}), b == 1)
+                 for b in range(1, last + 1)]  # one model per scan
+    ks = [k for k in range(2, L + 1) if L % k == 0]
+    runs += [(f"every/segments {k}", cfg.override(ck), i == 0) for i, k in enumerate(ks + ks)]  # one model (cm.measure)
+    runs += [(f"beyond {i}", cfg.override(ck), i == 0) for i in range(3)]
+    half = max(1, B // 2)
+    mixed = "bf16" if device == "cuda" else "fp32"
+    runs += [(name, cfg.override(o)) for name, o in (
+        ("mixed", {"train.precision": mixed}), ("mixed + ckpt", {"train.precision": mixed, **ck}),
+        ("accumulation", {"train.micro_batch_size": 1, "train.accumulation_steps": B}),
+        ("all", {"train.precision": mixed, **ck, "train.micro_batch_size": half, "train.accumulation_steps": B // half}))]
+    return runs
+
+
+def _lab04(mode: str, device: str) -> list:
+    """Lab 04: the batch sweep, the techniques of section 8, the full and chunked loss, one_loop against lu.train."""
+    cfg = _load("configs/lab04_profile.yaml", mode)
+    tech = _load("configs/lab04_techniques.yaml", mode)
+    amp = "bf16" if device == "cuda" else "fp32"
+    mp, ck = {"train.precision": amp}, {"train.gradient_checkpointing": True}
+    acc = {"train.micro_batch_size": tech.train.micro_batch_size // 2, "train.accumulation_steps": 2}
+    runs = [(f"sweep {b}", cfg.override({"train.micro_batch_size": b, "train.steps": 2, "train.timing_warmup_steps": 1}))
+            for b in (1, 2, 4, 8, 16)]
+    runs += [(name, tech.override(o)) for name, o in (("baseline", {}), ("mp", mp), ("ckpt", ck), ("acc", acc),
+                                                      ("mp+ckpt", {**mp, **ck}), ("all", {**mp, **ck, **acc}))]
+    runs += [(f"loss {loss}", tech.override({**mp, **ck, "model.loss": loss})) for loss in ("full", "chunked")]
+    return runs + [("lu.train vs one_loop", tech.override({**mp, **ck, **acc, "train.steps": 3}))]
+
+
+LAB_RUNS = {"01": _lab01, "02": _lab02, "03": _lab03, "04": _lab04}
+
+
+def lab_plan(lab: str, gpu_name: str | None, mode: str = "full", device: str = "cuda",
+             card_bytes: int | None = None) -> dict:
+    """A lab's predicted cost: its runs (:data:`LAB_RUNS`: ``(label, config[, loads a model])``), each
+    :func:`run_cost`, and the fresh kernel's fixed cost."""
+    runs = [{"run": r[0], **run_cost(r[1], gpu_name, device, *r[2:], card_bytes=card_bytes)}
+            for r in LAB_RUNS[lab](mode, device)]
+    return {"lab": lab, "runs": runs, "steps": sum(r["steps"] for r in runs), "flops": sum(r["flops"] for r in runs),
+            "seconds": KERNEL_S + sum(r["seconds"] for r in runs)}
+
+
+def course_plan(gpu_name: str, labs=("01", "02", "03", "04"), doctor: bool = True, card_gb: float | None = 8) -> dict:
+    """The whole regeneration on ``gpu_name``: the doctor (checks, then compiling the fast path) and each lab, under
+    regenerate's memory cap (``card_gb``: a card of that size, as ``--gpu-memory-gb``; None: no cap)."""
+    from .cards import card_total_bytes
+
+    card = card_total_bytes(card_gb)[0] if card_gb else None
+    plans = [lab_plan(lab, gpu_name, card_bytes=card) for lab in labs]
+    doc = DOCTOR_S + COMPILE_S if doctor else 0.0
+    return {"gpu": gpu_name, "doctor_seconds": doc, "labs": plans,
+            "seconds": doc + sum(p["seconds"] for p in plans), "goal_seconds": GOAL_S}
+
+
+def plan_lines(plan: dict) -> list[str]:
+    """The plan as a few printed lines: one per lab, the total against the goal."""
+    head = f"time plan for {plan['gpu']} (labutils.timeplan: executed FLOPs / the card's peak, or the host's pace)"
+    lines = [head] + ([f"  doctor              {plan['doctor_seconds']:6.0f} s  (checks + compiling the fast path: the "
+                       f"H200 run's times, assumed)"]
+                      if plan["doctor_seconds"] else [])
+    for p in plan["labs"]:
+        host = sum(1 for r in p["runs"] if r["bound"] == "host")
+        lines.append(f"  lab {p['lab']}              {p['seconds']:6.0f} s  ({len(p['runs'])} training runs, "
+                     f"{p['steps']} steps, {p['flops'] / 1e15:.2f} PFLOP; {host} of the runs host-bound)")
+    total, goal = plan["seconds"], plan["goal_seconds"]
+    lines.append(f"  total               {total:6.0f} s = {total / 60:.1f} min "
+                 f"({'within' if total <= goal else 'OVER'} the {goal / 60:.0f}-minute goal)")
+    return lines
+
+
+def against_actual(plan: dict, actual: dict) -> list[str]:
+    """Predicted against actual seconds (``actual``: {"doctor" or a lab: seconds}), one line each, and the total."""
+    rows = ([("doctor", "doctor", plan["doctor_seconds"])] if plan["doctor_seconds"] else []) + \
+        [(f"lab {p['lab']}", p["lab"], p["seconds"]) for p in plan["labs"]]
+    lines = ["time: predicted -> actual (labutils.timeplan)"]
+    for name, key, predicted in rows:
+        got = actual.get(key)
+        lines.append(f"  {name:<8} {predicted:6.0f} s -> " + (f"{got:6.0f} s ({got / predicted:.2f}x)" if got else
+                                                             "  not run"))
+    done = sum(v for v in actual.values() if v)
+    lines.append(f"  total    {plan['seconds']:6.0f} s -> {done:6.0f} s = {done / 60:.1f} min "
+                 f"({'within' if done <= GOAL_S else 'OVER'} the {GOAL_S / 60:.0f}-minute goal)")
+    return lines

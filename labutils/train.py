@@ -33,7 +33,7 @@ from .memory import MemoryTracker, oom_text, release, state_bytes
 from .flops import AttentionProbe, attention_kernel
 from .models import count_parameters, enable_checkpointing, load_model
 from .run_result import (ALL_SKIPPED_MIN, NONFINITE_WINDOW, STATUSES, NonFiniteLossError,  # noqa: F401 (re-exported)
-                         RunResult, divergence, first_timed_step, finish_timing)
+                         RunResult, divergence, first_timed_step, finish_timing, log_run)
 
 AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -232,6 +232,7 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
     slow = tracked_steps if device.type != "cuda" and tracker is not None else 0
     first = first_timed_step(t.steps, t.timing_warmup_steps, compile_steps, slow)
     finish_timing(result, cfg, dataset.seq_length, device, first, compile_steps, real_positions, compiling)
+    log_run(result, cfg, desc)
     return result
 
 
