@@ -331,14 +331,14 @@ def run_bench(out: Path) -> float:
     return time.perf_counter() - t0
 
 
-def write_run_record(out: Path, plan: dict | None, actual: dict, outcomes: list[Outcome]) -> None:
+def write_run_record(out: Path, gpu: str | None, plan: dict | None, actual: dict, outcomes: list[Outcome]) -> None:
     """``<out>/run.json``: the card, torch, CUDA, the date and commit, and each part's predicted and actual time."""
     from .env import environment
 
     env = environment(mode="full")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                             text=True).stdout.strip() or None
-    record = {"gpu": env.get("gpu_name"), "torch": env.get("torch"), "cuda": env.get("cuda"), "date": env.get("date"),
+    record = {"gpu": gpu, "torch": env.get("torch"), "cuda": env.get("cuda"), "date": env.get("date"),
               "commit": commit, "labs": {o.stem: "ok" if o.ok else "FAILED" for o in outcomes},
               "seconds": actual, "predicted_seconds": None if plan is None else
               {"doctor": plan["doctor_seconds"], **{p["lab"]: p["seconds"] for p in plan["labs"]}}}
@@ -452,6 +452,6 @@ def cli_regenerate(args) -> int:
 
         actual.update({lab_id(o.stem): o.seconds for o in outcomes})
         print("\n".join(against_actual(plan, {k: v for k, v in actual.items() if k != "bench"})), flush=True)
-        write_run_record(out, plan, actual, outcomes)
+        write_run_record(out, gpu, plan, actual, outcomes)
     print(summary_line(outcomes, time.perf_counter() - t0))
     return 0 if all(o.ok for o in outcomes) else 1

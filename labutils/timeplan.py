@@ -68,20 +68,32 @@ def _load(path: str, mode: str):
 
 
 def _lab01(mode: str, device: str) -> list:
-    """Lab 01: four precisions (one fp16 again with the injected overflow), the batch sweep's other points, and the
-    two-step check of amp_step against lu.train."""
+    """Lab 01: the two-step check of amp_step against lu.train, the precisions (TF32 and BF16 on a GPU only), the
+    batch sweep's points other than the config's own micro-batch, and fp16 again with the injected overflow."""
     cfgs = {p: _load(f"configs/{p}_config.yaml", mode) for p in ("fp32", "fp16", "bf16")}
     if mode == "smoke":
         cfgs = {p: c.override({"train.steps": 24, "train.timing_warmup_steps": 4}) for p, c in cfgs.items()}
-    amp = "bf16"  # where native (every card the plan is for since Ampere); else fp16: the same cost here
+    gpu = device == "cuda"
+    amp = "bf16" if gpu else "fp16"  # BF16 where native (every GPU since Ampere), else FP16: lab 01's choice
     runs = [("amp_step check", cfgs["fp16"].override({"train.steps": min(2, cfgs["fp16"].train.steps)}))]
     runs += [(p, cfgs["fp32"].override({"train.precision": p}) if p == "tf32" else cfgs[p])
-             for p in ("fp32", "tf32", "fp16", "bf16")]
+             for p in ("fp32", "tf32", "fp16", "bf16") if gpu or p in ("fp32", "fp16")]
     b = _load("configs/fp32_config.yaml", "full").train.micro_batch_size
     runs += [(f"{p} x {m}", cfgs[p].override({"train.micro_batch_size": m, "train.steps": 12,
                                               "train.timing_warmup_steps": min(cfgs[p].train.timing_warmup_steps, 11)}))
-             for p in ("fp32", amp) for m in (1, 2 * b)]
+             for p in ("fp32", amp) for m in (1, b, 2 * b) if m != cfgs[p].train.micro_batch_size]
     return runs + [("fp16 + injected overflow", cfgs["fp16"])]
+
+
+def _largest_split(full_cfg, target: int = 32) -> int:
+    """Lab 02's largest micro-batch of the B = 32 split that fits an 8 GB card (the estimator's answer; smoke's
+    budget is a scale model of that card, so it finds the same one)."""
+    from .cards import card_total_bytes
+    from .estimate import estimate_memory, fits
+
+    card = card_total_bytes(8)[0]
+    return max(m for m in (2, 4, 8, 16, 32) if m == 2 or fits(estimate_memory(full_cfg.override(
+        {"train.micro_batch_size": m, "train.accumulation_steps": target // m})), card))
 
 
 def _lab02(mode: str, device: str) -> list:
@@ -99,7 +111,7 @@ def _lab02(mode: str, device: str) -> list:
     ratio, w0, s0 = 4, cfg.train.warmup_steps, cfg.train.steps
     w1 = max(2, round(w0 / ratio))
     s1 = max(w1, s0 // ratio)
-    m_big = 16  # the largest micro-batch of the split that fits (full: an 8 GB card; the estimator's answer)
+    m_big = _largest_split(_load("configs/lab02_accumulation.yaml", "full").override({"train.precision": "bf16"}))
     def lr(B, steps, warmup):
         m = min(m_big, B)
         return cfg.override({"train.micro_batch_size": m, "train.accumulation_steps": B // m, "train.steps": steps,
@@ -134,7 +146,7 @@ def _lab03(mode: str, device: str) -> list:
     runs += [(f"every/segments {k}", cfg.override(ck), i == 0) for i, k in enumerate(ks + ks)]  # one model (cm.measure)
     runs += [(f"beyond {i}", cfg.override(ck), i == 0) for i in range(3)]
     half = max(1, B // 2)
-    mixed = "bf16" if device == "cuda" else "fp32"
+    mixed = "bf16" if device == "cuda" else "fp16"  # lab 03's choice: BF16 where native, else FP16
     runs += [(name, cfg.override(o)) for name, o in (
         ("mixed", {"train.precision": mixed}), ("mixed + ckpt", {"train.precision": mixed, **ck}),
         ("accumulation", {"train.micro_batch_size": 1, "train.accumulation_steps": B}),
@@ -146,7 +158,7 @@ def _lab04(mode: str, device: str) -> list:
     """Lab 04: the batch sweep, the techniques of section 8, the full and chunked loss, one_loop against lu.train."""
     cfg = _load("configs/lab04_profile.yaml", mode)
     tech = _load("configs/lab04_techniques.yaml", mode)
-    amp = "bf16" if device == "cuda" else "fp32"
+    amp = "bf16" if device == "cuda" else "fp16"  # lab 04's choice: BF16 where native, else FP16
     mp, ck = {"train.precision": amp}, {"train.gradient_checkpointing": True}
     acc = {"train.micro_batch_size": tech.train.micro_batch_size // 2, "train.accumulation_steps": 2}
     runs = [(f"sweep {b}", cfg.override({"train.micro_batch_size": b, "train.steps": 2, "train.timing_warmup_steps": 1}))

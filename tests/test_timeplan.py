@@ -1,0 +1,102 @@
+"""The time plan of the full regeneration (issue 39, labutils.timeplan): within the 8-minute goal on an H100, its
+FLOP arithmetic the runs' own, its runs the labs' own, and what a full run records (results/<gpu>/run.json).
+
+The oracles: each lab's own ledger of what it trained (``runs`` in its results JSON, one row per ``lu.train``, with
+the FLOPs that run counted for itself), read from the session's one ``regenerate --smoke`` run; torch's name of the
+pretend card; the estimator for which rows run out of memory under the cap."""
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+
+import labutils as lu
+from labutils import cli, timeplan
+from labutils import regenerate as rg
+from tests import fake_cuda
+
+H100 = "NVIDIA H100 80GB HBM3"
+LABS = ("01", "02", "03", "04")
+
+
+def test_the_whole_course_is_planned_within_eight_minutes_on_an_h100(capsys):
+    """The acceptance: `regenerate --plan` for an H100 (doctor + four labs under the 8 GB cap) prints <= 8 min.
+    Fails when a lab grows runs or steps beyond what fits one device command, or the plan stops reading them."""
+    plan = timeplan.course_plan(H100)
+    assert plan["seconds"] <= 8 * 60, "\n".join(timeplan.plan_lines(plan))
+    assert cli.main(["regenerate", "--plan", "--gpu", H100]) == 0
+    out = capsys.readouterr().out
+    assert f"time plan for {H100}" in out and re.search(rf"total +{plan['seconds']:.0f} s = .* \(within", out)
+    assert all(f"lab {lab}" in out for lab in LABS) and "doctor" in out
+
+
+def test_plan_reads_this_gpu_under_the_pretend_gpu(monkeypatch, capsys):
+    """Without --gpu the plan is for the card torch names (a run plans for the GPU it runs on)."""
+    from labutils import device as dev
+
+    monkeypatch.setattr(dev, "_state", {})
+    fake_cuda.install(monkeypatch, "h100")
+    assert cli.main(["regenerate", "--plan", "--only", "02"]) == 0
+    out = capsys.readouterr().out
+    assert f"time plan for {H100}" in out and "lab 02" in out and "lab 01" not in out
+
+
+def test_plan_refuses_a_card_it_has_no_peak_for(capsys):
+    assert cli.main(["regenerate", "--plan", "--gpu", "Nonexistent X9"]) == 2
+    assert "labutils.peaks" in capsys.readouterr().err
+    assert cli.main(["regenerate", "--gpu", H100]) == 2  # --gpu without --plan
+
+
+def test_a_run_the_cap_does_not_fit_costs_one_step():
+    """Lab 02's direct 32 x 1 runs out of memory on an 8 GB card (the estimator): the plan charges its first step,
+    not forty; without the cap, all of them. Fails if the plan ignored the cap regenerate applies."""
+    from labutils.cards import card_total_bytes
+    from labutils.estimate import estimate_memory, fits
+
+    cfg = lu.load_config("configs/lab02_accumulation.yaml", mode="full").override(
+        {"train.micro_batch_size": 32, "train.accumulation_steps": 1})
+    card = card_total_bytes(8)[0]
+    assert not fits(estimate_memory(cfg), card)
+    capped, whole = timeplan.run_cost(cfg, H100, card_bytes=card), timeplan.run_cost(cfg, H100)
+    assert capped["steps"] == 1 and whole["steps"] == cfg.train.steps
+    assert whole["flops"] == pytest.approx(cfg.train.steps * capped["flops"])
+
+
+@pytest.mark.parametrize("lab", [pytest.param(lab, marks=pytest.mark.regen_labs(lab)) for lab in LABS])
+def test_plan_arithmetic_is_the_runs_own(lab):
+    """Each run a lab trained (its ledger, from the session's smoke run): the plan's FLOPs for that run's config equal
+    what the run counted itself (lu.train's accounting), and the lab's plan lists a run of that shape (micro-batch,
+    accumulation, precision). Fails if the plan counted tokens or FLOPs otherwise than the runs do, or a lab trains
+    a kind of run the plan does not know about."""
+    from tests import regen_once
+
+    run = regen_once.run_for([lab])
+    stem = next(nb.stem for nb in rg.find_notebooks(rg.REPO_ROOT, [lab]))
+    assert run.lab_ok(stem), run.lab_failure(stem)
+    data = json.loads((run.out / f"{stem}.json").read_text(encoding="utf-8"))
+    ledger = data["runs"]
+    assert ledger and data["elapsed_seconds"] > 0
+    shapes = {(r["config"]["train.micro_batch_size"], r["config"]["train.accumulation_steps"],
+               r["config"]["train.precision"]) for r in timeplan.lab_plan(lab, None, "smoke", "cpu")["runs"]}
+    for row in ledger:
+        cfg = lu.load_config(None, overrides=row["config"], mode="smoke")
+        assert (row["micro_batch_size"], row["accumulation_steps"], row["precision"]) in shapes, (row["desc"], shapes)
+        if row["executed_flops"] is not None:
+            assert row["steps"] == cfg.train.steps
+            assert timeplan.run_cost(cfg, None, "cpu")["flops"] == pytest.approx(row["executed_flops"], rel=1e-9)
+
+
+def test_a_full_run_records_its_card_plan_and_actual_times(tmp_path):
+    """results/<gpu>/run.json: the card, torch, the date, and per part the predicted and the actual seconds."""
+    plan = timeplan.course_plan(H100, ("01",))
+    outcome = rg.Outcome("01-Mixed_Precision", ok=True, seconds=42.0)
+    rg.write_run_record(tmp_path, H100, plan, {"doctor": 90.0, "01": 42.0}, [outcome])
+    got = json.loads((tmp_path / "run.json").read_text())
+    assert got["gpu"] == H100 and got["labs"] == {"01-Mixed_Precision": "ok"} and got["seconds"] == {"doctor": 90.0, "01": 42.0}
+    assert got["predicted_seconds"]["01"] == pytest.approx(plan["labs"][0]["seconds"])
+    assert got["torch"] and got["date"] and math.isclose(got["predicted_seconds"]["doctor"], plan["doctor_seconds"])
+    assert rg.card_folder(H100) == "nvidia-h100-80gb-hbm3"
+    lines = timeplan.against_actual(plan, {"doctor": 90.0, "01": 42.0})
+    assert any(re.search(r"lab 01 +\d+ s -> +42 s", line) for line in lines)
