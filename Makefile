@@ -9,12 +9,17 @@
 #   make gpu-wheels     here, online: the wheels a lent GPU machine's image lacks (Jupyter's kernel and client, GPT-2's
 #                       BPE files), for CPython $(GPU_PYTHON) on x86-64 Linux, into .whl/ (git-ignored)
 #   make gpu-results    on a GPU, offline: .whl/ installed into a temp folder if present, then the time plan, doctor,
-#                       bench and the four labs under the 8 GB cap into results/<gpu>/ (JSON, figures, doctor.json,
-#                       bench.json, run.json, README-results.md) and the README's results blocks
+#                       the four labs under the 8 GB cap and bench (BENCH_REPEATS runs of each side: 2 fit beside the
+#                       labs in one 10-minute command, the plan says so) into results/<gpu>/ (JSON, figures,
+#                       doctor.json, bench.json, run.json, README-results.md) and the README's results blocks;
+#                       REHEARSE=1: the same path at smoke sizes into OUT or a temp folder (regenerate --rehearse)
 PYTHON ?= python
 GPU_MEMORY_GB ?= 8
 ONLY ?=
 OUT ?=
+
+BENCH_REPEATS ?= 2
+REHEARSE ?=
 
 GPU_PYTHON ?= 3.12
 SITE ?= /tmp/labutils-site
@@ -45,4 +50,4 @@ gpu-wheels:
 
 gpu-results:
 	@if [ -d .whl ]; then $(PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(SITE) .whl/*.whl; fi
-	PYTHONPATH=$(SITE)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m labutils regenerate --bench --gpu-memory-gb $(GPU_MEMORY_GB) $(if $(ONLY),--only $(ONLY))
+	PYTHONPATH=$(SITE)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m labutils regenerate --bench $(BENCH_REPEATS) --gpu-memory-gb $(GPU_MEMORY_GB) $(if $(ONLY),--only $(ONLY)) $(if $(REHEARSE),--rehearse $(if $(OUT),--out $(OUT)))

@@ -275,8 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{GPU_MEMORY_HELP})")
     p.add_argument("--skip-doctor", action="store_true",
                    help="full mode runs `python -m labutils doctor` first and stops if it fails; skip that check")
-    p.add_argument("--bench", action="store_true", help="after the doctor, `bench configs/fast_config.yaml` into "
-                                                        "<out>/bench.json (make gpu-results)")
+    p.add_argument("--bench", nargs="?", const=5, type=positive_int, metavar="REPEATS",
+                   help="after the labs, `bench configs/fast_config.yaml --repeats REPEATS` (default 5) into "
+                        "<out>/bench.json (make gpu-results)")
+    p.add_argument("--rehearse", action="store_true",
+                   help="the full run's whole path (plan, doctor, labs, bench, run.json) at smoke sizes, into --out or "
+                        "a temporary folder, never results/ or README.md: a dry run of make gpu-results")
     p.add_argument("--plan", action="store_true", help="print the predicted time per lab on this GPU (or --gpu) "
                                                        "and stop; a full run prints it first anyway")
     p.add_argument("--gpu", metavar="NAME", help="with --plan: the GPU to plan for, as torch names it "

@@ -3,6 +3,7 @@
     python -m labutils regenerate                       # full run on a GPU: results/ and README.md
     python -m labutils regenerate --smoke --only 03     # does lab 03 still run? results in a temp folder
     python -m labutils regenerate --gpu-memory-gb 0     # no cap: use the whole card
+    python -m labutils regenerate --rehearse --bench 1  # make gpu-results' whole path at smoke sizes, into a temp folder
 
 Each notebook runs top to bottom in its own fresh kernel (so one lab's CUDA memory never leaks into the next,
 and ``LAB_GPU_MEMORY_GB`` is applied to a clean process), with the notebook's own folder as working directory and
@@ -283,14 +284,14 @@ def _not_a_gate(row: dict, gpu_memory_gb: float | None) -> str | None:
     return None
 
 
-def run_doctor_first(out: Path, gpu_memory_gb: float | None) -> int:
+def run_doctor_first(out: Path, gpu_memory_gb: float | None, smoke_sizes: bool = False) -> int:
     """``python -m labutils doctor`` in its own process, with the notebooks' memory budget; its JSON goes to
     ``<out>/doctor.json``. Returns 0 to go on, else the doctor's exit code: a failed row stops the notebooks
     unless :func:`_not_a_gate` says why not (a missed fast-path MFU goal; the fast path out of memory under the
     cap): a real finding, printed here again, but the labs do not need the fast path. Any other failure, or a
     doctor without a readable report, stops them."""
     out.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k != "LAB_GPU_MEMORY_GB"}
+    env = {k: v for k, v in os.environ.items() if k != "LAB_GPU_MEMORY_GB"} | ({"LAB_SMOKE": "1"} if smoke_sizes else {})
     if gpu_memory_gb:
         env["LAB_GPU_MEMORY_GB"] = f"{gpu_memory_gb:g}"
     print("regenerate: checking this machine first (python -m labutils doctor)", flush=True)
@@ -318,37 +319,45 @@ def card_folder(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
 
 
-def run_bench(out: Path) -> float:
-    """``python -m labutils bench configs/fast_config.yaml --json <out>/bench.json`` (``--bench``): the fast path and
-    the reference side by side on this card. Its verdict is printed, never a gate for the labs. Returns seconds."""
+def run_bench(out: Path, repeats: int, env: dict | None = None, overrides: list[str] | None = None) -> float:
+    """``python -m labutils bench configs/fast_config.yaml --repeats N --json <out>/bench.json`` (``--bench N``): the
+    fast path and the reference side by side on this card, after the labs (a command stopped at its time limit
+    loses the bench, not the labs). Its verdict is printed, never a gate. Returns seconds. A rehearsal passes
+    ``train.compile=false`` in ``overrides`` (it checks the path, not the compiler: compiling on a CPU takes minutes)."""
     t0 = time.perf_counter()
-    print("regenerate: the fast path against the reference (python -m labutils bench configs/fast_config.yaml)",
-          flush=True)
-    code = subprocess.run([sys.executable, "-m", "labutils", "bench", "configs/fast_config.yaml", "--json",
-                           str(out / "bench.json")], cwd=REPO_ROOT).returncode
+    cmd = ["bench", "configs/fast_config.yaml", "--repeats", str(repeats), "--json", str(out / "bench.json")]
+    cmd += ["--set", *overrides] if overrides else []
+    print(f"regenerate: the fast path against the reference (python -m labutils {' '.join(cmd[:4])})", flush=True)
+    code = subprocess.run([sys.executable, "-m", "labutils", *cmd], cwd=REPO_ROOT, env=env).returncode
     if code:
-        print(f"regenerate: bench exited {code} (its output is above); the labs run anyway", flush=True)
+        print(f"regenerate: bench exited {code} (its output is above)", flush=True)
     return time.perf_counter() - t0
 
 
-def write_run_record(out: Path, gpu: str | None, plan: dict | None, actual: dict, outcomes: list[Outcome]) -> None:
-    """``<out>/run.json``: the card, torch, CUDA, the date and commit, and each part's predicted and actual time."""
+def write_run_record(out: Path, gpu: str | None, plan: dict | None, actual: dict, outcomes: list[Outcome],
+                     mode: str = "full") -> None:
+    """``<out>/run.json``: the card, torch, CUDA, the date and commit, the mode ("full", or "rehearsal": smoke sizes,
+    whose times are not the plan's), and each part's predicted and actual time."""
     from .env import environment
 
     env = environment(mode="full")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                             text=True).stdout.strip() or None
+    predicted = None if plan is None else {"doctor": plan["doctor_seconds"], **{p["lab"]: p["seconds"] for p in
+                                                                               plan["labs"]}}
+    if plan is not None and plan.get("bench"):
+        predicted["bench"] = plan["bench"]["seconds"]
     record = {"gpu": gpu, "torch": env.get("torch"), "cuda": env.get("cuda"), "date": env.get("date"),
-              "commit": commit, "labs": {o.stem: "ok" if o.ok else "FAILED" for o in outcomes},
-              "seconds": actual, "predicted_seconds": None if plan is None else
-              {"doctor": plan["doctor_seconds"], **{p["lab"]: p["seconds"] for p in plan["labs"]}}}
+              "commit": commit, "mode": mode, "labs": {o.stem: "ok" if o.ok else "FAILED" for o in outcomes},
+              "seconds": actual, "predicted_seconds": predicted}
     write_atomic(out / "run.json", (json.dumps(record, indent=2) + "\n").encode("utf-8"))
 
 
-def print_plan(gpu: str, labs: list[str], doctor: bool, gpu_memory_gb: float | None) -> dict:
+def print_plan(gpu: str, labs: list[str], doctor: bool, gpu_memory_gb: float | None,
+               bench_repeats: int | None = None) -> dict:
     from .timeplan import course_plan, plan_lines
 
-    plan = course_plan(gpu, labs, doctor=doctor, card_gb=gpu_memory_gb or None)
+    plan = course_plan(gpu, labs, doctor=doctor, card_gb=gpu_memory_gb or None, bench_repeats=bench_repeats)
     print("\n".join(plan_lines(plan)), flush=True)
     return plan
 
@@ -362,8 +371,10 @@ def cli_regenerate(args) -> int:
     """Everything a user typed is checked first (exit 2, one line); only then does any notebook run."""
     from .results import OutputPathError, check_output_dir
 
-    smoke = bool(args.smoke)
+    smoke, rehearse = bool(args.smoke), bool(getattr(args, "rehearse", False))
     results_default = REPO_ROOT / RESULTS_DIR
+    if smoke and rehearse:
+        return _refuse("--rehearse already runs smoke sizes (the full run's path, smoke-sized): leave --smoke out")
     if getattr(args, "gpu", None) and not getattr(args, "plan", False):
         return _refuse("--gpu NAME only goes with --plan (a run plans for the GPU it runs on)")
     gpu = getattr(args, "gpu", None) or _gpu_name()
@@ -373,11 +384,11 @@ def cli_regenerate(args) -> int:
             return _refuse(f"--plan: {'no CUDA GPU here: name one with --gpu' if gpu is None else repr(gpu)}: the "
                            "plan needs a GPU in labutils.peaks' table, as torch names it, e.g. --gpu "
                            "'NVIDIA H100 80GB HBM3', 'NVIDIA A100-SXM4-80GB', 'NVIDIA GeForce RTX 3070'")
-    out = (Path(args.out).expanduser().resolve() if args.out else None if smoke or args.plan
+    out = (Path(args.out).expanduser().resolve() if args.out else None if smoke or rehearse or args.plan
            else results_default / card_folder(gpu) if gpu else results_default)
-    if smoke and out and (out == results_default or results_default in out.parents):
-        return _refuse(f"--smoke --out {args.out}: smoke results never go into {RESULTS_DIR}/ (use a temporary folder, "
-                       "or leave --out out)")
+    if (smoke or rehearse) and out and (out == results_default or results_default in out.parents):
+        return _refuse(f"--{'smoke' if smoke else 'rehearse'} --out {args.out}: smoke-sized results never go into "
+                       f"{RESULTS_DIR}/ (use a temporary folder, or leave --out out)")
     if out == REPO_ROOT:
         return _refuse(f"--out {args.out}: not the repository root (the results would litter it); use "
                        f"{RESULTS_DIR}/ or another folder")
@@ -407,9 +418,9 @@ def cli_regenerate(args) -> int:
         return _refuse(f"no lab notebooks ({NOTEBOOK_GLOB}) in {folder}")
     stems = [nb.stem for nb in every]
     if getattr(args, "plan", False):
-        print_plan(gpu, [lab_id(nb.stem) for nb in notebooks], not args.skip_doctor, gb)
+        print_plan(gpu, [lab_id(nb.stem) for nb in notebooks], not args.skip_doctor, gb, getattr(args, "bench", None))
         return 0
-    readme = REPO_ROOT / "README.md" if not smoke and in_results and folder == REPO_ROOT else None
+    readme = REPO_ROOT / "README.md" if not smoke and not rehearse and in_results and folder == REPO_ROOT else None
     try:  # refuse now, not after the run: a corrupt results file
         if out is not None and out.is_dir():
             load_results(out, stems)
@@ -420,38 +431,47 @@ def cli_regenerate(args) -> int:
             marker_spans(read_readme(readme))
         except ValueError as exc:
             return _refuse(f"{exc}" if str(exc).startswith(str(readme)) else f"{readme}: {exc}")
-    if not smoke and not _cuda_available():
+    if not smoke and not rehearse and not _cuda_available():
         return _refuse("a full run needs a CUDA GPU (without one every notebook falls back to the tiny smoke "
                        "configuration); to check that the notebooks run, use --smoke")
     out = out or Path(tempfile.mkdtemp(prefix="lab-smoke-results-"))
     cap = f"memory cap {gb:g} GiB" if gb else "no memory cap"
-    where = " (temporary folder)" if smoke and not args.out else ""
-    print(f"regenerate: {len(notebooks)} notebook(s), {'smoke' if smoke else 'full'} mode, {cap}, "
-          f"results -> {out}{where}", flush=True)
+    where = " (temporary folder)" if (smoke or rehearse) and not args.out else ""
+    kind = "smoke" if smoke else "rehearsal (the full run's path at smoke sizes)" if rehearse else "full"
+    print(f"regenerate: {len(notebooks)} notebook(s), {kind} mode, {cap}, results -> {out}{where}", flush=True)
     t0 = time.perf_counter()
     plan, actual = None, {}
     if not smoke and gpu:
-        plan = print_plan(gpu, [lab_id(nb.stem) for nb in notebooks], not args.skip_doctor, gb)
+        plan = print_plan(gpu, [lab_id(nb.stem) for nb in notebooks], not args.skip_doctor, gb,
+                          getattr(args, "bench", None))
+    if rehearse:  # the README's markers are read and written as a full run would, in a copy
+        readme = out / "README.md"
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(REPO_ROOT / "README.md", readme)
     if not smoke and not getattr(args, "skip_doctor", False):
-        code = run_doctor_first(out, gb)
+        code = run_doctor_first(out, gb, smoke_sizes=rehearse)
         actual["doctor"] = time.perf_counter() - t0
         if code != 0:
             print(f"regenerate: `python -m labutils doctor` failed (exit {code}; its table is above, its JSON in "
                   f"{out / 'doctor.json'}): no notebook was run. Fix what failed, or pass --skip-doctor to run "
                   f"the labs anyway.", file=sys.stderr)
             return 1
-    if getattr(args, "bench", False):
-        actual["bench"] = run_bench(out)
     try:
-        outcomes = regenerate(notebooks, out, smoke=smoke, gpu_memory_gb=gb, readme=readme, stems=stems)
+        outcomes = regenerate(notebooks, out, smoke=smoke or rehearse, gpu_memory_gb=gb, readme=readme, stems=stems)
     except Interrupted as exc:
         print(exc.summary(), file=sys.stderr, flush=True)
         return exc.exit_code
-    if plan is not None:
+    actual.update({lab_id(o.stem): o.seconds for o in outcomes})
+    if getattr(args, "bench", None):
+        actual["bench"] = run_bench(out, args.bench, *([dict(os.environ, LAB_SMOKE="1"), ["train.compile=false"]]
+                                                       if rehearse else []))
+    if plan is not None and not rehearse:
         from .timeplan import against_actual
 
-        actual.update({lab_id(o.stem): o.seconds for o in outcomes})
-        print("\n".join(against_actual(plan, {k: v for k, v in actual.items() if k != "bench"})), flush=True)
-        write_run_record(out, gpu, plan, actual, outcomes)
+        print("\n".join(against_actual(plan, actual)), flush=True)
+    elif rehearse:
+        print("regenerate: rehearsal at smoke sizes: the times are not the plan's (it is for the full run)")
+    if not smoke:
+        write_run_record(out, gpu, plan, actual, outcomes, mode="rehearsal" if rehearse else "full")
     print(summary_line(outcomes, time.perf_counter() - t0))
     return 0 if all(o.ok for o in outcomes) else 1

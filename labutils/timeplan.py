@@ -32,7 +32,9 @@ LOAD_S = 2.0               # building the model on the GPU, the dataset there, t
 KERNEL_S = 20.0            # a fresh kernel: imports, setup, the lab's figures and tables, record_results
 DOCTOR_S = 64.0            # doctor's checks (H200 run)
 COMPILE_S = 64.0           # doctor compiling the fast path (H200 run)
+RECOMPILE_S = 10.0         # bench: each compiled run compiles again from inductor's warm cache (dynamo traces anew)
 GOAL_S = 8 * 60            # the whole course (doctor + four labs) within one device command (issue 39)
+COMMAND_S = 10 * 60        # one command on a lent GPU (regenerate, then bench) stops here
 
 
 def run_cost(cfg, gpu_name: str | None, device: str = "cuda", loads: bool = True, card_bytes: int | None = None) -> dict:
@@ -182,16 +184,31 @@ def lab_plan(lab: str, gpu_name: str | None, mode: str = "full", device: str = "
             "seconds": KERNEL_S + sum(r["seconds"] for r in runs)}
 
 
-def course_plan(gpu_name: str, labs=("01", "02", "03", "04"), doctor: bool = True, card_gb: float | None = 8) -> dict:
+def bench_plan(gpu_name: str, repeats: int) -> dict:
+    """``bench configs/fast_config.yaml --repeats N`` on the whole card: each section (the config's own; the other
+    loss; eager when the config compiles) runs each side ``repeats`` times, each run loading its model and, when
+    compiled, compiling it again (:data:`RECOMPILE_S`)."""
+    cfg = load_config("configs/fast_config.yaml", mode="full")
+    other = "full" if cfg.model.loss == "chunked" else "chunked"
+    sections = [cfg, cfg.override({"model.loss": other})] + ([cfg.override({"train.compile": False})]
+                                                              if cfg.train.compile else [])
+    seconds = sum(2 * repeats * (run_cost(c, gpu_name)["seconds"] + RECOMPILE_S * c.train.compile) for c in sections)
+    return {"repeats": repeats, "runs": 2 * repeats * len(sections), "seconds": seconds}
+
+
+def course_plan(gpu_name: str, labs=("01", "02", "03", "04"), doctor: bool = True, card_gb: float | None = 8,
+                bench_repeats: int | None = None) -> dict:
     """The whole regeneration on ``gpu_name``: the doctor (checks, then compiling the fast path) and each lab, under
-    regenerate's memory cap (``card_gb``: a card of that size, as ``--gpu-memory-gb``; None: no cap)."""
+    regenerate's memory cap (``card_gb``: a card of that size, as ``--gpu-memory-gb``; None: no cap); with
+    ``bench_repeats``, the bench that follows them (``--bench N``)."""
     from .cards import card_total_bytes
 
     card = card_total_bytes(card_gb)[0] if card_gb else None
     plans = [lab_plan(lab, gpu_name, card_bytes=card) for lab in labs]
     doc = DOCTOR_S + COMPILE_S if doctor else 0.0
     return {"gpu": gpu_name, "doctor_seconds": doc, "labs": plans,
-            "seconds": doc + sum(p["seconds"] for p in plans), "goal_seconds": GOAL_S}
+            "seconds": doc + sum(p["seconds"] for p in plans), "goal_seconds": GOAL_S,
+            "bench": bench_plan(gpu_name, bench_repeats) if bench_repeats else None}
 
 
 def plan_lines(plan: dict) -> list[str]:
@@ -207,19 +224,26 @@ def plan_lines(plan: dict) -> list[str]:
     total, goal = plan["seconds"], plan["goal_seconds"]
     lines.append(f"  total               {total:6.0f} s = {total / 60:.1f} min "
                  f"({'within' if total <= goal else 'OVER'} the {goal / 60:.0f}-minute goal)")
+    if plan.get("bench"):
+        b = plan["bench"]
+        both = total + b["seconds"]
+        lines.append(f"  then bench          {b['seconds']:6.0f} s  ({b['runs']} runs, a compiled one {RECOMPILE_S:.0f} s more): "
+                     f"{both / 60:.1f} min in all, {'within' if both <= COMMAND_S else 'OVER'} one "
+                     f"{COMMAND_S / 60:.0f}-minute command")
     return lines
 
 
 def against_actual(plan: dict, actual: dict) -> list[str]:
     """Predicted against actual seconds (``actual``: {"doctor" or a lab: seconds}), one line each, and the total."""
     rows = ([("doctor", "doctor", plan["doctor_seconds"])] if plan["doctor_seconds"] else []) + \
-        [(f"lab {p['lab']}", p["lab"], p["seconds"]) for p in plan["labs"]]
+        [(f"lab {p['lab']}", p["lab"], p["seconds"]) for p in plan["labs"]] + \
+        ([("bench", "bench", plan["bench"]["seconds"])] if plan.get("bench") else [])
     lines = ["time: predicted -> actual (labutils.timeplan)"]
     for name, key, predicted in rows:
         got = actual.get(key)
         lines.append(f"  {name:<8} {predicted:6.0f} s -> " + (f"{got:6.0f} s ({got / predicted:.2f}x)" if got else
                                                              "  not run"))
-    done = sum(v for v in actual.values() if v)
+    done = sum(v for k, v in actual.items() if v and k != "bench")
     lines.append(f"  total    {plan['seconds']:6.0f} s -> {done:6.0f} s = {done / 60:.1f} min "
-                 f"({'within' if done <= GOAL_S else 'OVER'} the {GOAL_S / 60:.0f}-minute goal)")
+                 f"({'within' if done <= GOAL_S else 'OVER'} the {GOAL_S / 60:.0f}-minute goal; bench apart)")
     return lines

@@ -387,3 +387,38 @@ def test_cli_smoke_all_labs():
     # every file under the repository, ignored ones included, as it was (issue 24: nothing outside --out)
     before, after = run.tree_before, run.tree_after
     assert after == before, sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))[:20]
+
+
+@pytest.mark.regen_labs("all")
+def test_the_one_gpu_command_rehearsed_under_the_pretend_h100():
+    """The session's run of all four labs is ``make gpu-results REHEARSE=1`` (tests/regen_once.py), its Python under
+    the pretend H100. What the first real run needs of it: the plan for that card printed before anything runs, then
+    the doctor, the four labs and the bench, and one folder holding what results/<gpu>/ holds (lab JSON, figures,
+    doctor.json, bench.json, README-results.md, run.json naming the card, torch and date) in a few MB, the README's
+    markers read and written back in a copy. Breaks if the Makefile's recipe, regenerate's order, a report's file
+    name or run.json's keys change, or the folder grows past what a commit should carry."""
+    import torch
+
+    from tests import regen_once
+
+    run = regen_once.run_for(LABS)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    text = run.stdout
+    order = [text.find(s) for s in ("time plan for NVIDIA H100 80GB HBM3", "  then bench ", "checking this machine first",
+                                    "] 01-", "] 04-", "the fast path against the reference", "summary: 4 ok, 0 failed")]
+    assert -1 not in order and order == sorted(order), text[:3000]
+    out = run.out
+    doctor = json.loads((out / "doctor.json").read_text())
+    assert doctor["checks"] and not [c for c in doctor["checks"] if c["status"] == "fail"]
+    bench = json.loads((out / "bench.json").read_text())
+    assert bench["repeats"] == 1 and {"labutils", "reference", "verdict"} <= set(bench)
+    record = json.loads((out / "run.json").read_text())
+    assert record["gpu"] == "NVIDIA H100 80GB HBM3" and record["mode"] == "rehearsal"
+    assert record["torch"] == torch.__version__ and record["date"][:4].isdigit()
+    assert set(record["labs"].values()) == {"ok"} and len(record["labs"]) == 4
+    parts = {"doctor", "01", "02", "03", "04", "bench"}
+    assert set(record["seconds"]) == parts == set(record["predicted_seconds"])
+    assert all(v > 0 for v in record["seconds"].values())
+    assert (out / "README.md").read_text() == (REPO / "README.md").read_text()  # smoke results never fill it
+    kept = [f for f in out.rglob("*") if f.is_file() and f.relative_to(out).parts[0] not in ("executed", "artifacts")]
+    assert sum(f.stat().st_size for f in kept) < 5e6, sorted((f.stat().st_size, str(f)) for f in kept)[-5:]
