@@ -4,7 +4,9 @@ of the repository root as one test that passes when the notebook ran top to bott
 They run through the instructors' own command, once per session (tests/regen_once.py): ``regenerate --smoke``
 executes each in a fresh kernel, fails it on the first cell that raises (naming the cell and the line), and keeps
 only results recorded in the right mode. The same run serves the acceptance test of all four labs and the
-worktree-unchanged test, so CI executes each notebook once (issue 29, §5). With nbval's own options
+worktree-unchanged test, so CI executes each notebook once (issue 29, §5). When all four run, that run is the one
+command for a lent GPU rehearsed at smoke sizes (``make gpu-results REHEARSE=1`` under the pretend H100,
+tests/regen_once.py): the same notebooks, the same smoke results, plus the plan, the doctor and the bench. With nbval's own options
 (``pytest --nbval-lax 02-*.ipynb``) nbval collects the notebooks instead, as before.
 
 Tests that read that run say which labs they need with ``@pytest.mark.regen_labs("03")``; ``regen_labs("all")``

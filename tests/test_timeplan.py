@@ -78,8 +78,8 @@ def test_plan_arithmetic_is_the_runs_own(lab):
     data = json.loads((run.out / f"{stem}.json").read_text(encoding="utf-8"))
     ledger = data["runs"]
     assert ledger and data["elapsed_seconds"] > 0
-    shapes = {(r["config"]["train.micro_batch_size"], r["config"]["train.accumulation_steps"],
-               r["config"]["train.precision"]) for r in timeplan.lab_plan(lab, None, "smoke", "cpu")["runs"]}
+    shapes = {(r[1].train.micro_batch_size, r[1].train.accumulation_steps, r[1].train.precision)
+              for r in timeplan.LAB_RUNS[lab]("smoke", "cpu")}
     for row in ledger:
         cfg = lu.load_config(None, overrides=row["config"], mode="smoke")
         assert (row["micro_batch_size"], row["accumulation_steps"], row["precision"]) in shapes, (row["desc"], shapes)
