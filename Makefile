@@ -23,6 +23,8 @@ REHEARSE ?=
 
 GPU_PYTHON ?= 3.12
 SITE ?= /tmp/labutils-site
+# make gpu-wheels' folder, installed into SITE by gpu-results; WHEELS= uses this machine's packages only
+WHEELS ?= .whl
 # what the lent machines' image already holds of those wheels' dependencies (installing them again would shadow it)
 GPU_IMAGE_HAS ?= attrs packaging psutil pygments python_dateutil six typing_extensions
 
@@ -49,5 +51,5 @@ gpu-wheels:
 	cd .whl && for p in $(GPU_IMAGE_HAS); do rm -f $$p-[0-9]*.whl; done
 
 gpu-results:
-	@if [ -d .whl ]; then $(PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(SITE) .whl/*.whl; fi
+	@if [ -n "$(WHEELS)" ] && [ -d "$(WHEELS)" ]; then $(PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(SITE) $(WHEELS)/*.whl; fi
 	PYTHONPATH=$(SITE)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m labutils regenerate --bench $(BENCH_REPEATS) --gpu-memory-gb $(GPU_MEMORY_GB) $(if $(ONLY),--only $(ONLY)) $(if $(REHEARSE),--rehearse $(if $(OUT),--out $(OUT)))

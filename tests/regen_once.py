@@ -121,7 +121,7 @@ def _run(labs: list[str]) -> Run:
     before, status = tree_state(REPO), git_status()
     if set(labs) == set(LABS):  # all four: the one command for a lent GPU, rehearsed (see the module docstring)
         cmd = ["make", "--no-print-directory", "gpu-results", "REHEARSE=1", f"OUT={out}", "BENCH_REPEATS=1",
-               f"PYTHON={sys.executable} tests/pretend_gpu.py {REHEARSAL_GPU}", f"SITE={out.parent / 'site'}"]
+               f"PYTHON={sys.executable} tests/pretend_gpu.py {REHEARSAL_GPU}", "WHEELS="]  # this machine's packages (.whl/ holds another Python's)
     else:
         cmd = [sys.executable, "-m", "labutils", "regenerate", "--smoke", "--only", ",".join(labs), "--out", str(out)]
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
