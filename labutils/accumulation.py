@@ -1,7 +1,6 @@
 """Lab 02 (gradient accumulation): the bookkeeping of the gradient experiments written out in the notebook's cells
-(a model held for them, what a cell's gradient function does to memory, rows), and the lab's setup (AMP precision,
-memory budget). Everything releases its model and memory when it ends, also on error; an out-of-memory error becomes
-a row with status "oom". The training runs' tables and figures: :mod:`labutils.accumulation_sweeps`.
+(a model held for them, what a cell's gradient function does to memory, rows) and the lab's setup (AMP precision,
+memory budget), all releasing their memory when they end. The training runs: :mod:`labutils.accumulation_sweeps`.
 """
 from __future__ import annotations
 
@@ -47,9 +46,8 @@ def grad_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
 
 @contextlib.contextmanager
 def held_model(cfg: Config, device=None, adamw_state: bool = False):
-    """``with held_model(cfg) as (model, dataset, device):`` model and dataset on the device, released after (if
-    nothing else holds them: use it inside a function, whose names die when it returns). ``adamw_state``: AdamW's
-    m and v (FP32, one each per parameter) are held beside it, as in training, so a peak is a training step's."""
+    """``with held_model(cfg) as (model, dataset, device):`` on the device, released after (use it inside a function);
+    ``adamw_state``: AdamW's m and v held beside it, as in training, so a peak is a training step's."""
     device = torch.device(device or _env.default_device())
     _env.seed_everything(cfg.train.seed)
     loaded, dataset = prepare(cfg, device, verbose=False)
@@ -196,10 +194,8 @@ def budget_rows(micro: int, accum_steps, target: int, proof_batches) -> dict:
 
 
 def memory_budget(cfg: Config, device, rows: dict) -> tuple[int | None, str, list[dict]]:
-    """(bytes the experiments must fit in, what they are, the scale model's rows). CUDA: the allocator's budget (it
-    enforces it; ``LAB_GPU_MEMORY_GB`` makes an 8 GB card of a bigger one), no rows. CPU: a simulated 8 GB card, the
-    course's one rule (:func:`labutils.estimate.scale_model_budget`) over ``rows`` (:func:`budget_rows`): the rows
-    that run out of memory on the card in full mode run out here too (the CPU tracker refuses), the others fit."""
+    """(bytes the experiments must fit in, what they are, the scale model's rows): on CUDA the allocator's budget; on
+    a CPU a simulated 8 GB card (:func:`labutils.estimate.scale_model_budget` over ``rows``, :func:`budget_rows`)."""
     if torch.device(device).type == "cuda":
         b = _env.memory_budget_bytes(device)
         return b, f"{b / 2**30:.1f} GiB of CUDA memory (the allocator enforces it)", []

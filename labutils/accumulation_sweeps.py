@@ -1,6 +1,5 @@
-"""Lab 02 (gradient accumulation): reading the lab's training runs (``lu.run`` sweeps over the split of a batch
-into micro-batches): per-run numbers, the loss, stability and learning-rate tables and figures, the cost of
-accumulating and claim C3, and the micro-batch advice per card. ``import labutils.accumulation_sweeps as acs``.
+"""Lab 02 (gradient accumulation): reading the lab's ``lu.run`` sweeps over the split of a batch into micro-batches:
+their tables and figures, the cost of accumulating and claim C3, and the micro-batch advice per card.
 """
 from __future__ import annotations
 
@@ -45,10 +44,9 @@ def step_noise(losses) -> float:
 
 
 def loss_comparison(runs: dict, micro: int, window: int, judge_steps: int, tolerance: float = 0.1) -> tuple[dict, str]:
-    """The sweep ``{k: run}`` read at equal optimizer steps (tail loss) and at equal target tokens, those of the
-    smallest batch's whole run: the moving-average loss at each run's first step within ``tolerance`` of them (None
-    when its first step already saw far more). Returns ({k: {"loss_at_equal_tokens", "tokens_at_comparison"}}, one
-    line); under ``judge_steps`` steps per run the line says "not judged", as in the stability and LR sections."""
+    """The sweep ``{k: run}`` read at equal optimizer steps (tail loss) and at equal target tokens (those of the
+    smallest batch's whole run, within ``tolerance``). Returns ({k: {"loss_at_equal_tokens",
+    "tokens_at_comparison"}}, one line); under ``judge_steps`` steps per run the line says "not judged"."""
     steps, tokens = min(len(r.losses) for r in runs.values()), int(np.sum(runs[min(runs)].target_tokens))
     values = {}
     for k, r in runs.items():
@@ -166,9 +164,8 @@ def linear_fit(x, y) -> tuple[float, float]:
 
 def recommend(fixed_bytes: float, per_sample_bytes: float, budgets: dict, target_batch: int,
               measured: dict | None = None) -> list[dict]:
-    """Per budget ``{label: bytes the allocator gets}`` (the CUDA context already off): the largest micro-batch whose
-    fitted peak plus the estimator's fragmentation headroom (HEADROOM, as :func:`labutils.estimate.fits`) fits, the
-    power of two at or below it (<= ``target_batch``), the accumulation to ``target_batch``; ``measured``: tokens/s."""
+    """Per budget ``{label: bytes the allocator gets}``: the largest micro-batch whose fitted peak plus HEADROOM fits,
+    the power of two at or below it (<= ``target_batch``) and the accumulation to it; ``measured``: tokens/s."""
     rows = []
     for label, budget in budgets.items():
         max_micro = int((budget / (1 + HEADROOM) - fixed_bytes) // per_sample_bytes) if per_sample_bytes > 0 \
@@ -186,8 +183,7 @@ def recommend(fixed_bytes: float, per_sample_bytes: float, budgets: dict, target
 
 def accumulation_cost(runs: dict, micro: int) -> dict:
     """The cost of accumulating, measured once: the sweep ``{k: run}`` at the FIXED micro-batch ``micro``, fewest
-    against most accumulation steps: time per micro-batch (median step time / k; ``time_cost`` = hi / lo - 1, noise
-    from the inter-quartile ranges) and the two peaks. What :func:`cost_line` and :func:`c3_claim` read."""
+    against most accumulation steps: time per micro-batch (median step time / k, with its noise) and the two peaks."""
     (k_lo, lo), (k_hi, hi) = min(runs.items()), max(runs.items())
     t = cl.timed_ratio([x / k_lo for x in cl.timed_step_times(lo)], [x / k_hi for x in cl.timed_step_times(hi)])
     return {"compares": f"{micro} x {k_lo} vs {micro} x {k_hi}", "micro_batch": micro, "k_lo": k_lo, "k_hi": k_hi,
@@ -229,9 +225,8 @@ def small_micro_batch_line(scan: dict, micro: int, target: int, cost: dict) -> s
 
 
 def c3_claim(cost: dict, cond: dict, *, grad_buffer: int) -> dict:
-    """C3, "accumulation costs 0 % memory and ~5 % time", by the course's one rule (labutils.claims) on the one
-    measured cost (``cost``, at a FIXED micro-batch); the extra memory is set beside one FP32 gradient buffer
-    (``grad_buffer`` bytes). Time is judged only from a GPU with enough timed steps."""
+    """C3, "accumulation costs 0 % memory and ~5 % time", judged on the one measured ``cost`` (at a FIXED
+    micro-batch); the extra memory is set beside one FP32 gradient buffer (``grad_buffer`` bytes)."""
     micro, pair = cost["micro_batch"], tuple(cost["compares"].split(" vs "))
     values, evidence = {"memory_increase": cost["memory_increase"]}, {}
     if cost["time_cost"] is not None:
@@ -242,8 +237,6 @@ def c3_claim(cost: dict, cond: dict, *, grad_buffer: int) -> dict:
                     "memory_increase": cl.Evidence(pair=pair, hardware=hw, micro_batches=(micro, micro))}
     mem = cost["memory_increase"]
     extra = cost["peak_hi_bytes"] - cost["peak_lo_bytes"] if mem is not None else None
-    # the words follow the measured extra: the H200 run said "at most one FP32 gradient buffer (474.70 MiB)" of a
-    # measured +476.64 MiB
     reason = None if mem is None or mem <= 0 else (
         f"the extra {fmt_bytes(extra)} is about one FP32 gradient buffer ({fmt_bytes(grad_buffer)}), which lives next "
         f"to the activations of micro-batches 2..k" if abs(extra - grad_buffer) <= 0.1 * grad_buffer else

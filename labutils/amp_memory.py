@@ -1,6 +1,5 @@
 """Lab 01, where the memory goes under mixed precision: what autograd saves for backward, by kind, in one measured
-step of the notebook's ``amp_step`` (and the phase its peak falls in), and the batch sweep of FP32 against AMP on an
-8 GB card (in smoke its scale model, :func:`labutils.estimate.scale_model_budget`). Lab 01 reaches it as ``am.``.
+step of the notebook's ``amp_step``, and the batch sweep of FP32 against AMP on an 8 GB card (in smoke its scale model).
 """
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ class SavedTensorCensus:
     param_ptrs: set
     by_kind: dict = field(default_factory=dict)
     _seen: set = field(default_factory=set)
-    log_softmax_dtypes: set = field(default_factory=set)  # the dtype the loss's log-softmax kept: the logits' dtype
-    #                                                       as the loss reads them
+    log_softmax_dtypes: set = field(default_factory=set)  # the logits' dtype as the loss reads them
 
     def pack(self, t: torch.Tensor):
         try:
@@ -57,22 +55,20 @@ def saved_tensor_census(model: torch.nn.Module):
         yield census
 
 
-def dtype_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+def dtype_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """The dtypes the training state is held in: weights, gradients, optimizer state (names, comma-separated)."""
     name = lambda d: DTYPE_NAMES.get(d, str(d))  # noqa: E731
     out = {"weights": {name(p.dtype) for p in model.parameters()},
-           "gradients": {name(p.grad.dtype) for p in model.parameters() if p.grad is not None}}
-    if optimizer is not None:
-        out["optimizer state"] = {name(v.dtype) for s in optimizer.state.values() for v in s.values()
-                                  if isinstance(v, torch.Tensor) and v.dim() > 0}
+           "gradients": {name(p.grad.dtype) for p in model.parameters() if p.grad is not None},
+           "optimizer state": {name(v.dtype) for s in optimizer.state.values() for v in s.values()
+                               if isinstance(v, torch.Tensor) and v.dim() > 0}}
     return {k: ", ".join(sorted(v)) or "-" for k, v in out.items()}
 
 
 # --------------------------------------------------------------------------------------------- one step's memory
 def measure_step_memory(cfg, precision: str, step_fn, device) -> dict:
-    """Two steps of ``step_fn`` (the notebook's ``amp_step``, calling ``mark(label)`` after forward, backward and
-    optimizer step), the second measured: weights, gradients, optimizer state, saved tensors by kind, the tracker's
-    growth over the forward (``forward_leaves``: what the census should account for), the peak, its phase, dtypes."""
+    """Two steps of ``step_fn`` (the notebook's ``amp_step``, calling ``mark(label)``), the second measured: weights,
+    gradients, optimizer state, saved tensors by kind, the growth over the forward, the peak, its phase, dtypes."""
     from .train import make_optimizer, prepare
 
     seed_everything(cfg.train.seed)
@@ -163,8 +159,7 @@ def plot_memory_breakdown(mem: dict, title: str):
                   label="measured peak" if i == 0 else None)
         ax.text(i, max(bottom[i], m["peak"] / size), f"peak in\n{m['peak_phase']}", ha="center", va="bottom",
                 fontsize=8)
-    ax.set_ylim(0, 1.2 * max(bottom + [m["peak"] / size for m in ms]))
-    ax.set(ylabel=f"memory [{unit}]", title=title)
+    ax.set(ylim=(0, 1.2 * max(bottom + [m["peak"] / size for m in ms])), ylabel=f"memory [{unit}]", title=title)
     ax.legend(fontsize=8, bbox_to_anchor=(1.02, 1), loc="upper left")
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
@@ -174,11 +169,9 @@ def plot_memory_breakdown(mem: dict, title: str):
 # --------------------------------------------------------------------------------------------- the batch sweep
 def batch_sweep(cfgs: dict, rows: dict, reuse: dict, device, amp: str, budget_bytes: int | None = None,
                 steps: int = 12) -> tuple[dict, list[dict]]:
-    """Each of ``rows`` ({label: overrides with train.precision and train.micro_batch_size}) trained by ``lu.run`` for
-    ``steps`` steps, or the run of ``reuse`` ({precision: RunResult}) at that micro-batch (measured once). On a CPU
-    ``budget_bytes`` is the simulated card (tensors alive now on top); on CUDA the allocator's cap decides. Returns
-    ({label: RunResult}, one row per micro-batch: status and peak of each precision, ``amp``'s saving, throughput,
-    MFU and speed-up over fp32, as lab 01's one timing computes it: median over median step time)."""
+    """Each of ``rows`` ({label: overrides of precision and micro-batch}) trained by ``lu.run`` for ``steps`` steps
+    (on a CPU within ``budget_bytes``), or ``reuse``'s run ({precision: RunResult}) at that micro-batch. Returns
+    ({label: RunResult}, one row per micro-batch: each precision's status and peak, ``amp``'s saving and speed-up)."""
     from . import claims as cl
     from .train import run
 

@@ -1,8 +1,6 @@
 """Lab 01, how fast each precision trains, and what the course claimed (C1, C2). Each precision's run is timed once
-(:func:`speedup_rows`: median step time, noise, speed-up over FP32): every table, reading and claim reads that number.
-The memory of a step and the batch sweep are in :mod:`labutils.amp_memory`, a step op by op in
-:mod:`labutils.op_profile`, re-exported here: labs 01 and 04 reach them as ``am.`` (``import labutils.amp_speed_memory
-as am``).
+(:func:`speedup_rows`): every table, reading and claim reads that number. Re-exports :mod:`labutils.amp_memory` and
+:mod:`labutils.op_profile`: labs 01 and 04 reach all three as ``am.`` (``import labutils.amp_speed_memory as am``).
 """
 from __future__ import annotations
 
@@ -29,11 +27,9 @@ SPEEDUP = "speedup_vs_fp32"            # by "run" = the precision), in this colu
 def speed_evidence(base, r, names: tuple[str, str], gpu_busy: float | None = None) -> tuple[float | None, cl.Evidence]:
     """The speed-up of ``r`` over ``base`` (median over median step time) and its evidence: pair, hardware, timed
     steps, noise (``spread``, +- in x) and ``gpu_busy`` (:func:`labutils.op_profile.gpu_busy`), if known."""
-    ratio, ev = cl.run_pair_evidence(base, r, names)
-    ev = replace(ev, gpu_busy=gpu_busy)
-    if ratio is None:
-        return None, ev
-    return 1 / ratio, replace(ev, spread=None if ev.spread is None else ev.spread / ratio ** 2)
+    ratio, ev = cl.run_pair_evidence(base, r, names)  # no ratio: no spread either
+    spread = ev.spread / ratio ** 2 if ratio and ev.spread is not None else None
+    return (1 / ratio if ratio else None), replace(ev, gpu_busy=gpu_busy, spread=spread)
 
 
 def speedup_rows(runs: dict, baseline: str = "fp32") -> list[dict]:
@@ -188,8 +184,7 @@ def mfu_reading(points: list, amp: str, gpu_name: str | None) -> str:
 def course_rows(runs: dict, speed_rows: list[dict], expected: dict, baseline: str = "fp32",
                 gpu_busy: float | None = None) -> list[dict]:
     """The course's expected results (``expected``: {precision: (peak GB, speed vs FP32)}) beside this run's peak
-    (GB = 1e9 bytes), saving and speed-up (``speed_rows``), with C2's rule applied to each speed-up (memory is
-    judged as C1, over the batch sweep)."""
+    (GB = 1e9 bytes), saving and speed-up (``speed_rows``), with C2's rule applied to each speed-up."""
     base = runs[baseline]
     speed = {r["precision"]: r for r in speed_rows}
     rows = []
@@ -215,8 +210,7 @@ def c1_c2_claims(runs: dict, cond: dict, *, amp: str, speed_rows: list[dict] | N
                  model_state: int | None = None, fp16_matmul_x: float | None = None, sweep_rows=(),
                  gpu_busy: float | None = None) -> list[dict]:
     """C1 and C2 as recorded claims. C1: ``amp`` against fp32 over the batch sweep (``sweep_rows``; shown: the median
-    saving), with ``model_state`` (weights + gradients + AdamW bytes) as its reason. C2: fp16 against fp32 at the
-    config's batch (``speed_rows``), judged on a GPU whose step kept it busy (``gpu_busy``), ``fp16_matmul_x`` beside."""
+    saving), ``model_state`` (FP32 state bytes) its reason. C2: fp16 against fp32 at the config's batch."""
     base, r16 = runs["fp32"], runs["fp16"]
     savings = {r["micro_batch"]: r["memory_saving"] for r in sweep_rows if r["memory_saving"] is not None}
     if savings:

@@ -1,6 +1,5 @@
-"""Lab 03's measurements: the checkpointing variants (:mod:`labutils.checkpointing`) trained through the course's one
-loop (:func:`labutils.train`) under a memory budget, each run a :class:`Measured`; and checks of one forward +
-backward (:func:`step_grads`, :func:`step_flops`, :func:`forward_calls`)."""
+"""Lab 03's measurements: the checkpointing variants trained through the course's one loop (:func:`labutils.train`)
+under a memory budget, each run a :class:`Measured`; and checks of one forward + backward (grads, FLOPs, calls)."""
 from __future__ import annotations
 
 import contextlib
@@ -86,9 +85,8 @@ def overhead(base: Measured, other: Measured) -> float | None:
 
 @contextlib.contextmanager
 def memory_budget(budget_bytes: int | None, device: torch.device | str | None = None):
-    """Inside the block PyTorch may hold at most ``budget_bytes``. CUDA: :func:`labutils.device.memory_cap` (never
-    above a cap already set), restored afterwards; yields None. CPU: yields the budget to pass on as
-    ``cpu_budget_bytes`` (the memory tracker then raises ``torch.OutOfMemoryError``)."""
+    """Inside the block PyTorch may hold at most ``budget_bytes`` (:func:`labutils.device.memory_cap`): yields None
+    on CUDA, on a CPU the budget to pass on as ``cpu_budget_bytes``."""
     release()
     try:
         with dev.memory_cap(budget_bytes, device) as cpu_budget:
@@ -144,8 +142,7 @@ def measure(cfg: Config, variants, device: torch.device | str | None = None, *, 
     """Train ``cfg`` once per variant on one loaded model (within ``budget_bytes``: :func:`memory_budget`); one
     :class:`Measured` per variant. Memory is the tracker's peak of live tensors, as in ``labutils.run``."""
     device = torch.device(device or _env.default_device())
-    if cfg.train.gradient_checkpointing:
-        cfg = cfg.override({"train.gradient_checkpointing": False})  # the variants decide
+    cfg = cfg.override({"train.gradient_checkpointing": False})  # the variants decide
     out = []
     with memory_budget(budget_bytes, device) as cpu_budget, loaded(cfg, device) as s:
         env = _env.environment(device, cfg.mode, s.weights)
@@ -158,9 +155,8 @@ def measure(cfg: Config, variants, device: torch.device | str | None = None, *, 
 def largest_batch(cfg: Config, variant: Variant, device: torch.device | str | None = None, *,
                   budget_bytes: int | None = None, max_batch: int = 64, steps: int = 2,
                   progress: bool = False) -> tuple[int, list[Measured]]:
-    """The largest micro-batch (<= ``max_batch``) that trains without running out of memory: tries 1, 2, 3, ...
-    until one does not fit. ``steps=2``: the second step already holds the optimizer state (the steady-state peak).
-    Returns (largest batch that fits, 0 if not even 1 does; every probe, by batch)."""
+    """(the largest micro-batch <= ``max_batch`` that trains without running out of memory, 0 if not even 1 does;
+    every probe): tries 1, 2, 3, ... for ``steps`` steps (the second holds the optimizer state)."""
     device = torch.device(device or _env.default_device())
     base = cfg.override({"train.steps": steps, "train.gradient_checkpointing": False,
                          "train.timing_warmup_steps": min(cfg.train.timing_warmup_steps, steps - 1)})

@@ -1,6 +1,5 @@
 """Lab 03's report: the sentences, tables, figures and claims C4 / C5 that the notebook builds, in the lab's order,
-from what :mod:`labutils.checkpoint_measure` measured (its :class:`~labutils.checkpoint_measure.Measured` runs, or
-plain numbers). Nothing here measures."""
+from what :mod:`labutils.checkpoint_measure` measured. Nothing here measures."""
 from __future__ import annotations
 
 import math
@@ -14,10 +13,8 @@ MiB = 2**20
 
 def switch_lines(switch: dict, estimates: dict, device_type: str, peak_info: tuple) -> list[str]:
     """Section 2: one sentence per micro-batch b of ``switch`` ({(b, on): Measured}): the saving and overhead, or the
-    run that did not fit; a saving under 1 % says why when the estimate at b (``estimates[b]``, from
-    :func:`labutils.estimate.estimate_memory`) holds no activation at its peak. Last, MFU -> HFU at the largest b
-    where both have one, else why not: ``peak_info`` (:func:`labutils.peak_info`)'s reason when this device has no
-    known peak, else that no b ran both (never the peak's derivation)."""
+    run that did not fit; a saving under 1 % says why when the estimate at b holds no activation at its peak. Last,
+    MFU -> HFU at the largest b where both have one, else why not (``peak_info``: :func:`labutils.peak_info`)."""
     cpu = "" if device_type == "cuda" else " (CPU timing)"
     out, mfu_at = [], None
     for b in sorted({b for b, _ in switch}):
@@ -119,9 +116,7 @@ CPU_ORDER = "ordered by CPU step time: not a GPU ranking, not judged"
 
 def ranking_label(runs: list, device_type: str) -> str:
     """How an order of ``runs`` by step time (fastest first) may be read: on a CPU, :data:`CPU_ORDER`; on a GPU a
-    measured ranking, naming each neighbouring pair whose order is not settled: fewer than
-    :data:`labutils.claims.MIN_TIMED_STEPS` timed steps, or a noise (:func:`labutils.claims.timed_ratio`) as large
-    as the difference."""
+    measured ranking, naming each neighbouring pair whose order is not settled (too few timed steps, or noise)."""
     if device_type != "cuda":
         return CPU_ORDER
 
@@ -174,9 +169,8 @@ def plot_pareto(ks: list[int], every: dict, segs: dict, points: list, front: lis
 
 
 def recommendation(front: list, base, budget: int) -> list[dict]:
-    """One row per Pareto-front run, in the front's order (by step time, read as :func:`ranking_label` says): the
-    budget it needs, whether this lab's ``budget`` is enough, the gap to the baseline it closes, its step time and
-    overhead; a last row says what to do below the front's smallest peak."""
+    """One row per Pareto-front run, in the front's order: the budget it needs, whether this lab's ``budget`` is
+    enough, the gap to the baseline it closes, its step time and overhead; then what to do below the front."""
     rec = [{"budget_at_least_mib": m.peak / MiB, "use": m.variant, "fits_this_budget": m.peak <= budget,
             "gap_it_closes_mib": (base.peak - m.peak) / MiB if base.ok else None, "step_s": m.step_time,
             "time_overhead_pct": 100 * (m.step_time / base.step_time - 1) if base.ok else None} for m in front]
@@ -188,9 +182,8 @@ def recommendation(front: list, base, budget: int) -> list[dict]:
 
 def spec_check(cfg, info: dict, *, off, on, saving, overhead, flops_ratio: float, block_ratio: float, k_seg,
                k_star: float, state_bytes: int) -> list[dict]:
-    """The course README's lab 3 table beside section 2's pair at the config's batch (``saving`` / ``overhead``: None
-    unless both ran), each row with why they differ. Its GB are GPT-2 on a GPU: never set beside a smoke run's MiB.
-    The course states a time cost; the FLOP count (section 1) has a row of its own, set against no claim."""
+    """The course README's lab 3 table beside section 2's pair at the config's batch, each row with why they differ.
+    Its GB are GPT-2 on a GPU: never set beside a smoke run's MiB; the FLOP count is set against no claim."""
     B, T = cfg.train.micro_batch_size, cfg.data.seq_length
     gb = (lambda s: s) if info["mode"] == "full" else (lambda s: "(a GPU size: full mode only)")
     cpu = info["device"].type != "cuda"
@@ -221,18 +214,15 @@ def spec_check(cfg, info: dict, *, off, on, saving, overhead, flops_ratio: float
 
 def _conditions(cfg, info: dict, batch: int, budget_text: str) -> dict:
     return cl.conditions(model=cfg.model.name, batch=f"{batch} x 1", sequence=cfg.data.seq_length,
-                         precision=cfg.train.precision,
-                         hardware=cl.hardware({"gpu_name": info["gpu_name"], "device": info["device"].type}),
-                         mode=info["mode"], budget=budget_text)
+                         precision=cfg.train.precision, hardware=cl.hardware(info), mode=info["mode"],
+                         budget=budget_text)
 
 
 def claim_c4(cfg, info: dict, *, pair, b0: int, b1: int, budget: int, state_bytes: int, flops_ratio: float,
-             hw: str, dropout: float | None = None, **_unused) -> dict:
-    """Claim C4 (30-50 % less memory for +20-30 % time) on section 2's ``pair`` (no checkpointing, checkpointing) at
-    one micro-batch, or None: the saving and overhead the tables print. The headline is what checkpointing buys: the
-    largest micro-batch within ``budget``, ``b0`` without and ``b1`` with. ``flops_ratio``: full checkpointing's FLOPs
-    on the model as trained (``dropout``); ``state_bytes``: 16N, its share of the peak goes with the evidence."""
-    hwname = cl.hardware({"gpu_name": info["gpu_name"], "device": info["device"].type})
+             hw: str, dropout: float | None = None) -> dict:
+    """Claim C4 (30-50 % less memory for +20-30 % time) on section 2's ``pair`` (no checkpointing, checkpointing):
+    the saving and overhead the tables print, headed by what checkpointing buys (the largest micro-batch within
+    ``budget``: ``b0`` without, ``b1`` with). ``state_bytes``: 16N, its share of the peak goes with the evidence."""
     headline = (f"within {fmt(budget)} the largest micro-batch is {b0} without checkpointing and {b1} with it"
                 + (f" ({b1 / b0:.1f}x the sequences per step)" if b0 else ""))
     extra = {"headline": headline, "recompute_flops_overhead": flops_ratio - 1,
@@ -245,7 +235,7 @@ def claim_c4(cfg, info: dict, *, pair, b0: int, b1: int, budget: int, state_byte
     mb = o.micro_batch
     ratio, ev = cl.run_pair_evidence(o.result, n.result, (f"no checkpointing, micro-batch {mb}",
                                                           f"checkpointing every block, micro-batch {mb}"),
-                                     hardware=hwname)
+                                     hw=cl.hardware(info))
     c4_time = n.step_time / o.step_time - 1   # the tables' number: the ratio of the medians
     mem_ev = cl.Evidence(pair=ev.pair, hardware=ev.hardware, state_share=state_bytes / o.peak)
     time_judged = cl.judge_quantity(cl.CLAIMS["C4"].quantities[1], c4_time, ev)[0] in cl.JUDGED
@@ -264,8 +254,7 @@ def claim_c4(cfg, info: dict, *, pair, b0: int, b1: int, budget: int, state_byte
 def claim_c5(cfg, info: dict, *, k_chain: int, chain_layers: int, k_seg, n_blocks: int,
              block_ratio: float | None = None, gpt2_model: str | None = None) -> dict:
     """Claim C5 (the best segment length is about sqrt(L)): the chain of section 3 (best at ``k_chain``) and the GPT-2
-    segment sweep (``n_blocks`` deep, best at ``k_seg``), each judged only with >= :data:`labutils.claims.MIN_LAYERS`
-    layers (recorded in the conditions). The reason states the measured optima only: it cannot contradict a verdict."""
+    segment sweep (``n_blocks`` deep, best at ``k_seg``); the reason states the measured optima only."""
     gname = gpt2_model or cfg.model.name
     values = {"chain_optimum_over_sqrt_L": k_chain / math.sqrt(chain_layers),
               "gpt2_optimum_over_sqrt_L": k_seg / math.sqrt(n_blocks) if k_seg else None}

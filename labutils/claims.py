@@ -1,17 +1,11 @@
-"""The seven folklore claims of the original course (C1-C7), quoted in its own words with where each comes from
-(the Lab-1.4 course README and notebooks, the Lab-1.3 DeepSpeed README), and the entries a lab records for them:
-``claims=[claim_entry(...), ...]`` with its results (``lu.record_results(..., claims=...)``); :func:`collect`
-builds the whole C1-C7 table from every lab's results.
+"""The seven folklore claims of the original course (C1-C7), quoted in its own words with where each comes from,
+and the entries a lab records for them: ``claims=[claim_entry(...), ...]`` with its results
+(``lu.record_results(..., claims=...)``); :func:`collect` builds the whole C1-C7 table from every lab's results.
 
-Each claim is data: the course's words and one or more :class:`~labutils.verdict_rule.Quantity`. The rule that
-turns the numbers into a verdict (thresholds, what evidence a quantity needs, not judged / not decided) is
-:mod:`labutils.verdict_rule`; its public names are importable from here too (``cl.Evidence``, ``cl.timed_ratio``).
-
-In smoke mode (the entry's recorded ``mode`` is not "full", or its model is the tiny one) C1, C2, C3, C4 and C6
-are "not judged", with the value measured and the reason shown: the tiny model's FP32 weights, gradients and
-AdamW state are a large part of its peak, so its memory ratios do not carry over to GPT-2 on a GPU, and CPU or
-tiny-model timing says nothing about a GPU. C5's chain of equal layers does not depend on the model's size and
-may be judged in smoke.
+Each claim is data: the course's words and one or more :class:`~labutils.verdict_rule.Quantity`; the rule that turns
+the numbers into a verdict is :mod:`labutils.verdict_rule`, whose public names are importable from here too. In smoke
+mode C1-C4 and C6 are "not judged" (the tiny model's ratios do not carry over to GPT-2 on a GPU); C5's chain of equal
+layers does not depend on the model's size and may be judged in smoke.
 """
 from __future__ import annotations
 
@@ -27,7 +21,6 @@ OWNER = {"C1": "01-Mixed_Precision", "C2": "01-Mixed_Precision", "C3": "02-Gradi
          "C4": "03-Gradient_Checkpointing", "C5": "03-Gradient_Checkpointing", "C6": "04-Memory_Profiling",
          "C7": "04-Memory_Profiling"}
 FULL = ("full_model",)
-
 
 
 @dataclass(frozen=True)
@@ -87,10 +80,8 @@ SPEED_QUANTITIES = {(c.id, q.name) for c in CLAIMS.values() for q in c.quantitie
 
 
 def judge(claim_id: str, values: dict, evidence=None) -> tuple[str, str, dict]:
-    """(verdict, why, parts) for ``values`` ({quantity name: number or None}); ``parts``: {quantity name:
-    {"verdict", "why"}}. ``evidence`` (one :class:`Evidence` for every quantity or {quantity name: Evidence}) is
-    checked against each quantity's needs; without it this is the bare threshold rule (what the numbers would mean
-    *if* the run could support them): a recorded entry (:func:`claim_entry`) always checks the evidence."""
+    """(verdict, why, {quantity name: {"verdict", "why"}}) for ``values`` ({quantity name: number or None}), with
+    ``evidence`` checked against each quantity's needs; without it, what the numbers would mean *if* judged."""
     claim = CLAIMS[claim_id]
     evs = evidence_for(claim.quantities, evidence, None) if evidence is not None else {}
     parts = {q.name: dict(zip(("verdict", "why"), judge_quantity(q, values.get(q.name), evs.get(q.name))))
@@ -123,8 +114,7 @@ def conditions(*, model: str | None, batch: str | None, sequence: int | None, pr
 
 
 def smoke_tag(cond: dict) -> str:
-    """The tag a smoke measurement's why carries: the tiny model, and where it ran (a CPU, or the GPU that
-    LAB_SMOKE=1 ran it on: the first GPU run's lab 04 said "on CPU" beside "NVIDIA H200")."""
+    """The tag a smoke measurement's why carries: the tiny model, and where it ran (a CPU, or LAB_SMOKE=1's GPU)."""
     hw = str(cond.get("hardware") or "cpu")
     if hw.lower().startswith("cpu"):
         return " [smoke measurement: tiny model on CPU, not a GPU result]"
@@ -137,14 +127,10 @@ def claim_entry(claim_id: str, values: dict | None, cond: dict, *, reason: str |
     """One ``claims`` entry: id, claim, expected, measured (values with units), verdict, why, conditions, parts
     (each quantity's own verdict and clause), compares (each quantity's pair of runs), evidence.
 
-    ``values``: {quantity: number}; None or empty with ``not_measured`` (why not) gives ``not measured``.
-    ``evidence``: one :class:`Evidence` for all quantities or {quantity: Evidence}; its hardware defaults to
-    ``cond["hardware"]``. Without evidence a speed quantity is ``not judged`` (no timed steps recorded).
-    ``reason``: a clause the lab computed from the same numbers (e.g. which memory term did not shrink),
-    appended to the why; the lab must not let it contradict the verdict.
-    ``prediction``: {quantity: number} from the estimator, recorded and labelled as a prediction, never as a
-    measurement. ``extra``: more measured context (e.g. the largest batch each setup fits).
-    In smoke mode (``cond["mode"] != "full"``) the measurement is labelled a smoke measurement.
+    ``values``: {quantity: number}; none gives ``not measured`` (``not_measured``: why not). ``evidence``: one
+    :class:`Evidence` or {quantity: Evidence} (its hardware defaults to ``cond["hardware"]``). ``reason``: a clause
+    computed from the same numbers, appended to the why (it must not contradict the verdict). ``prediction``:
+    {quantity: number} from the estimator, labelled as a prediction. ``extra``: more measured context.
     """
     claim = CLAIMS[claim_id]
     values = {k: v for k, v in (values or {}).items() if v is not None}
@@ -196,11 +182,9 @@ _RANK = {HOLDS: 0, PARTLY: 0, DOES_NOT_HOLD: 0, NOT_DECIDED: 1, NOT_JUDGED: 2, N
 
 
 def collect(results: dict[str, dict], fallback: list[dict] | None = None) -> list[dict]:
-    """C1-C7, one entry each: the first judged entry from the lab that owns the claim, else ``fallback``
-    (entries computed elsewhere, e.g. lab 04), else any other lab; failing a judged one, the first ``not
-    decided``, then ``not judged``, then ``not measured`` entry in that order; else a ``not measured`` entry
-    saying no lab recorded it. ``results``: {anything: results JSON}.
-    """
+    """C1-C7, one entry each from ``results`` ({anything: results JSON}): the best-judged entry (judged, then not
+    decided, not judged, not measured) of the lab that owns the claim, else ``fallback`` (e.g. lab 04's), else any
+    other lab; else a ``not measured`` entry saying no lab recorded it."""
     by_lab: dict[str, dict[str, dict]] = {}
     for data in results.values():
         for e in data.get("claims") or []:
@@ -222,8 +206,7 @@ def collect(results: dict[str, dict], fallback: list[dict] | None = None) -> lis
 
 
 def table_rows(entries: list[dict]) -> list[dict]:
-    """Flat rows for a Markdown table: id, verdict, measured (a value not judged is labelled so), compares (the
-    pair of runs behind each value), why, conditions, lab."""
+    """Flat rows for a Markdown table: claim, verdict, measured (a value not judged labelled so), compares, why..."""
     rows = []
     for e in entries:
         m = e.get("measured") or {}

@@ -1,9 +1,6 @@
-"""One training step op by op, from a ``torch.profiler`` profile: each ATen op's group (matmul-like ops against the
-memory-bound rest: :func:`op_group`), its self time per step and input dtypes (:func:`op_profile`), the groups side
-by side (:func:`op_group_rows`, :func:`plot_op_groups`, :func:`profile_reading`: lab 01); the step times before
-and after a fix of the same maths (:func:`step_time_rows`: lab 04). Op time is the sum of the ops' self times under
-the profiler, not a wall-clock step time: a ratio of op times is not the step speed-up of a timed run.
-``import labutils.op_profile as opp`` (labs 01 and 04: ``am.``).
+"""One training step op by op, from a ``torch.profiler`` profile: each ATen op's group (matmul-like against the
+memory-bound rest), self time per step and input dtypes, the groups side by side (lab 01); the step times before and
+after a fix (lab 04). Op time is the ops' self times under the profiler: a ratio of op times is not a step speed-up.
 """
 from __future__ import annotations
 
@@ -57,9 +54,8 @@ def _input_dtype(e, kineto: dict) -> str | None:
 
 
 def _kineto_dtypes(prof) -> dict:
-    """{correlation id: input dtypes} of a profile's CPU ops from the profiler's own kineto events. torch 2.12 gave
-    ``FunctionEvent`` its ``input_dtypes``; before that only the ``KinetoEvent`` behind it has them (``dtypes()``), and
-    the event's ``id`` is that event's correlation id (on torch 2.11 every dtype read "-" without this)."""
+    """{correlation id: input dtypes} of a profile's CPU ops from its kineto events: before torch 2.12 only they carry
+    the dtypes (``FunctionEvent.id`` is the kineto event's correlation id)."""
     from torch.autograd import DeviceType
 
     results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
@@ -87,11 +83,8 @@ class OpProfile:
 
 
 def op_profile(prof, steps: int = 1) -> OpProfile:
-    """Per operator of a ``torch.profiler`` profile (``prof``, recorded with ``record_shapes=True``; its
-    ``prof.events()`` also do on torch >= 2.12): its group, calls per step, self time per step (each op's own time
-    without its children, so nothing counts twice: on a GPU the self *device* time of the kernels it launched, else
-    self CPU time), and how much of that time had an FP32 first input outside the optimizer step
-    (``fp32_input_ms``: what autocast left in FP32)."""
+    """Per operator of a ``torch.profiler`` profile (``record_shapes=True``): group, calls and self time per step (GPU:
+    self device time, else self CPU time), and ``fp32_input_ms``: the part with an FP32 input outside the optimizer."""
     from torch.autograd import DeviceType
 
     events = prof.events() if callable(getattr(prof, "events", None)) else prof
@@ -123,17 +116,15 @@ def op_profile(prof, steps: int = 1) -> OpProfile:
 
 def gpu_busy(profile: OpProfile, step_seconds: float | None) -> float | None:
     """The share of a training step that its GPU kernels fill: the profile's kernel time per step over the timed
-    run's median step time (None on the CPU, or without a step time). Far below 1 the host (Python, kernel launches)
-    sets the pace: the first GPU run's bf16 step of GPT-2 small at 8 x 256 on an H200 kept its GPU busy 43 %."""
+    run's median step time (None on the CPU, or without a step time). Far below 1 the host sets the pace."""
     if not profile.on_gpu or not step_seconds:
         return None
     return profile.total_ms / 1e3 / step_seconds
 
 
 def op_group_rows(profiles: dict, baseline: str = "fp32") -> list[dict]:
-    """One row per op group (then memory-bound = elementwise + casts, then all ops) of ``profiles`` ``{precision:
-    OpProfile}``: time per step, share of that profile's total, calls per step, and each other precision's op-time
-    speed-up (``op_time_speedup_<p>``: baseline op time / its op time under the profiler, not a step speed-up)."""
+    """One row per op group (then memory-bound, then all ops) of ``profiles`` ``{precision: OpProfile}``: time per
+    step, share of the total, calls per step, and each other precision's op-time speed-up (not a step speed-up)."""
     rows = []
     for label, members in [(g, (g,)) for g in OP_GROUPS] + [("memory-bound (elementwise + casts)", MEMORY_BOUND),
                                                             ("all ops", OP_GROUPS)]:
@@ -179,10 +170,8 @@ def plot_op_groups(profiles: dict, title: str):
 
 
 def profile_reading(profiles: dict, amp: str, activation: str, baseline: str = "fp32") -> list[str]:
-    """Two lines, every number from the profiles: the matmul group's op-time ratio ``baseline`` -> ``amp`` beside
-    the memory-bound ops', and how much memory-bound time under ``amp`` still read FP32 inputs, per op as a part of
-    its own time (an op called with both dtypes gets no speed-up of its own: that would mix the two). On a GPU the
-    lesson the signs allow; from a CPU profile no GPU conclusion (a CPU has no tensor cores)."""
+    """Two lines from the profiles: the op-time ratios ``baseline`` -> ``amp`` of matmuls and memory-bound ops, what
+    still read FP32 inputs under ``amp``; then on a GPU the lesson the signs allow, from a CPU no GPU conclusion."""
     b, a = profiles[baseline], profiles[amp]
     mm = b.group_ms(MATMUL), a.group_ms(MATMUL)
     mem = tuple(sum(p.group_ms(g) for g in MEMORY_BOUND) for p in (b, a))
@@ -215,17 +204,14 @@ def profile_reading(profiles: dict, amp: str, activation: str, baseline: str = "
 
 # --------------------------------------------------------------------------------------------- a fix, timed
 def step_time_rows(times: dict, baseline: str = "before") -> list[dict]:
-    """One row per run ``{label: [seconds per timed step]}``: median step time, its noise (+- half the
-    inter-quartile range, relative), the timed steps, and the speed-up over ``baseline`` with its noise
-    (:func:`labutils.claims.timed_ratio`)."""
+    """One row per run ``{label: [seconds per timed step]}``: median step time and its noise, the timed steps, and
+    the speed-up over ``baseline`` with its noise (:func:`labutils.claims.timed_ratio`)."""
     rows = []
     for label, ts in times.items():
         t = cl.timed_ratio(times[baseline], ts)
         median, noise = cl.median_spread(ts)
-        speedup = 1 / t["ratio"] if t["ratio"] else None
         rows.append({"run": label, "median_step_ms": median * 1e3 if median else None,
-                     "noise_pct": 100 * noise if noise is not None else None,
-                     "timed_steps": len(ts),
-                     f"speedup_vs_{baseline}": speedup,
+                     "noise_pct": 100 * noise if noise is not None else None, "timed_steps": len(ts),
+                     f"speedup_vs_{baseline}": 1 / t["ratio"] if t["ratio"] else None,
                      "speedup_noise": t["spread"] / t["ratio"] ** 2 if t["spread"] is not None and t["ratio"] else None})
     return rows

@@ -1,8 +1,6 @@
 """Lab 01, the numerics: number formats read from ``torch.finfo``, whether this device computes FP16 natively, what
-FP16 storage does to real gradients (underflow) and activations (overflow), and the loss-scale figure.
-
-The technique itself (autocast, GradScaler, unscale -> clip -> step -> update) and the forward hook that finds the
-first non-finite module are written out in the notebook. ``import labutils.precision as lp``.
+FP16 storage does to real gradients (underflow) and activations (overflow), and the loss-scale figure. The technique
+itself is written out in the notebook. ``import labutils.precision as lp``.
 """
 from __future__ import annotations
 
@@ -113,11 +111,11 @@ class HalfGradientCensus:
 
 
 @torch.no_grad()
-def half_gradient_census(grads, scale: float, bins: tuple = (-40, 20)) -> HalfGradientCensus:
+def half_gradient_census(grads, scale: float) -> HalfGradientCensus:
     """Count, over the nonzero entries of ``grads``, those FP16 would flush to zero, keep as subnormals, and (after
     multiplying by ``scale``) flush or overflow; plus a histogram of log2|g|, one bin per power of 2."""
-    c = HalfGradientCensus(scale=scale, bins=bins)
-    lo, hi = bins
+    c = HalfGradientCensus(scale=scale)
+    lo, hi = c.bins
     hist = torch.zeros(hi - lo, dtype=torch.float64)
     tiny = torch.finfo(torch.float16).smallest_normal
     for g in grads:
@@ -168,9 +166,8 @@ def plot_gradient_census(census: HalfGradientCensus, title: str):
     ax.axvspan(lo, math.log2(f16.smallest_normal * f16.eps) - 1, color="gray", alpha=0.2, label="FP16 rounds to 0")
     ax.axvline(math.log2(f16.smallest_normal), color="orange", ls="--", label="FP16 smallest normal")
     ax.axvline(math.log2(f16.max), color="red", ls="--", label="FP16 max")
-    ax.set_yscale("log")
-    ax.set_xlim(lo, math.log2(f16.max) + 4)
-    ax.set(xlabel="log2 |gradient value|", ylabel="count (log scale)", title=title)
+    ax.set(yscale="log", xlim=(lo, math.log2(f16.max) + 4), xlabel="log2 |gradient value|",
+           ylabel="count (log scale)", title=title)
     legend_outside(ax, fontsize=8)  # the panel has no free corner
     fig.tight_layout()
     return fig

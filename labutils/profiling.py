@@ -1,11 +1,6 @@
-"""Looking inside a training step (lab 04): what autograd saves per module, allocator traces, profiler ops.
-
-* :func:`saved_tensors_by_module`: the tensors autograd saves for backward in one forward pass, per module;
-* :func:`trace_summary`: the views of pytorch.org/memory_viz (allocated over time, who holds memory at the peak)
-  from a CUDA snapshot's trace; :class:`CPUTraceRecorder` / :func:`record_cpu_trace` write such a trace on a CPU;
-* :func:`profiler_op_rows`, :func:`range_times`: a ``torch.profiler`` profile's operators and ranges;
-  :func:`profile_each_step` and :func:`op_change_rows`: the slowest ops before and after a fix, each op with its
-  own noise; :func:`timed_steps`; :func:`cuda_memory_cap` makes the GPU behave like a smaller card.
+"""Looking inside a training step (lab 04): what autograd saves per module, allocator traces (a CUDA snapshot's, or
+the CPU stand-in in the same format) and their memory_viz views, ``torch.profiler`` operators and ranges, the slowest
+ops before and after a fix (each op with its own noise), and a GPU capped to a smaller card.
 """
 from __future__ import annotations
 
@@ -27,9 +22,8 @@ MiB = 2**20
 
 
 def saved_tensors_by_module(model: torch.nn.Module, batch: dict, autocast=None, depth: int = 3) -> list[dict]:
-    """One forward pass (with the loss); per module up to ``depth`` dots deep, the bytes of the tensors autograd
-    saved for backward: ``activations`` and ``weight_copies`` (autocast's half weights). Storages count once (q, k, v
-    are views of one tensor), parameters not at all; the graph is dropped at the end."""
+    """One forward pass (with the loss); per module up to ``depth`` dots deep, the bytes autograd saved for backward:
+    ``activations`` and ``weight_copies`` (autocast's half weights), each storage once, parameters not at all."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     stack, seen, keep, rows, handles = ["(loss)"], set(), [], {}, []
     for name, mod in model.named_modules():
@@ -74,9 +68,7 @@ def cuda_memory_cap(gb: float | None):
         yield dev.cap_bytes()
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Allocator traces: CUDA snapshots and a CPU stand-in in the same format
-# ----------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------- allocator traces: CUDA snapshots, a CPU stand-in
 _BACKWARD_NODE = re.compile(r"(?:generated::|autograd::)(\w*Backward\w*)")
 _INTERNAL = ("/torch/", "/site-packages/torch", "<frozen", "/tqdm/", "/contextlib.py", "/threading.py")
 # The phase an allocation belongs to when no module is running, after each mark of a training step
@@ -86,10 +78,8 @@ CPU_TRACE_PHASES = {"before forward": "forward (outside modules)", "after forwar
 
 class PhaseMarks:
     """``mark = PhaseMarks(); ...; mark("after forward")``: the phase each later allocation belongs to, for
-    :func:`trace_summary` (``phases=mark.phases``). With ``stacks="python"`` backward allocates on autograd's own
-    thread, without Python frames: the phase names those allocations. Each mark is a time in the trace's clock
-    (microseconds: a CUDA snapshot's ``time_us`` is Unix time); not ``_set_memory_metadata``, which is
-    thread-local, so autograd's thread never carries it."""
+    :func:`trace_summary` (``phases=mark.phases``): backward allocates on autograd's thread, without Python frames.
+    Each mark is a time in the trace's clock (microseconds of Unix time, as a CUDA snapshot's ``time_us``)."""
 
     def __init__(self, clock=None):
         self.clock = clock or (lambda: time.time_ns() / 1e3)
@@ -122,10 +112,8 @@ def _site(frames: list[dict], phase: str | None = None) -> str:
 
 
 def trace_summary(snapshot: dict, device: int = 0, start_bytes: int = 0, top: int = 10, phases=None) -> dict:
-    """Allocated bytes over time and the largest holders at the peak, from a snapshot's trace. ``start_bytes``:
-    what was allocated when recording started; ``phases``: :class:`PhaseMarks`' markers (a frameless allocation
-    belongs to the last marker at or before it). ``{"t", "bytes", "time_unit", "peak_bytes", "peak_index",
-    "top_at_peak", "top_allocated", "events"}``."""
+    """Allocated bytes over time and the largest holders at the peak, from a snapshot's trace (``start_bytes``
+    allocated when recording started; a frameless allocation belongs to the last of :class:`PhaseMarks`' ``phases``)."""
     traces = snapshot.get("device_traces") or [[]]
     live: dict[int, tuple[int, str]] = {}
     cur, ts, ys, t0 = start_bytes, [], [], None
@@ -189,9 +177,8 @@ class _RecordingStorages(LiveStorages):
 
 
 class CPUTraceRecorder:
-    """``with CPUTraceRecorder(model) as rec: ...`` then ``rec.snapshot()``: a trace in the CUDA snapshot's format
-    from the tensors CPU operators create (site = module running + operator). Tensors alive before the block are
-    not in it (like ``_record_memory_history``); ``rec.start_bytes`` has them."""
+    """``with CPUTraceRecorder(model) as rec: ...`` then ``rec.snapshot()``: a CUDA-snapshot-format trace of the tensors
+    CPU operators create (site = module running + operator); those alive before the block are ``rec.start_bytes``."""
 
     def __init__(self, model: torch.nn.Module | None = None, depth: int = 3):
         self.model, self.depth, self._stack, self._handles = model, depth, ["(outside modules)"], []
@@ -242,8 +229,8 @@ def record_cpu_trace(model: torch.nn.Module, step, steps: int) -> tuple[dict, in
 
 
 def operators_only(averages):
-    """``prof.key_averages()`` without the ``record_function`` ranges (spans, not operators: on a GPU a range's span
-    counted as its self time, ``forward`` at 570 %), keeping the profile's columns (memory with profile_memory)."""
+    """``prof.key_averages()`` without the ``record_function`` ranges (spans, not operators), keeping the profile's
+    columns (memory with profile_memory)."""
     from torch.autograd.profiler_util import EventList
 
     return EventList([e for e in averages if not getattr(e, "is_user_annotation", False)],
@@ -254,8 +241,7 @@ def operators_only(averages):
 
 def profiler_op_rows(averages, steps: int, on_gpu: bool) -> list[dict]:
     """One row per operator of ``prof.key_averages()`` over ``steps`` steps, slowest first: group, calls, self time
-    and self memory per step (allocated minus freed inside the op: its outputs, which later ops free, or which stay
-    alive as activations saved for backward). Device time and memory on a GPU."""
+    and self memory per step (allocated minus freed inside the op); device time and memory on a GPU."""
     rows = [{"op": e.key, "group": op_group(e.key), "calls": e.count / steps,
              "self time (ms)": (e.self_device_time_total if on_gpu else e.self_cpu_time_total) / 1e3 / steps,
              "self memory (MiB)": (e.self_device_memory_usage if on_gpu else e.self_cpu_memory_usage) / MiB / steps}
@@ -266,8 +252,7 @@ def profiler_op_rows(averages, steps: int, on_gpu: bool) -> list[dict]:
 def range_times(events, names=("forward", "backward", "optimizer_step")) -> list[dict]:
     """One row per ``record_function`` range of ``prof.events()``: calls and CPU time from its CPU-side event; device
     time = the self device time of every operator, on any thread, inside the range's CPU interval (the profiler's
-    own copies only see the range's thread: ``backward``'s kernels, launched by autograd's, read ~0; kineto issue
-    1022). None without GPU activity."""
+    own sum sees only the range's thread, and autograd launches backward's kernels on its own). None without a GPU."""
     from torch.autograd import DeviceType
 
     cpu_ops = [e for e in events if e.device_type == DeviceType.CPU]
@@ -297,9 +282,8 @@ def timed_steps(step, n: int, device=None) -> list[float]:
 
 
 def profile_each_step(step, n: int, device, trace=None) -> list:
-    """``n`` calls of ``step()``, each under its own ``torch.profiler`` session (with input dtypes): one
-    :class:`labutils.op_profile.OpProfile` per step, so each op's time has a spread of its own. ``trace``: a path
-    for the last session's Chrome trace."""
+    """``n`` calls of ``step()``, each under its own ``torch.profiler`` session: one OpProfile per step, so each op's
+    time has a spread of its own. ``trace``: a path for the last session's Chrome trace."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else [])
@@ -314,11 +298,8 @@ def profile_each_step(step, n: int, device, trace=None) -> list:
 
 
 def op_change_rows(before: list, after: list, n: int = 8) -> list[dict]:
-    """The ``n`` slowest ATen ops of each side (median self time over its per-step profiles), side by side: median
-    and noise (half the inter-quartile range of the op's OWN per-step times: a whole step's noise says nothing about
-    one op), calls per step, input dtypes, and a reading. A change in calls is a count, true on any device ("removed
-    by the fix", "added by the fix", "fewer calls", "more calls"); otherwise the time change is "within its own
-    noise" or "beyond its own noise" (both sides' noise added)."""
+    """The ``n`` slowest ATen ops of each side, side by side: median self time and noise of the op's OWN per-step
+    times, calls per step, input dtypes, and a reading: a change in calls, else the time change against the noise."""
     def per_step(profiles, name, key):
         return [next((r[key] for r in p.ops if r["op"] == name), 0.0) for p in profiles]
 

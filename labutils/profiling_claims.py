@@ -1,14 +1,7 @@
 """C6 and C7, the two claims of the course design that lab 04 measures (the verdict rules are in
-:mod:`labutils.claims`; this module runs what they need and builds their entries).
-
-* :func:`c6_claim`: the FP32 baseline against all three techniques together (mixed precision, checkpointing,
-  accumulation) at the technique table's effective batch, trained by the notebook's one loop;
-* :func:`c7_claim`: DeepSpeed ZeRO-2 with the optimizer offloaded to the CPU against plain fp16 training
-  (:func:`measure_zero2_offload`, where DeepSpeed and CUDA are here); else not measured, with the estimator's
-  prediction (:func:`zero2_offload_prediction`).
-
-Section 8's table never gives C1, C2 or C4: its FP32 baseline (GPT-2 medium, 4 x 512) never fits the 8 GB card it
-runs under (and, in smoke, its scale model). Labs 01 and 03 measure them.
+:mod:`labutils.claims`): :func:`c6_claim` runs all three techniques together against the FP32 baseline with the
+notebook's one loop; :func:`c7_claim` DeepSpeed ZeRO-2 + CPU offload against plain fp16, where DeepSpeed and CUDA are
+here, else not measured with the estimator's prediction. Labs 01 and 03 measure C1, C2 and C4.
 """
 from __future__ import annotations
 
@@ -19,10 +12,6 @@ from .config import load_config
 from .memory import fmt_bytes
 
 ZERO2_OFFLOAD_ACCELERATE = "configs/accelerate/deepspeed_zero2_offload.yaml"
-
-
-def _hardware(info: dict) -> str:
-    return cl.hardware({"gpu_name": info["gpu_name"], "device": info["device"].type})
 
 
 def _c6_run(c, loop, device) -> dict:
@@ -50,12 +39,8 @@ def _c6_run(c, loop, device) -> dict:
 
 
 def c6_claim(tech_cfg, loop, config_path: str, info: dict, pair: dict, *, amp: str = "fp16") -> tuple[dict, dict, dict]:
-    """C6 measured with the notebook's one loop (``loop``): ``pair`` = {name: overrides of ``tech_cfg``}, the FP32
-    baseline and all three techniques (``amp`` mixed precision) at ONE effective batch, the technique table's. Both
-    run on this device's whole memory, not under the 8 GB cap: a ratio needs both sides to run, and the table's FP32
-    baseline never fits 8 GB. A side that runs out of memory is recorded as such, with the estimator's peak for it
-    (a prediction): no smaller batch is substituted. Speed is judged only from a GPU with enough timed steps.
-    Returns ``(entry, conditions, predicted largest micro-batch on an 8 GB card per setting)``."""
+    """(C6 entry, its conditions, the predicted largest micro-batch on an 8 GB card): ``pair`` ({name: overrides}), FP32
+    against all three techniques at ONE effective batch with the notebook's ``loop``, on this device's whole memory."""
     device = info["device"]
     warm = tech_cfg.train.timing_warmup_steps
     # a GPU gets enough timed steps for a speed verdict; a CPU's time is never judged, so a few steps do
@@ -68,7 +53,7 @@ def c6_claim(tech_cfg, loop, config_path: str, info: dict, pair: dict, *, amp: s
     names = tuple(runs)
     cond = cl.conditions(model=tech_cfg.model.name, batch=f"effective batch {tech_cfg.effective_batch_size}",
                          sequence=tech_cfg.data.seq_length, precision=f"{amp} + checkpointing + accumulation vs fp32",
-                         hardware=_hardware(info), mode=info["mode"])
+                         hardware=cl.hardware(info), mode=info["mode"])
     state_bytes = 16 * est.parameter_count(tech_cfg.model.name, tech_cfg.model.pad_vocab_to)
     full = load_config(config_path, mode="full")
     fits_pred = {name: est.largest_batch(full, cards.card_total_bytes(8)[0], limit=64, **over) for name, over in
@@ -98,15 +83,12 @@ def c6_claim(tech_cfg, loop, config_path: str, info: dict, pair: dict, *, amp: s
                                    f"technique"),
                            extra={"largest_micro_batch_8GiB_predicted": fits_pred,
                                   "peaks_bytes": {names[0]: base["peak_bytes"], names[1]: both["peak_bytes"]}})
-    entry.setdefault("compares", {q: f"{names[0]} vs {names[1]}" for q in values})
     return entry, cond, fits_pred
 
 
 def zero2_offload_prediction(cfg, precision: str = "fp16") -> dict:
-    """C7's prediction for ``cfg`` on one GPU: model state under plain mixed precision (2P fp16 weights + 2P grads +
-    12P AdamW/master, ZeRO stage 0) vs ZeRO-2 with the optimizer on the CPU (2P + 2P on the GPU), each plus one
-    micro-batch's activations (:func:`labutils.distributed.zero_bytes_per_gpu`). {"memory_saving", "plain_bytes",
-    "zero2_offload_bytes"}."""
+    """C7's prediction for ``cfg`` on one GPU: model state under plain mixed precision (16P, ZeRO stage 0) vs ZeRO-2
+    with the optimizer on the CPU (4P on the GPU), each plus one micro-batch's activations."""
     from .distributed import zero_bytes_per_gpu
 
     e = est.estimate_memory(cfg, precision=precision)
@@ -131,9 +113,8 @@ def zero2_offload_unavailable() -> str | None:
 
 
 def measure_zero2_offload(config: str, overrides: list[str], workdir, *, timeout: int = 1800) -> dict:
-    """The same config and batch trained twice in subprocesses, plainly (``python -m labutils run``) and under
-    DeepSpeed ZeRO-2 with the optimizer on the CPU (``accelerate launch`` with :data:`ZERO2_OFFLOAD_ACCELERATE`):
-    {"plain": run record, "zero2_offload": run record} (``--json`` records) or {"error": why}."""
+    """The same config and batch trained in subprocesses plainly and under DeepSpeed ZeRO-2 with the optimizer on the
+    CPU (:data:`ZERO2_OFFLOAD_ACCELERATE`): {"plain": run record, "zero2_offload": run record} or {"error": why}."""
     import json
     import subprocess
     import sys
@@ -162,7 +143,7 @@ def c7_claim(config_path: str, tech_cfg, info: dict, workdir) -> dict:
     """C7 at micro-batch 1 in fp16: measured (:func:`measure_zero2_offload`, writing to ``workdir``) where it can
     run here, else not measured with the estimator's prediction for the full-size config."""
     cond = cl.conditions(model=tech_cfg.model.name, batch="1 x 1", sequence=tech_cfg.data.seq_length,
-                         precision="fp16, ZeRO-2 + CPU offload vs plain", hardware=_hardware(info), mode=info["mode"])
+                         precision="fp16, ZeRO-2 + CPU offload vs plain", hardware=cl.hardware(info), mode=info["mode"])
     full = load_config(config_path, mode="full").override({"train.micro_batch_size": 1, "train.accumulation_steps": 1})
     prediction = {"memory_saving": zero2_offload_prediction(full)["memory_saving"]}
     # not measured: the row shows the prediction, so its conditions are the prediction's, not this run's

@@ -1,12 +1,6 @@
 """Lab 04's experiments as rows: every run measured under the lab's one budget (an 8 GB card) and set next to the
 estimator's prediction for it (``labutils.estimate``). The written-out training step, the memory marks and the raw
 ``torch.cuda`` / ``torch.profiler`` calls stay in the notebook: they are what the lab teaches.
-
-* :func:`lab_budget` (the card, or on a CPU its scale model), :func:`cpu_budget_kwargs`, :class:`MeasuredRuns`;
-* section 4: :func:`setup_training`, :func:`fresh_training`, :func:`add_stage_estimates`, :func:`stage_table`,
-  :func:`as_counted`;
-* section 5: :func:`batch_sweep`, :func:`largest_batch_rows`; section 8: :func:`technique_rows`,
-  :func:`logits_share_rows`; section 9: :func:`leak_curves`, :func:`leak_table`.
 """
 from __future__ import annotations
 
@@ -72,17 +66,15 @@ def setup_training(c, device: torch.device):
     """``model, optimizer, data, windows = setup_training(cfg, device)``, as ``lu.train`` has them (train mode, the
     dataset on the device)."""
     loaded, dataset = prepare(c, device, verbose=False)
-    model = loaded.model
-    model.train()
+    model = loaded.model.train()
     optimizer, _ = make_optimizer(model, c, device)
     data = dataset.to(device)
     return model, optimizer, data, data.windows(c.train.micro_batch_size, c.train.accumulation_steps, c.train.seed)
 
 
 def fresh_training(c, device: torch.device, fn):
-    """``fn(model, optimizer, data, windows, autocast)`` on a fresh :func:`setup_training` of ``c``; everything is
-    released when it returns, even after an error (``fn``'s own names die with it), so the next measurement starts
-    from the lab's baseline."""
+    """``fn(model, optimizer, data, windows, autocast)`` on a fresh :func:`setup_training` of ``c``, all released when
+    it returns, even after an error, so the next measurement starts from the lab's baseline."""
     model, optimizer, data, windows = setup_training(c, device)
     try:
         return fn(model, optimizer, data, windows, autocast_for(c.train.precision, device))
@@ -94,8 +86,7 @@ def fresh_training(c, device: torch.device, fn):
 def add_stage_estimates(rows: list[dict], e_stage: dict, start_bytes: int, device: torch.device,
                         n_params: int) -> None:
     """Add to each stage row ``other`` (allocated minus weights, gradients and AdamW state) and ``estimate`` (the
-    estimator's timeline at the same point; on CPU shifted to the measured start). Rows number steps from 0, as the
-    estimator's timeline does."""
+    estimator's timeline at the same point, steps from 0; on CPU shifted to the measured start)."""
     shift = start_bytes - e_stage["resident_bytes"] if device.type == "cpu" else 0
     est_at = {p["label"]: p["bytes"] + shift for p in e_stage["timeline"]}
     for r in rows:
@@ -135,9 +126,8 @@ def batch_sweep(cfg, batch_sizes, runs: MeasuredRuns, **run_kw) -> list[dict]:
 
 
 def largest_batch_rows(cfg, cards_, fixed: float, per_sample: float, device: torch.device) -> list[dict]:
-    """For each ``(label, budget_bytes)``: the largest micro-batch by the fitted line ``fixed + per_sample x batch``
-    (minus what lives outside the allocator), by the estimator's raw peak, and recommended (10 % headroom, CUDA
-    context: :func:`labutils.estimate.fits`)."""
+    """For each ``(label, budget_bytes)``: the largest micro-batch by the fitted line ``fixed + per_sample x batch``,
+    by the estimator's raw peak, and recommended (:func:`labutils.estimate.fits`)."""
     context = est.CUDA_CONTEXT_BYTES if device.type == "cuda" else 0
     return [{"budget": label, "GiB": budget / GiB,
              "largest batch (fit)": int((budget - dev.outside_allocator_bytes()[0] - fixed) // per_sample),
@@ -148,9 +138,8 @@ def largest_batch_rows(cfg, cards_, fixed: float, per_sample: float, device: tor
 
 
 def technique_rows(tech_cfg, techniques: dict, runs: MeasuredRuns, full_cfg=None, **run_kw) -> list[dict]:
-    """Train ``tech_cfg`` with each technique ``{name: overrides}`` (:func:`_measured`), with whether the full-size
-    config fits an 8 GB card (the estimator, :func:`labutils.estimate.fits`), the estimate's peak phase, and the
-    saving against the first row (its estimate when it did not fit)."""
+    """Train ``tech_cfg`` with each technique ``{name: overrides}``, with whether the full-size config fits an 8 GB
+    card (estimate), the estimate's peak phase, and the saving against the first row (its estimate if OOM)."""
     card = cards.card_total_bytes(8)[0]
     rows = []
     for name, over in techniques.items():
@@ -167,18 +156,14 @@ def technique_rows(tech_cfg, techniques: dict, runs: MeasuredRuns, full_cfg=None
 
 
 def logits_share_rows(cfg, device=None, chunk_size: int | None = None, progress: bool = False) -> list[dict]:
-    """Train ``cfg`` with the full loss, then the chunked one (``chunk_size`` positions a chunk; None: the config's):
-    ``[full_row, chunked_row]``, each with ``status``, ``peak_bytes``, ``logits_bytes`` (one fp32 ``[B, T, V]`` of a
-    micro-batch), ``largest_logits_bytes`` (the whole logits; one chunk), their shares of the peak, ``saved_bytes``
-    (the full loss's peak minus this one's) and ``saved_logits`` (in whole logits). ValueError when one chunk would
-    hold every position: the chunked loss would be the full loss."""
+    """``[full_row, chunked_row]``: ``cfg`` trained with the full loss, then the chunked one (``chunk_size`` positions
+    a chunk): its peak, the logits' bytes (all, largest live) and their shares, and the saving against the full loss."""
     chunk = int(chunk_size or cfg.model.loss_chunk_size or DEFAULT_CHUNK)
     positions = cfg.train.micro_batch_size * cfg.data.seq_length
     if chunk >= positions:
         raise ValueError(f"logits_share_rows: a chunk of {chunk} positions holds all {positions} positions of a "
                          f"micro-batch ({cfg.train.micro_batch_size} x {cfg.data.seq_length}): the chunked loss "
-                         f"would be "
-                         f"the full loss; give chunk_size below {positions}")
+                         f"would be the full loss; give chunk_size below {positions}")
     logits = 4 * positions * padded_vocab_size(vocab_size(cfg.model.name), cfg.model.pad_vocab_to)
     rows = []
     for loss in ("full", "chunked"):
@@ -200,10 +185,8 @@ def logits_share_rows(cfg, device=None, chunk_size: int | None = None, progress:
 
 
 def leak_curves(c, device: torch.device, one_step, warmup_step, variants, steps: int) -> dict:
-    """Memory above the start after each of ``steps`` training steps per way of keeping the losses: ``warmup_step(model,
-    optimizer, window, autocast)`` once, then per variant ``one_step(model, optimizer, window, val, autocast, variant,
-    train_log, val_log)`` (``val``: one validation sequence; an OOM ends a variant). ``{variant: [bytes after each
-    step], variant + " (after del)": bytes once the logs are dropped}``."""
+    """``{variant: [bytes above the start after each step], variant + " (after del)": bytes once the logs are
+    dropped}`` over ``steps`` steps of ``one_step`` per variant, after one ``warmup_step``; an OOM ends a variant."""
     def curves_of(model, optimizer, data, windows, autocast):
         val = next(data.windows(1, 1, c.train.seed + 7)).micro_batches[0]
         warmup_step(model, optimizer, next(windows), autocast)
@@ -229,10 +212,5 @@ def leak_curves(c, device: torch.device, one_step, warmup_step, variants, steps:
 
 def leak_table(curves: dict, variants) -> list[dict]:
     """One row per variant of :func:`leak_curves`: growth per step (first to last step), what stayed after del."""
-    rows = []
-    for name in variants:
-        ys = curves[name]
-        rows.append({"variant": name,
-                     "growth per step (MiB)": (ys[-1] - ys[0]) / max(1, len(ys) - 1) / MiB if ys else None,
-                     "after del (MiB)": curves[name + " (after del)"] / MiB})
-    return rows
+    return [{"variant": name, "growth per step (MiB)": (ys[-1] - ys[0]) / max(1, len(ys) - 1) / MiB if ys else None,
+             "after del (MiB)": curves[name + " (after del)"] / MiB} for name, ys in ((n, curves[n]) for n in variants)]

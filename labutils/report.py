@@ -1,13 +1,6 @@
-"""The results pages: recorded lab results (``<stem>.json``) read back and rendered as Markdown.
-
-* :func:`load_results` reads the JSONs of an output folder, keyed by the notebook that wrote them.
-* :func:`render_lab` turns one lab's JSON into Markdown (provenance header, claims, tables, figures);
-  :func:`render_results` is the whole ``README-results.md``; :func:`readme_blocks` the README's per-lab blocks
-  (full-run results only).
-* :func:`update_readme` puts those blocks between the README's ``<!-- results:NN -->`` and ``<!-- /results:NN -->``
-  markers (:func:`marker_spans` checks every marker first), leaving every other byte as it was.
-
-All of it is pure (text in, text out) except the two readers; ``regenerate`` decides what is written where.
+"""The results pages: recorded lab results (``<stem>.json``) read back and rendered as Markdown, for
+``README-results.md`` and for the README's ``<!-- results:NN -->`` blocks (full-run results only). All of it is pure
+(text in, text out) except the two readers; ``regenerate`` decides what is written where.
 """
 from __future__ import annotations
 
@@ -17,7 +10,6 @@ import re
 from pathlib import Path
 
 from .results import RESULTS_DIR, format_table
-
 
 
 def lab_id(stem: str) -> str:
@@ -30,10 +22,9 @@ class ResultsError(ValueError):
 
 
 def load_results(out: str | os.PathLike, stems: list[str] | None = None) -> dict[str, dict]:
-    """{lab id: recorded JSON}, keyed by the notebook that wrote it: ``<stem>.json`` for each notebook stem, so a
-    stale or renamed ``NN-Old_Name.json`` lying in ``out`` never stands in for the current lab. Without
-    ``stems``, every ``NN-*.json`` in ``out`` (one per lab id, else ResultsError). A file that is not a JSON
-    object raises ResultsError (one line)."""
+    """{lab id: recorded JSON} of ``<stem>.json`` for each notebook stem (a stale ``NN-Old_Name.json`` never stands in
+    for the current lab); without ``stems``, every ``NN-*.json`` in ``out``, one per lab id. ResultsError (one line)
+    for a file that is not a results file."""
     out = Path(out)
     if stems is None:
         files = sorted(out.glob("[0-9][0-9]-*.json"))
@@ -64,11 +55,7 @@ def _kind(v) -> str:
 
 def results_shape_error(data) -> str | None:
     """Why ``data`` (a parsed ``<stem>.json``) is not what :func:`labutils.results.record_results` writes and the
-    rendering reads, naming the key; None when it is. Checked before any lab runs (a file already in --out) and
-    before a notebook's results are kept, so that rendering never meets a shape it cannot read. Optional keys may
-    be missing or null; what is there must have the shape: ``tables`` {name: [row objects]}, ``env`` and ``notes``
-    objects, ``figures`` [relative paths under figures/], ``claims`` [entries as :func:`labutils.claims.claim_entry`
-    writes them: id, claim, verdict and why strings; measured, conditions, compares, prediction objects]."""
+    rendering reads, naming the key; None when it is (optional keys may be missing or null)."""
     if not isinstance(data, dict):
         return f"not a results file (a JSON object expected, found {_kind(data)})"
     tables = data.get("tables")
@@ -118,17 +105,11 @@ def hardware_line(env: dict) -> str:
     parts = [gpu.get("name") or env.get("gpu_name")]
     total, budget = gpu.get("total_memory_bytes"), gpu.get("budget_bytes")
     if total:
-        parts.append(_gib(total))
-    if budget and total and budget < total:
-        parts.append(f"capped to {_gib(budget)} (`--gpu-memory-gb {env.get('gpu_memory_budget_gb') or budget / 2**30:g}`)")
-    elif total:
-        parts.append("no memory cap")
-    if gpu.get("compute_capability"):
-        parts.append(f"compute capability {gpu['compute_capability']}")
-    if gpu.get("driver"):
-        parts.append(f"driver {gpu['driver']}")
-    if gpu.get("cuda"):
-        parts.append(f"CUDA {gpu['cuda']}")
+        cap = env.get("gpu_memory_budget_gb") or (budget or 0) / 2**30
+        parts += [_gib(total), f"capped to {_gib(budget)} (`--gpu-memory-gb {cap:g}`)" if budget and budget < total
+                  else "no memory cap"]
+    parts += [f"{word} {gpu[key]}" for key, word in (("compute_capability", "compute capability"),
+                                                     ("driver", "driver"), ("cuda", "CUDA")) if gpu.get(key)]
     return ", ".join(str(p) for p in parts)
 
 
@@ -148,11 +129,8 @@ def weights_line(data: dict) -> str:
 
 
 def render_lab(data: dict, figure_prefix: str = "", *, readme: bool = False) -> str:
-    """One lab's recorded results as Markdown: provenance header, one table per recorded table, its figures.
-
-    ``figure_prefix`` is prepended to the recorded figure paths (which are relative to the results folder),
-    e.g. "results/" for the repository README. ``readme=True`` refuses anything but a full run.
-    """
+    """One lab's recorded results as Markdown: provenance header, one table per recorded table, its figures
+    (``figure_prefix`` before their paths, e.g. "results/" for the README). ``readme=True`` refuses a smoke run."""
     mode = data.get("mode")
     if readme and mode != "full":
         raise ValueError(f"{data.get('notebook')}: {mode} results never go into README.md (only a full GPU run's)")
@@ -190,7 +168,7 @@ def render_claims(entries: list[dict], title: str = "Claims of the course design
                                                                   "conditions", "lab"]), ""]
 
 
-def render_results(results: dict[str, dict], figure_prefix: str = "") -> str:
+def render_results(results: dict[str, dict]) -> str:
     """``README-results.md``: every lab's block, under a banner saying which kind of run this was."""
     modes = {d.get("mode") for d in results.values()}
     lines = ["# Lab results", ""]
@@ -203,7 +181,7 @@ def render_results(results: dict[str, dict], figure_prefix: str = "") -> str:
         from .claims import collect
         lines += ["## Claims C1-C7 across the labs", ""] + render_claims(collect(results), "Every claim, one verdict")
     for lab, data in sorted(results.items()):
-        lines += [f"## {data.get('notebook') or lab}", "", render_lab(data, figure_prefix)]
+        lines += [f"## {data.get('notebook') or lab}", "", render_lab(data)]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -222,11 +200,8 @@ _MARKER = re.compile(r"<!-- (/?)results:(\d+) -->")
 
 
 def marker_spans(text: str) -> dict[str, tuple[int, int]]:
-    """{lab: (start, end) of what lies between ``<!-- results:NN -->`` and ``<!-- /results:NN -->``}.
-
-    Every marker in ``text`` is checked, whichever labs are being rendered: one block per lab, each closed by its
-    own closing marker before any other marker appears (no nesting, no interleaving, nothing unclosed, no stray
-    closing marker). Any problem raises ValueError with one line naming the line and the marker."""
+    """{lab: (start, end) of what lies between ``<!-- results:NN -->`` and ``<!-- /results:NN -->``}. Every marker
+    is checked: one block per lab, closed before any other marker appears; else ValueError (one line)."""
     spans: dict[str, tuple[int, int]] = {}
     opened = None  # (lab, content start, line)
     for m in _MARKER.finditer(text):
@@ -252,17 +227,9 @@ def marker_spans(text: str) -> dict[str, tuple[int, int]]:
     return spans
 
 
-def readme_labs(text: str) -> list[str]:
-    """Labs that have a marker pair in ``text`` (ValueError when the markers are broken)."""
-    return sorted(marker_spans(text))
-
-
 def update_readme(text: str, blocks: dict[str, str]) -> str:
-    """Replace what is between each lab's markers with its block; everything else is left byte for byte.
-
-    A lab without a block keeps what it had; a block without markers is ignored (see :func:`readme_labs`).
-    Broken markers anywhere (see :func:`marker_spans`) raise ValueError rather than guess. The block takes the
-    text's line ending (CRLF stays CRLF)."""
+    """Replace what is between each lab's markers with its block; everything else is left byte for byte (a lab
+    without a block keeps what it had; broken markers raise ValueError). The block takes the text's line ending."""
     spans = marker_spans(text)
     newline = "\r\n" if "\r\n" in text else "\n"
     for lab in sorted((lab for lab in blocks if lab in spans), key=lambda lab: spans[lab][0], reverse=True):

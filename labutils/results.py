@@ -1,12 +1,9 @@
 """Results of a lab: tables (lists of row dicts) and figures, recorded with the hardware they came from.
 
-Each notebook ends with one call, ``lu.record_results("01-Mixed_Precision", tables={...}, figures={...})``,
-which writes ``<dir>/<stem>.json`` (atomically) and ``<dir>/figures/<stem>-<name>.png``.
-
-Where: ``$LAB_RESULTS_DIR`` if set (the instructors' ``regenerate`` command sets it); otherwise ``results/``
-for a full run and a folder under the system's temp folder for a smoke run, so smoke numbers never land in
-``results/`` and a notebook run under nbval writes nothing into the repository. A lab's other files (profiler
-traces, memory snapshots) go to :func:`artifacts_dir`: under ``regenerate``'s output folder, else a temp folder.
+Each notebook ends with one call, ``lu.record_results("01-Mixed_Precision", tables={...}, figures={...})``, which
+writes ``<dir>/<stem>.json`` (atomically) and ``<dir>/figures/<stem>-<name>.png``: ``$LAB_RESULTS_DIR`` if set (by
+``regenerate``), otherwise ``results/`` for a full run and a temp folder for a smoke run, so smoke numbers never land
+in ``results/``. A lab's other files (traces, snapshots) go to :func:`artifacts_dir`, never into the repository.
 """
 from __future__ import annotations
 
@@ -70,10 +67,7 @@ def _tracked(path: Path) -> bool:
 
 def check_output_file(path, option: str = "--json", inputs: dict | None = None) -> Path | None:
     """The one check of every command's output file, before any work: refuse a path the result would be lost on or
-    that writing it would destroy. An empty name or one ending in '/', a symbolic link on the way that leads
-    nowhere (a missing target or a loop), a directory or other non-regular file, a path under a regular file, a
-    folder that does not allow creating files, an input of this command (``inputs``: role -> path), a file of the
-    repository. A link to a file is written through (:func:`write_json`). Creates nothing; None passes."""
+    that writing it would destroy (``inputs``: role -> path of this command's inputs). Creates nothing; None passes."""
     if path is None:
         return None
     text = os.fspath(path)
@@ -149,16 +143,14 @@ def replace_mode(tmp: str | os.PathLike, target: str | os.PathLike) -> None:
 
 
 def write_json(path: str | os.PathLike, data) -> None:
-    """Write strict JSON as :func:`write_keeping_file` does: atomically, through a link, never half a file.
-
-    Strict: NaN and infinities (not JSON) are written as null, numpy/torch scalars as numbers."""
+    """Write strict JSON (NaN and infinities as null, numpy/torch scalars as numbers) as :func:`write_keeping_file`
+    does: atomically, through a link, never half a file."""
     write_keeping_file(Path(path), json.dumps(_clean(data), indent=2, default=str, allow_nan=False) + "\n")
 
 
 def write_atomic(path: Path, data) -> None:
-    """Write ``data`` (bytes, or a function that writes into a binary file) to ``path`` through a temp file of this
-    call's own (removed whatever happens), keeping the mode an existing file had: a crash or a full disk never
-    leaves half a file, and the file that was there stays whole. A failure is one :class:`WriteError` line."""
+    """Write ``data`` (bytes, or a function that writes into a binary file) to ``path`` through a temp file of its own,
+    keeping the mode an existing file had: a crash or a full disk never leaves half a file (:class:`WriteError`)."""
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -189,9 +181,8 @@ def results_dir(mode: str) -> Path:
 
 
 def artifacts_dir(lab: str) -> Path:
-    """The folder (created) for ``lab``'s files other than results: traces, snapshots, checkpoints.
-    ``$LAB_ARTIFACTS_DIR/<lab>`` when ``regenerate`` runs the notebook (under its ``--out``), otherwise
-    ``<temp>/labutils-artifacts/<lab>``: never the repository's working tree."""
+    """The folder (created) for ``lab``'s files other than results: ``$LAB_ARTIFACTS_DIR/<lab>`` under
+    ``regenerate``, otherwise ``<temp>/labutils-artifacts/<lab>``: never the repository's working tree."""
     base = os.environ.get(ARTIFACTS_ENV)
     path = (Path(base) if base else Path(tempfile.gettempdir()) / "labutils-artifacts") / lab
     path.mkdir(parents=True, exist_ok=True)
@@ -220,9 +211,8 @@ SETUP_CALL = re.compile(r"\.setup\(")  # the setup cell: ``info = lu.setup()`` i
 
 
 def partial_record() -> str | None:
-    """Why this kernel's record of the lab would be partial, or None: the setup cell (which starts the lab's tables
-    and figures afresh) ran again after cells that have not run since, so what they recorded is gone. Read from
-    IPython's own history of the cells this kernel ran (``In``); None outside IPython."""
+    """Why this kernel's record of the lab would be partial, or None: the setup cell ran again (from IPython's ``In``)
+    after cells that have not run since, so what they recorded is gone."""
     shell = sys.modules["IPython"].get_ipython() if "IPython" in sys.modules else None
     ran = list(enumerate(getattr(shell, "user_ns", {}).get("In") or []))
     setups = [i for i, cell in ran if SETUP_CALL.search(cell)]
@@ -270,8 +260,7 @@ def record_results(notebook: str, tables: dict[str, list[dict]], figures: dict |
     write_json(path, _clean({"notebook": stem, "mode": mode, "env": env, "tables": tables,
                              "figures": fig_paths, "notes": notes or {}, "claims": claims or [],
                              "runs": list(RUN_LOG), "elapsed_seconds": elapsed}))
-    # under `regenerate` the file is written to a private staging folder and moved when the notebook ends: print
-    # where it will be (LAB_RESULTS_FINAL_DIR), never the staging folder, which no longer exists after the run
+    # under `regenerate`, where the file is moved when the notebook ends: its staging folder is gone after the run
     final = Path(os.environ["LAB_RESULTS_FINAL_DIR"]) / path.name if os.environ.get("LAB_RESULTS_FINAL_DIR") else path
     print(f"results recorded: {final} ({len(tables)} tables, {len(fig_paths)} figures, {len(claims or [])} claims, "
           f"mode {mode})")
@@ -279,9 +268,8 @@ def record_results(notebook: str, tables: dict[str, list[dict]], figures: dict |
 
 
 def read_results(notebook: str, mode: str) -> dict | None:
-    """Another lab's recorded results of the same ``mode``, or None: looked up in ``$LAB_RESULTS_READ_DIR``
-    (``regenerate`` points it at the output folder, since each notebook records into its own staging folder),
-    then where :func:`record_results` would write them."""
+    """Another lab's recorded results of the same ``mode``, or None: from ``$LAB_RESULTS_READ_DIR`` (``regenerate``'s
+    output folder), then where :func:`record_results` would write them."""
     stem = Path(notebook).stem
     folders = [Path(d) for d in (os.environ.get("LAB_RESULTS_READ_DIR"),) if d] + [results_dir(mode)]
     for folder in folders:
@@ -302,9 +290,7 @@ def _fmt(v) -> str:
     if isinstance(v, bool):
         return "yes" if v else "no"
     if isinstance(v, float):
-        if v != 0 and (abs(v) >= 1e7 or abs(v) < 1e-3):
-            return f"{v:.3g}"
-        return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+        return f"{v:,.0f}" if 1000 <= abs(v) < 1e7 else f"{v:.3g}"
     if isinstance(v, int):
         return f"{v:,}" if abs(v) >= 10000 else str(v)
     return str(v)
@@ -315,9 +301,8 @@ _UNIT_SIZE = {"gib": 2**30, "mib": 2**20, "kib": 2**10, "bytes": 1}  # the unit 
 
 
 def byte_unit(values) -> tuple[str, int]:
-    """The unit a column of byte counts is shown in: the largest one in which the smallest nonzero magnitude is
-    at least 1, so every value keeps its leading digits (11.6 and 11.5 MiB, not 0.0113 and 0.0113 GiB).
-    ``values``: byte counts (None and NaN are ignored). Returns (name, bytes per unit); ("B", 1) if all are 0."""
+    """(name, bytes per unit) a column of byte counts is shown in: the largest unit in which the smallest nonzero
+    value is at least 1 (11.6 and 11.5 MiB, not 0.0113 and 0.0113 GiB); None and NaN are ignored."""
     sizes = [abs(float(v)) for v in values
              if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v != 0]
     if not sizes:
@@ -340,9 +325,8 @@ def _byte_column(column: str) -> tuple[str, str, int] | None:
 
 
 def adapt_byte_units(rows: list[dict], columns: list[str]) -> tuple[list[dict], list[str]]:
-    """Rows and column names for display, each memory column (see :func:`_byte_column`) converted to the unit its
-    own values call for (:func:`byte_unit`) and renamed to say it: a ``peak_gib`` column of 0.0113 and 0.01123
-    becomes ``peak_mib`` with 11.6 and 11.5. Other columns, and the rows given, are left as they are."""
+    """Rows and column names for display, each memory column (:func:`_byte_column`) converted to the unit its own
+    values call for (:func:`byte_unit`) and renamed to say it: ``peak_gib`` 0.0113 becomes ``peak_mib`` 11.6."""
     renamed, new_columns = {}, []
     for c in columns:
         spec = _byte_column(c)
@@ -351,11 +335,8 @@ def adapt_byte_units(rows: list[dict], columns: list[str]) -> tuple[list[dict], 
             continue
         head, tail, size = spec
         name, unit = byte_unit(r.get(c) * size for r in rows if isinstance(r.get(c), (int, float)))
-        if c.lower() in _UNIT_SIZE:
-            new = name
-        else:
-            unit_text = ("bytes" if name == "B" else name.lower()) if head.endswith("_") else name
-            new = f"{head}{unit_text}{tail}"
+        unit_text = ("bytes" if name == "B" else name.lower()) if head.endswith("_") else name  # a bare "MiB": name
+        new = f"{head}{unit_text}{tail}"
         renamed[c] = (new, size / unit)
         new_columns.append(new)
     if not renamed:
@@ -371,9 +352,8 @@ def adapt_byte_units(rows: list[dict], columns: list[str]) -> tuple[list[dict], 
 
 
 def format_table(rows: list[dict], columns: list[str] | None = None, *, adapt_units: bool = True) -> str:
-    """A Markdown table from row dicts (columns: the first row's keys unless given). Memory columns (names ending in
-    a byte unit: ``_gib``, ``_bytes``, `` (MiB)``...) are shown in the unit their values call for
-    (:func:`adapt_byte_units`) unless ``adapt_units=False``; the rows themselves (what gets recorded) are unchanged."""
+    """A Markdown table from row dicts (columns: the first row's keys unless given), memory columns in the unit their
+    values call for (:func:`adapt_byte_units`) unless ``adapt_units=False``."""
     if not rows:
         return "(no rows)"
     columns = columns or list(rows[0])
@@ -409,7 +389,7 @@ SMOKE_BANNER_GPU = ("SMOKE MODE (LAB_SMOKE=1): a tiny GPT-2 for a few steps, on 
 
 def mode_banner(mode: str) -> str:
     """The one banner a notebook's setup cell prints in smoke mode (instead of a tag on every line); "" when full.
-    Smoke on a CUDA machine (LAB_SMOKE=1) runs on the GPU: the first GPU run's lab 04 said "on the CPU" there."""
+    Smoke on a CUDA machine (LAB_SMOKE=1) runs on the GPU, and says so."""
     if mode == "full":
         return ""
     from . import device as dev

@@ -1,41 +1,18 @@
 """The one rule that turns a run's numbers into a verdict: ``holds | partly | does not hold | not measured | not
-judged | not decided``, with a ``why`` computed from the same numbers as the verdict. The claims it judges (C1-C7,
-the original course's words) are in :mod:`labutils.claims`.
+judged | not decided``, with a ``why`` computed from the same numbers. The claims it judges (C1-C7) are in
+:mod:`labutils.claims`.
 
-A claim is one or more :class:`Quantity` (what to measure, its unit, which direction is good, the range the
-course claims, the thresholds of the verdict, and what a run needs before the quantity can be judged). The
-threshold rule is sign-aware:
+A claim is one or more :class:`Quantity` (what is measured, its unit, which direction is good, the claimed range,
+the verdict's thresholds, what a run needs before it is judged). The threshold rule is sign-aware: a *benefit*
+(``better="higher"``) holds at or above ``holds_at`` and partly at or above ``partly_at``; a *cost*
+(``better="lower"``) holds at or below ``holds_at`` and partly up to ``partly_at``; a *target* (``better="within"``)
+holds inside ``holds_at=(lo, hi)`` and partly inside ``partly_at``. A batch sweep is listed beside the value shown
+as context; the verdict is that of the value shown.
 
-* a *benefit* (``better="higher"``: a saving, a speed-up) holds at or above ``holds_at``; a larger benefit than
-  claimed still holds; between ``partly_at`` and ``holds_at`` it holds partly; below ``partly_at`` (a negative
-  saving included) it does not hold;
-* a *cost* (``better="lower"``: a time overhead, extra memory) holds at or below ``holds_at``; a smaller cost
-  than claimed (or a gain) still holds; up to ``partly_at`` partly; above, it does not hold;
-* a *target* (``better="within"``) holds inside ``holds_at=(lo, hi)``, partly inside ``partly_at=(lo, hi)``.
-
-The verdict is decided by the value shown: where a value was also measured over a batch sweep, the sweep is
-listed beside it as context (and a sweep of >= 2 batch sizes is needed), but the verdict is that of the value shown.
-
-A verdict is only as strong as its evidence. Before the rule is applied, each quantity's :class:`Evidence` (the
-pair of runs it compares, the hardware, the mode and model, timed steps and their noise, the layer count, the
-batch sweep) is checked against the quantity's ``needs`` (:data:`NEEDS`):
-
-* a speed quantity (``kind="speed"``) needs a GPU and >= :data:`MIN_TIMED_STEPS` timed steps after warm-up (or
-  repeats): CPU timing says nothing about a GPU, so it is never judged from CPU timing;
-* ``needs=("full_model",)``: a full-mode run (not smoke, not the tiny model). The tiny smoke model's FP32 weights,
-  gradients and AdamW state are a large part of its peak, so its memory ratios do not carry over to GPT-2 on a
-  GPU (and its speed ratios no more): judged from the run's recorded mode and model, never from a global;
-* ``needs=("batch_sweep",)`` needs >= 2 batch sizes;
-* ``needs=("layers",)`` needs a model of >= :data:`MIN_LAYERS` layers (where the claim can fail);
-* ``needs=("same_micro_batch",)`` needs both runs of the pair at the same micro-batch.
-
-An unmet need gives ``not judged``: the reason in one sentence, and what the run did measure beside it, labelled
-(e.g. "this run measured 0.79x on CPU"). A value whose noise (``Evidence.spread``) is as large as its effect gives
-``not decided (noise +-x %)``.
-
-Several quantities combine (:func:`summarise`): all judged ones hold -> holds; none holds, even partly -> does not
-hold; otherwise partly. A quantity that was not measured, not judged or not decided caps a ``holds`` at ``partly``
-and the ``why`` says which; no quantity judged -> ``not judged`` (or ``not decided`` / ``not measured``).
+Before the rule is applied, each quantity's :class:`Evidence` is checked against its needs (:data:`NEEDS`; a speed
+quantity always needs a GPU and >= :data:`MIN_TIMED_STEPS` timed steps): an unmet need gives ``not judged`` with the
+reason and the value measured beside it; a value whose noise is as large as its effect, or whose noise range crosses
+a bound, gives ``not decided``. Several quantities combine in :func:`summarise`.
 """
 from __future__ import annotations
 
@@ -49,47 +26,29 @@ VERDICTS = (HOLDS, PARTLY, DOES_NOT_HOLD, NOT_MEASURED, NOT_JUDGED, NOT_DECIDED)
 JUDGED = (HOLDS, PARTLY, DOES_NOT_HOLD)
 MIN_TIMED_STEPS = 10   # timed steps after warm-up (or repeats) behind a timed comparison
 MIN_LAYERS = 8         # depth below which O(sqrt L) cannot fail (at L=2 every segment length is within 0.5-2 sqrt L)
-# a step whose GPU kernels fill less than this share of its wall time waits on the host (Python, kernel launches):
-# a faster number format shortens only the kernels, so such a run could not show a format's speed-up (the first GPU
-# run: GPT-2 small at 8 x 256 on an H200, whose bf16 step kept the GPU busy 43 % of the time)
+# below this share of the step filled by GPU kernels the host sets the pace: no number format can speed it up
 MIN_GPU_BUSY = 0.8
 
 @dataclass(frozen=True)
 class Evidence:
-    """What stands behind one measured value: checked against its quantity's ``needs`` before it is judged.
-
-    ``pair``: the two runs compared, e.g. ("fp32, micro-batch 8", "fp16, micro-batch 8") (shown in the table).
-    ``hardware``: "cpu" or the GPU's name; None: taken from the entry's conditions.
-    ``timed_steps``: timed steps after warm-up (or repeats) behind *each* time of the pair (the smaller one).
-    ``spread``: the value's noise, +- in the value's own units (a fraction for "%", a ratio for "x"); see
-    :func:`timed_ratio`. ``layers``: the layer count of the model measured. ``sweep``: {batch size: value} when
-    the value was measured over a batch sweep (each point is judged). ``micro_batches``: the micro-batch of each
-    run of the pair. ``note``: anything more about how it was measured (kept in the entry). ``mode`` and ``model``:
-    the run's recorded mode ("full" or "smoke") and model name (None: taken from the entry's conditions).
-    ``state_share``: the FP32 weights, gradients and AdamW state as a fraction of the peak the value compares (the
-    reason a smoke memory ratio is not judged, shown with it). ``gpu_busy``: for a GPU speed-up, the share of the
-    faster run's step that its GPU kernels fill (below :data:`MIN_GPU_BUSY` the host sets the pace: not judged)."""
-    pair: tuple[str, str] | None = None
-    hardware: str | None = None
-    timed_steps: int | None = None
-    spread: float | None = None
-    layers: int | None = None
-    sweep: dict | None = None
-    micro_batches: tuple[int, int] | None = None
-    note: str | None = None
-    mode: str | None = None
-    model: str | None = None
-    state_share: float | None = None
-    gpu_busy: float | None = None  # profiled GPU kernel time over the median step time of the faster run (speed)
+    """What stands behind one measured value: checked against its quantity's ``needs`` before it is judged."""
+    pair: tuple[str, str] | None = None         # the two runs compared, e.g. ("fp32, micro-batch 8", "fp16, ...")
+    hardware: str | None = None                 # "cpu" or the GPU's name; None: from the entry's conditions
+    timed_steps: int | None = None              # timed steps after warm-up behind each time of the pair (the fewer)
+    spread: float | None = None                 # noise, +- in the value's units (a fraction for "%", a ratio for "x")
+    layers: int | None = None                   # the layer count of the model measured
+    sweep: dict | None = None                   # {batch size: value} when measured over a batch sweep
+    micro_batches: tuple[int, int] | None = None  # the micro-batch of each run of the pair
+    note: str | None = None                     # anything more about how it was measured
+    mode: str | None = None                     # the run's recorded mode ("full" or "smoke"); None: from conditions
+    model: str | None = None                    # the run's model name; None: from the entry's conditions
+    state_share: float | None = None            # FP32 weights, grads and AdamW state over the peak compared
+    gpu_busy: float | None = None               # GPU kernel time over the faster run's median step time (speed)
 
     def record(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if v is not None}
-        if "pair" in d:
-            d["pair"] = list(d["pair"])
+        d = {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items() if v is not None}
         if "sweep" in d:
             d["sweep"] = {str(k): v for k, v in d["sweep"].items()}
-        if "micro_batches" in d:
-            d["micro_batches"] = list(d["micro_batches"])
         return d
 
 
@@ -144,13 +103,9 @@ def _need_same_micro_batch(q, ev: Evidence) -> str | None:
     return None
 
 
-def is_smoke(mode: str | None, model: str | None = None) -> bool:
-    """Whether a run is a smoke run, from its recorded mode and model: not "full", or the tiny model."""
-    return mode != "full" or str(model or "").startswith("tiny")
-
-
 def _need_full_model(q, ev: Evidence) -> str | None:
-    if (ev.mode is None and ev.model is None) or not is_smoke(ev.mode, ev.model):  # unknown: the bare rule
+    smoke = ev.mode != "full" or str(ev.model or "").startswith("tiny")  # from the run's recorded mode and model
+    if (ev.mode is None and ev.model is None) or not smoke:  # unknown: the bare rule
         return None
     if q.kind == "speed":
         return ("it is a smoke run of the tiny model, whose step is far too small to show GPT-2's speed on a GPU")
@@ -176,10 +131,9 @@ def median_spread(times) -> tuple[float | None, float | None]:
 
 
 def timed_ratio(times_a, times_b) -> dict:
-    """Median and spread of a timed comparison: ``times_a`` / ``times_b`` (seconds per step, warm-up excluded) of
-    the two runs. Returns {"ratio": median(b) / median(a), "spread": +- of that ratio from the two runs' half
-    inter-quartile ranges (relative, added), "timed_steps": the fewer of the two counts, "median_a", "median_b"}.
-    For an overhead use ``ratio - 1`` (same spread); for a speed-up of b over a use 1 / ratio."""
+    """Median and spread of a timed comparison of two runs' step times: {"ratio": median(b) / median(a), "spread": +-
+    of that ratio (the runs' relative half inter-quartile ranges, added), "timed_steps": the fewer, "median_a",
+    "median_b"}. An overhead is ``ratio - 1`` (same spread); a speed-up of b over a is 1 / ratio."""
     a, b = list(times_a), list(times_b)
     if not a or not b:
         return {"ratio": None, "spread": None, "timed_steps": min(len(a), len(b)), "median_a": None, "median_b": None}
@@ -191,9 +145,7 @@ def timed_ratio(times_a, times_b) -> dict:
 
 def timed_step_times(result) -> list[float]:
     """The step times a :class:`labutils.train.RunResult` averages into ``step_time_seconds``: its last
-    ``timed_steps`` (the training loop leaves out warm-up, compiling and, on CPU, memory-tracked steps, and times
-    none when nothing is left: then this is empty, never warm-up). A result without ``timed_steps`` (made by hand,
-    older JSON) falls back to leaving out ``timing_warmup_steps``."""
+    ``timed_steps`` (empty when none was timed, never warm-up); without ``timed_steps``, all but the warm-up."""
     times = list(result.step_times or [])
     n = getattr(result, "timed_steps", None)
     if n is not None and (n or not times or result.step_time_seconds is None):
@@ -203,22 +155,18 @@ def timed_step_times(result) -> list[float]:
 
 
 def hardware(env: dict | None) -> str:
-    """The hardware of a run for a claim's conditions: the GPU's name, else "cpu"."""
+    """The hardware of a run (its env, or ``lu.setup()``'s info) for a claim's conditions: the GPU's name, else the
+    device ("cpu")."""
     env = env or {}
-    return env.get("gpu_name") or ("cpu" if env.get("device", "cpu") == "cpu" else str(env.get("device")))
+    return env.get("gpu_name") or str(env.get("device") or "cpu")
 
 
-hardware_of = hardware
-
-
-def run_pair_evidence(base, other, names: tuple[str, str], *, hardware: str | None = None) -> tuple[float | None, Evidence]:
-    """``other``'s step time over ``base``'s (medians of their timed steps; an overhead is this minus 1, a
-    speed-up its inverse) and the Evidence of that timed comparison: pair, hardware (``hardware`` or the
-    runs' env), timed steps, noise (+- of the ratio)."""
+def run_pair_evidence(base, other, names: tuple[str, str], *, hw: str | None = None) -> tuple[float | None, Evidence]:
+    """``other``'s step time over ``base``'s (:func:`timed_ratio` of their timed steps) and the Evidence of that
+    timed comparison: pair, hardware (``hw`` or the runs' env), timed steps, noise (+- of the ratio)."""
     t = timed_ratio(timed_step_times(base), timed_step_times(other))
-    hw = hardware or hardware_of(base.env)
-    return t["ratio"], Evidence(pair=names, hardware=hw, timed_steps=t["timed_steps"], spread=t["spread"],
-                                note="medians of the timed steps after warm-up")
+    return t["ratio"], Evidence(pair=names, hardware=hw or hardware(base.env), timed_steps=t["timed_steps"],
+                                spread=t["spread"], note="medians of the timed steps after warm-up")
 
 
 @dataclass(frozen=True)
@@ -243,11 +191,8 @@ class Quantity:
         return ", ".join(words[n] for n in self.all_needs())
 
     def unmet(self, ev: Evidence) -> str | None:
-        """The first need ``ev`` does not meet, as a clause (None: judge it). Beyond the named needs, a memory saving
-        is judged only where it could reach the "partly" bound: when the FP32 weights, gradients and AdamW state
-        (``ev.state_share`` of the baseline peak) leave less room than that, no technique that shrinks the rest
-        could show the claim (the first GPU run: GPT-2 medium at micro-batch 1, state 92 % of the peak, so
-        checkpointing "saved 0 %" by construction)."""
+        """The first need ``ev`` does not meet, as a clause (None: judge it). A memory saving is also judged only where
+        the FP32 weights, gradients and AdamW state (``ev.state_share`` of the peak) leave room for its "partly"."""
         for n in self.all_needs():
             why = NEEDS[n](self, ev)
             if why:
@@ -310,22 +255,15 @@ class Quantity:
             return f"{self.label} {got}, below the claimed {claimed}"
         if self.better == "lower":
             if verdict == HOLDS:
-                gain = v < 0
-                return (f"{self.label} {got}: a gain, not a cost (claimed {claimed})" if gain else
+                return (f"{self.label} {got}: a gain, not a cost (claimed {claimed})" if v < 0 else
                         f"{self.label} {got}, within the claimed {claimed}")
             return f"{self.label} {got}, more than the claimed {claimed}"
         return (f"{self.label} {got}, " + ("within" if verdict == HOLDS else "outside") + f" the claimed {claimed}")
 
 
-def _combine(verdicts: list[str]) -> str:
-    kinds = set(verdicts)
-    return HOLDS if kinds == {HOLDS} else DOES_NOT_HOLD if kinds == {DOES_NOT_HOLD} else PARTLY
-
-
 def judge_quantity(q: Quantity, v, ev: Evidence | None) -> tuple[str, str]:
-    """(verdict, clause) of one quantity: ``not measured`` without a finite value; with ``ev`` (None: the bare
-    threshold rule, no evidence checked), ``not judged`` when a need is unmet, ``not decided`` when the noise is
-    as large as the effect; else the threshold rule (at every point of ``ev.sweep`` when there is one)."""
+    """(verdict, clause) of one quantity: ``not measured`` without a finite value; with ``ev`` (None: the bare rule),
+    ``not judged`` when a need is unmet, ``not decided`` when the noise could change the verdict; else the rule."""
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return NOT_MEASURED, f"{q.label} not measured"
     if ev is not None:
@@ -338,9 +276,7 @@ def judge_quantity(q: Quantity, v, ev: Evidence | None) -> tuple[str, str]:
         if ev.spread is not None and ev.spread >= q.effect(v):
             return NOT_DECIDED, (f"{q.label} {q.fmt(v)}: not decided (noise {q.fmt_spread(ev.spread)} is as large "
                                  f"as the effect)")
-        if ev.spread and q.judge(v - ev.spread) != q.judge(v + ev.spread):
-            # the noise range crosses a verdict's bound: the H200 run's C4 time, +70 % +-30 %, reached from the
-            # 'partly' band (<= +60 %) into 'does not hold' and was called 'does not hold'
+        if ev.spread and q.judge(v - ev.spread) != q.judge(v + ev.spread):  # the noise range crosses a bound
             return NOT_DECIDED, (f"{q.label} {q.fmt(v)}: not decided (its noise range, {q.fmt(v - ev.spread)} to "
                                  f"{q.fmt(v + ev.spread)}, crosses a bound of the claim: {q.rule()})")
         if ev.sweep:
@@ -348,8 +284,6 @@ def judge_quantity(q: Quantity, v, ev: Evidence | None) -> tuple[str, str]:
             listed = ", ".join(f"{q.fmt(x)} at {b}" for b, x in sorted(ev.sweep.items()))
             return q.judge(v), f"{q.explain(v)} (the value shown; over the batch sweep: {listed})"
     return q.judge(v), q.explain(v)
-
-
 
 
 def evidence_for(quantities, evidence, hw: str | None, mode: str | None = None, model: str | None = None) -> dict:
@@ -372,10 +306,10 @@ def summarise(quantities, parts: dict) -> tuple[str, str]:
     measured = [v for v in vs if v != NOT_MEASURED]
     if not measured:
         return NOT_MEASURED, "nothing was measured"
-    if judged:
-        v = _combine(judged)
-        if v == HOLDS and len(judged) < len(vs):
-            v = PARTLY
+    if judged:  # holds only when every quantity was judged and holds
+        kinds = set(judged)
+        v = (HOLDS if kinds == {HOLDS} and len(judged) == len(vs) else
+             DOES_NOT_HOLD if kinds == {DOES_NOT_HOLD} else PARTLY)
     else:
         v = NOT_DECIDED if all(x == NOT_DECIDED for x in measured) else NOT_JUDGED
     order = sorted(quantities, key=lambda q: (parts[q.name]["verdict"] not in JUDGED,
