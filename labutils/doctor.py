@@ -6,7 +6,7 @@ short training step per precision the card supports (GPT-2 small); the memory ca
 out-of-memory error; an allocator snapshot recorded, dumped and read back by the course's own parser; a profiler
 run with CUDA activity; every checkpointing variant's gradients against no checkpointing *with dropout on*; the
 memory estimator against measured peaks; matmul TFLOP/s per precision; configs/fast_config.yaml for a few steps,
-its MFU printed (never judged: issue 28, the MFU goal is the benchmark's). Exit code 1 if anything failed; the
+its MFU printed (never judged: the MFU goal is the benchmark's). Exit code 1 if anything failed; the
 summary line gives the checks' time and, apart, the fast path's compile time. ``regenerate`` runs it first and
 stops on a failure (a row marked ``"gates_regenerate": False`` does not stop it).
 
