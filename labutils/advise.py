@@ -23,7 +23,8 @@ from .results import read_results, write_json
 # How the advisor ranks precisions: no built-in numbers (the design's "2.2x" is claim C2, tested in lab 01). A speed
 # source gives {precision: throughput relative to fp32} and says where it came from: lab 01's measurements on this
 # GPU (measured_speeds), a peak table of the card, or nothing ("unknown": all precisions counted equal).
-UNKNOWN_SPEEDS = "unknown: no measured or peak speeds for this GPU; precisions counted equal (ranked by memory, recompute and micro-batch size only)"
+UNKNOWN_SPEEDS = ("unknown: no measured or peak speeds for this GPU; precisions counted equal (ranked by memory, "
+                  "recompute and micro-batch size only)")
 SATURATION_TOKENS = 1024              # micro-batch tokens at which a GPU reaches half of its throughput (assumed)
 
 
@@ -122,10 +123,6 @@ def _amp_dtype(cfg) -> tuple[str, str | None]:
     return "bf16", "no GPU here; use fp16 on GPUs before Ampere: same memory"
 
 
-def _gpu_name() -> str | None:
-    return dev.name() if dev.cuda_available() else None
-
-
 def default_budget_bytes() -> tuple[int, str]:
     """The card to fit on: this GPU's memory, or the card it was told to behave like (``LAB_GPU_MEMORY_GB``:
     what torch reports on such a card, :mod:`labutils.cards`); an 8 GB card without a GPU. ``fits`` then leaves
@@ -161,7 +158,7 @@ def cli_estimate(cfg, args) -> int:
         budget, where = default_budget_bytes()
     est = estimate_memory(cfg)
     amp, amp_note = _amp_dtype(cfg)
-    advice = recommend(cfg, budget, amp_dtype=amp, speeds=speed_source(_gpu_name()))
+    advice = recommend(cfg, budget, amp_dtype=amp, speeds=speed_source(dev.name() if dev.cuda_available() else None))
     t = cfg.train
     print(f"{cfg.model.name} ({est['parameters'] / 1e6:.1f}M parameters), {t.precision}, micro-batch "
           f"{t.micro_batch_size} x accumulation {t.accumulation_steps} x {cfg.data.seq_length} tokens, "
@@ -201,10 +198,10 @@ def cli_estimate(cfg, args) -> int:
               f"{'on' if smallest['checkpointing'] else 'off'}, micro-batch {smallest['micro_batch']}). "
               f"Shorter sequences, a smaller model, LoRA, an 8-bit optimizer or ZeRO offload are the next steps.")
     # beyond one GPU: what ZeRO sharding leaves on each GPU
-    zero = zero_table(est["parameters"], est["activations_bytes"], getattr(args, "gpus", 8),
-                      mixed_precision=t.precision in ("fp16", "bf16"))
-    print(f"per GPU with data parallelism / ZeRO (model state {'2P+2P+12P' if t.precision in ('fp16', 'bf16') else '4P+4P+8P'}"
-          f" sharded + all of one micro-batch's activations: a sum, not the replayed peak):")
+    mixed = t.precision in ("fp16", "bf16")
+    zero = zero_table(est["parameters"], est["activations_bytes"], getattr(args, "gpus", 8), mixed_precision=mixed)
+    print(f"per GPU with data parallelism / ZeRO (model state {'2P+2P+12P' if mixed else '4P+4P+8P'} sharded + all "
+          "of one micro-batch's activations: a sum, not the replayed peak):")
     cols = list(zero[0])
     w = 2 + max(len(str(x)) for x in cols[1:] + [_gib(r[c]) for r in zero for c in cols[1:]])  # a space between
     print("  " + f"{cols[0]:>22}" + "".join(f"{c:>{w}}" for c in cols[1:]))

@@ -36,8 +36,8 @@ from .memory import oom_caught, release
 from .run_result import first_timed_step
 from .train import autocast_for, for_this_card, prepare, scaler_for, train
 
-GOAL = 0.95  # course / reference throughput on a GPU (issue 28)
-MFU_GOAL_A100 = 0.45  # issue 28: the fast path's MFU goal on an A100 (on an H100 / H200 the goal is the ratio)
+GOAL = 0.95  # course / reference throughput on a GPU
+MFU_GOAL_A100 = 0.45  # the fast path's MFU goal on an A100 (on an H100 / H200 the goal is the ratio)
 SIDES = ("reference", "labutils")
 
 
@@ -157,6 +157,13 @@ def judge(values: list[float], goal: float) -> tuple[str, str]:
     return "not decided", f"the repeats straddle {goal:g} ({spread}): more repeats, or a quieter machine"
 
 
+def _judged(values: list[float], goal: float, why: str = "") -> dict:
+    """:func:`judge`'s verdict as a dict: goal, judged, verdict, met (True / False / None: not decided), why."""
+    word, rule = judge(values, goal)
+    return {"goal": goal, "judged": True, "verdict": word, "met": {"met": True, "missed": False}.get(word),
+            "why": why + rule}
+
+
 def verdict(ratios: list[float] | None, device, oom: str | None = None) -> dict:
     """The ratio's goal and verdict (:func:`judge` over each repeat's ratio); only a GPU run is judged."""
     if torch.device(device).type != "cuda":
@@ -165,8 +172,7 @@ def verdict(ratios: list[float] | None, device, oom: str | None = None) -> dict:
     if not ratios:
         return {"goal": GOAL, "judged": True, "verdict": "not decided", "met": None,
                 "why": f"no ratio: a run ran out of memory ({oom})"}
-    word, why = judge(ratios, GOAL)
-    return {"goal": GOAL, "judged": True, "verdict": word, "met": {"met": True, "missed": False}.get(word), "why": why}
+    return _judged(ratios, GOAL)
 
 
 def mfu_goal(cfg: Config, device, labutils_steps: list[float], reference_steps: list[float]) -> dict:
@@ -190,9 +196,8 @@ def mfu_goal(cfg: Config, device, labutils_steps: list[float], reference_steps: 
     out = {"labutils": ours, "reference": theirs, "goal": None, "judged": False, "verdict": "not judged", "met": None}
     gpu = name.lower()
     if "a100" in gpu:
-        word, why = judge([flops / s for s in labutils_steps], MFU_GOAL_A100)
-        return {**out, "goal": MFU_GOAL_A100, "judged": True, "verdict": word,
-                "met": {"met": True, "missed": False}.get(word), "why": f">= {MFU_GOAL_A100:.0%} on an A100: {why}"}
+        return {**out, **_judged([flops / s for s in labutils_steps], MFU_GOAL_A100,
+                                 f">= {MFU_GOAL_A100:.0%} on an A100: ")}
     if "h100" in gpu or "h200" in gpu:
         return {**out, "why": "shown: on an H100 / H200 the goal is the ratio to the reference"}
     return {**out, "why": f"no MFU goal for {name} (goals: the ratio on every GPU, MFU on an A100): shown"}
