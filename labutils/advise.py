@@ -47,9 +47,8 @@ def peak_speeds(gpu_name: str | None) -> tuple[dict, str] | None:
     base = peak_tflops(gpu_name, "fp32") if gpu_name else None
     if not base:
         return None
-    speeds = {p: (v / base if v else None) for p in ("fp32", "tf32", "fp16", "bf16")
-              for v in [peak_tflops(gpu_name, p)]}
-    return ({p: v for p, v in speeds.items() if v}, f"the dense peak TFLOP/s of {gpu_name} (labutils' peak table, "
+    peaks = {p: peak_tflops(gpu_name, p) for p in ("fp32", "tf32", "fp16", "bf16")}
+    return ({p: v / base for p, v in peaks.items() if v}, f"the dense peak TFLOP/s of {gpu_name} (labutils' peak table, "
             f"not a measurement: real speed-ups are smaller)")
 
 
@@ -64,11 +63,7 @@ def relative_step_time(plan: Plan, speeds: dict | None = None) -> float:
     ``speeds``: {precision: throughput relative to fp32}; a precision it does not list counts as 1.0."""
     tokens = plan.micro * plan.seq
     util = tokens / (tokens + SATURATION_TOKENS)
-    recompute = plan.checkpointing and plan.every_n == 1
-    flops = flops_per_token(plan.model, plan.seq, recompute=recompute)
-    if plan.checkpointing and plan.every_n > 1:   # only some blocks recompute
-        base = flops_per_token(plan.model, plan.seq)
-        flops = base + (flops_per_token(plan.model, plan.seq, recompute=True) - base) / plan.every_n
+    flops = flops_per_token(plan.model, plan.seq, recompute=plan.checkpointing, every_n_layers=plan.every_n)
     return plan.effective_batch * plan.seq * flops / ((speeds or {}).get(plan.precision) or 1.0) / util / 1e12
 
 
@@ -79,13 +74,8 @@ def candidate_plans(base: Plan, amp_dtype: str | None = None) -> list[Plan]:
         amp_dtype = base.precision if base.amp else "bf16"
     full = "tf32" if base.precision == "tf32" else "fp32"
     micros = [m for m in range(eff, 0, -1) if eff % m == 0]
-    out = []
-    for precision in dict.fromkeys([full, amp_dtype]):
-        for ckpt in (False, True):
-            for m in micros:
-                out.append(replace(base, precision=precision, checkpointing=ckpt, every_n=1, micro=m,
-                                   accum=eff // m))
-    return out
+    return [replace(base, precision=precision, checkpointing=ckpt, every_n=1, micro=m, accum=eff // m)
+            for precision in dict.fromkeys([full, amp_dtype]) for ckpt in (False, True) for m in micros]
 
 
 def recommend(cfg, budget_bytes: int, *, device: str = "cuda", amp_dtype: str | None = None,

@@ -60,10 +60,6 @@ class Plan:
     def effective_batch(self) -> int:
         return self.micro * self.accum
 
-    def layers_checkpointed(self) -> list[int]:
-        n_layer = PRESETS[self.model][0]
-        return list(range(0, n_layer, self.every_n)) if self.checkpointing else []
-
 
 def plan_from_config(cfg, device: str = "cuda", **overrides) -> Plan:
     """A :class:`Plan` from a labutils Config, checked as ``lu.run`` checks it (a value set in code: "FP16", "4");
@@ -160,7 +156,7 @@ def activation_table(cfg=None, device: str = "cuda", **overrides) -> list[dict]:
 
 def korthikanti_bytes_per_layer(model: str, seq: int, micro: int, flash: bool = True) -> int:
     """Korthikanti et al. 2022, eq. (1): s*b*h*(34 + 5*a*s/h) bytes per layer (16-bit activations)."""
-    n_layer, h, a = PRESETS[model]
+    _, h, a = PRESETS[model]
     return int(seq * micro * h * (34 + (0 if flash else 5 * a * seq / h)))
 
 

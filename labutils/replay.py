@@ -83,7 +83,7 @@ class Replay(AttentionReplay, LossReplay):
             self.attn = "flash"                           # flash / memory-efficient / CPU flash: no s*s scores
         else:
             self.attn = "math"                            # CPU SDPA with dropout: the math path, upcast to fp32
-        self.ckpt = set(plan.layers_checkpointed())
+        self.ckpt = set(range(0, self.L, plan.every_n)) if plan.checkpointing else set()   # checkpointed blocks
         self.led = Ledger(round_to=512 if self.cuda else 1)
         # Autograd adds a second gradient into its input buffer in place when it holds the only reference.
         # On CPU we compare with labutils' tracker, whose dispatch mode keeps extra references: every such
@@ -253,22 +253,20 @@ class Replay(AttentionReplay, LossReplay):
         what it saved and the gradient it consumed; the parameter gradients then go on: a half copy's gradient
         is cast back to fp32, and AccumulateGrad keeps it (.grad is None) or adds it in place."""
         led, half, exist = self.led, cast and self.p.amp, self.grads_exist
+
+        def fp32_grad(name, numel):  # .grad exists: a temporary, added into it in place; else it becomes .grad
+            led.alloc(("tmp.g32." if exist else "grad.") + name, 4 * numel, "temporaries" if exist else "grads")
         for name, nbytes, *kind in out:
             led.alloc(name, nbytes, *kind)
         for name, numel in params:
             if half:
                 led.alloc("tmp.g16." + name, self.c * numel)
-            elif exist:
-                led.alloc("tmp.g32." + name, 4 * numel)
             else:
-                led.alloc("grad." + name, 4 * numel, "grads")
+                fp32_grad(name, numel)
         led.free(*free)
         for name, numel in params:
             if half:
-                if exist:
-                    led.alloc("tmp.g32." + name, 4 * numel)
-                else:
-                    led.alloc("grad." + name, 4 * numel, "grads")
+                fp32_grad(name, numel)
                 led.free("tmp.g16." + name)
             led.free("tmp.g32." + name)
 
