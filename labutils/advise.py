@@ -79,29 +79,26 @@ def candidate_plans(base: Plan, amp_dtype: str | None = None) -> list[Plan]:
 
 
 def recommend(cfg, budget_bytes: int, *, device: str = "cuda", amp_dtype: str | None = None,
-              context_bytes: int = CUDA_CONTEXT_BYTES, headroom: float = HEADROOM,
-              speeds: tuple[dict, str] | None = None, **overrides) -> dict:
+              speeds: tuple[dict, str] | None = None) -> dict:
     """The fastest configuration predicted to fit ``budget_bytes`` (a GPU's memory), keeping the config's
     effective batch (micro x accumulation) as the target. Returns the chosen candidate and all candidates.
     ``speeds``: ({precision: speed relative to fp32}, where it came from), e.g. :func:`measured_speeds` or a peak
     table of the card; without one precisions count equal and ``speed_source`` says so."""
     speed_map, speed_source = speeds if speeds else ({}, UNKNOWN_SPEEDS)
-    base = plan_from_config(cfg, device=device, **overrides)
+    base = plan_from_config(cfg, device=device)
     rows = []
     for plan in candidate_plans(base, amp_dtype):
         est = estimate_plan(plan)
-        ok = fits(est, budget_bytes, context_bytes, headroom)
         rows.append({"precision": plan.precision, "checkpointing": plan.checkpointing, "micro_batch": plan.micro,
                      "accum": plan.accum, "peak_bytes": est["peak_bytes"], "peak_phase": est["peak_phase"],
-                     "fits": ok, "relative_time": relative_step_time(plan, speed_map)})
+                     "fits": fits(est, budget_bytes), "relative_time": relative_step_time(plan, speed_map)})
     fastest = min((r for r in rows if r["fits"]), key=lambda r: r["relative_time"], default=None)
     own_time = relative_step_time(base, speed_map)
     for r in rows:
         r["speedup_vs_config"] = own_time / r["relative_time"]
-    return {"budget_bytes": int(budget_bytes), "context_bytes": int(context_bytes), "headroom": headroom,
+    return {"budget_bytes": int(budget_bytes), "context_bytes": CUDA_CONTEXT_BYTES, "headroom": HEADROOM,
             "effective_batch": base.effective_batch, "recommendation": fastest, "candidates": rows,
-            "speed_source": speed_source,
-            "config_fits": fits(estimate_plan(base), budget_bytes, context_bytes, headroom)}
+            "speed_source": speed_source, "config_fits": fits(estimate_plan(base), budget_bytes)}
 
 
 def _amp_dtype(cfg) -> tuple[str, str | None]:

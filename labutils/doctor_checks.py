@@ -1,9 +1,7 @@
 """The doctor's correctness checks (``python -m labutils doctor``, see :mod:`labutils.doctor` for what fails each):
 the device module's functions and lab 04's raw ``torch.cuda`` calls, short training runs per precision, the cap
 and OOM recovery, allocator snapshots, profiler ranges, checkpointing gradients, the memory estimator, emptying
-the caches. One function per check (``check_*``) adds rows to a :class:`Checks`; where a
-verdict needs a GPU it is a small function of the measured numbers (``*_verdict``) so a test can hand it broken
-numbers (tests/test_doctor_checks.py)."""
+the caches. Each ``check_*`` adds rows to a :class:`Checks`; ``*_verdict``: see :mod:`labutils.doctor`."""
 from __future__ import annotations
 
 import contextlib

@@ -110,11 +110,10 @@ def mfu_verdict(mfu: float | None, gpu_name: str | None, precision: str = "bf16"
 
 
 def reference_ratio(cfg, device: torch.device, repeats: int = 2) -> tuple[float | None, str]:
-    """The fast path's speed as a ratio to the nanoGPT-style reference timed side by side in one process
-    (:func:`labutils.bench.reference_ratio`: ABBA order, each run's step time the median of its timed steps), printed
-    next to the MFU and never judged here: the benchmark holds the goal. Two ABBA pairs by default, so the ratio
-    comes with its spread (each pair's ratio); one pair says it has none. Returns (ratio or None, what to print). A
-    run that cannot fit here (the reference materialises the whole logits) gives (None, why): shown, not a failure."""
+    """The fast path's speed as a ratio to the nanoGPT-style reference timed side by side
+    (:func:`labutils.bench.reference_ratio`), shown next to the MFU, never judged here. Two ABBA pairs by default,
+    so the ratio has a spread. Returns (ratio or None, what to print): a run that cannot fit here (the reference
+    materialises the whole logits) gives (None, why), not a failure."""
     from .bench import reference_ratio as bench_ratio
 
     got = bench_ratio(cfg, repeats=repeats, device=device)
