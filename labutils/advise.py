@@ -110,14 +110,15 @@ def _amp_dtype(cfg) -> tuple[str, str | None]:
     return "bf16", "no GPU here; use fp16 on GPUs before Ampere: same memory"
 
 
-def default_budget_bytes() -> tuple[int, str]:
+def default_budget_bytes(whole_card: bool = False) -> tuple[int, str]:
     """The card to fit on: this GPU's memory, or the card it was told to behave like (``LAB_GPU_MEMORY_GB``:
-    what torch reports on such a card, :mod:`labutils.cards`); an 8 GB card without a GPU. ``fits`` then leaves
-    room for the CUDA context itself."""
+    what torch reports on such a card, :mod:`labutils.cards`; not with ``whole_card``); an 8 GB card without a
+    GPU. ``fits`` then leaves room for the CUDA context itself."""
     if dev.cuda_available():
-        budget = dev.current_budget() or dev.card_budget(dev.budget_from_env())
+        budget = None if whole_card else dev.current_budget() or dev.card_budget(dev.budget_from_env())
         if budget:
-            return budget["card_total_bytes"], f"this GPU ({dev.name()}) behaving like a {budget['card_gib']:g} GB card"
+            return budget["card_total_bytes"], (f"this GPU ({dev.name()}) behaving like a {budget['card_gib']:g} GB "
+                                                 "card")
         return dev.total_memory(), f"this GPU ({dev.name()})"
     total, rule = cards.card_total_bytes(8)
     return total, f"no GPU here: an 8 GB card ({rule})"
@@ -142,7 +143,7 @@ def cli_estimate(cfg, args) -> int:
             raise ConfigError(source.strip(" ="), None, args.gpu_memory_gb, str(exc)) from None
         where = f"{source}{args.gpu_memory_gb:g}: {rule}"
     else:
-        budget, where = default_budget_bytes()
+        budget, where = default_budget_bytes(getattr(args, "whole_card", False))
     est = estimate_memory(cfg)
     amp, amp_note = _amp_dtype(cfg)
     advice = recommend(cfg, budget, amp_dtype=amp, speeds=speed_source(dev.name() if dev.cuda_available() else None))

@@ -196,13 +196,7 @@ def cmd_estimate(args) -> int:
     if args.gpu_memory_gb is None and from_env:  # the card to behave like: on a GPU and on the CPU alike
         args.gpu_memory_gb, args.gpu_memory_source = from_env, "LAB_GPU_MEMORY_GB="
     if args.gpu_memory_gb == 0:  # no cap: the whole card (as for regenerate), not a 0 GiB card
-        args.gpu_memory_gb = None
-        saved = os.environ.pop("LAB_GPU_MEMORY_GB", None)  # the default budget would apply this cap
-        try:
-            return cli_estimate(cfg, args)
-        finally:
-            if saved is not None:
-                os.environ["LAB_GPU_MEMORY_GB"] = saved
+        args.gpu_memory_gb, args.whole_card = None, True
     return cli_estimate(cfg, args)
 
 

@@ -359,10 +359,8 @@ def check_checkpointing(c: Checks, device: torch.device) -> None:
 
     cfg = small_config("gpt2" if device.type == "cuda" else "tiny", **{"model.dropout": 0.1, "data.seq_length": 64})
     variants = [ck.full(), ck.every_n(2), ck.segments(2)]
-    for feature, make in (("selective", ck.selective), ("offload", ck.offload),
-                          ("offload", ck.checkpoint_offload)):
-        if ck.available(feature)[0]:
-            variants.append(make())
+    variants += [make() for feature, make in (("selective", ck.selective), ("offload", ck.offload),
+                                              ("offload", ck.checkpoint_offload)) if ck.available(feature)[0]]
     with cm.loaded(cfg, device) as s, matmul_precision(False):
         batch = cm.one_batch(s.dataset, 2, cfg.train.seed, device)
 
@@ -417,8 +415,7 @@ def check_empty_caches(c: Checks, device: torch.device) -> None:
             expect(row, dev.pinned_host_bytes() is None or dev.cuda_available(), "CPU: no pinned host allocator")
             return
         if dev.pinned_host_bytes() == 0:  # hold some: a freed pinned block stays in the caching host allocator
-            buf = torch.empty(MiB, dtype=torch.uint8, pin_memory=True)
-            del buf
+            torch.empty(MiB, dtype=torch.uint8, pin_memory=True)
         before = dev.pinned_host_bytes()
         dev.empty_caches(device)
         status, detail = empty_caches_verdict(before, dev.pinned_host_bytes())

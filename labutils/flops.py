@@ -45,7 +45,6 @@ def recomputed_flops_per_token(name: str, seq_length: int, every_n_layers: int =
     GPT-2 block, the MLP's output projection (c_proj, 8d^2 per token), produces nothing backward needs, unless
     a dropout follows it: dropout's mask is saved for backward and is drawn *after* c_proj runs, so with
     ``dropout`` (GPT-2's own 0.1) the whole forward is re-run, and without it c_proj is skipped.
-    Checked against ``torch.utils.flop_counter.FlopCounterMode`` in tests/test_flops.py.
     """
     n_layer, d, _ = PRESETS[name]
     checkpointed = len(range(0, n_layer, every_n_layers))
