@@ -50,12 +50,6 @@ def graph_breaks() -> Counter:
     return Counter(_counters()["graph_break"])
 
 
-def _one_line(exc: BaseException) -> str:
-    inner = getattr(exc, "inner_exception", None) or exc.__cause__ or exc
-    text = str(inner).strip().splitlines()
-    return f"{type(inner).__name__}: {text[0] if text else ''}"[:300]
-
-
 def backend_problem(device, backend: str = DEFAULT_BACKEND) -> str | None:
     """Why torch.compile's ``backend`` cannot work on ``device`` (one line), or None when it can.
 
@@ -70,8 +64,10 @@ def backend_problem(device, backend: str = DEFAULT_BACKEND) -> str | None:
 
     try:
         torch.compile(probe, backend=backend, dynamic=False)(torch.ones(8, device=device))
-    except BackendCompilerFailed as exc:
-        return _one_line(exc)
+    except BackendCompilerFailed as exc:  # one line: the backend's own error, not dynamo's wrapper
+        inner = getattr(exc, "inner_exception", None) or exc.__cause__ or exc
+        text = str(inner).strip().splitlines()
+        return f"{type(inner).__name__}: {text[0] if text else ''}"[:300]
     return None
 
 

@@ -15,7 +15,8 @@ from .cards import CUDA_CONTEXT_BYTES
 from .config import validate
 from .models import N_POSITIONS, PRESETS, padded_vocab_size, vocab_size
 from . import device as dev
-from .replay import CUBLAS_WORKSPACE_BYTES, KINDS, Replay, cublas_workspace_bytes
+from .replay import CUBLAS_WORKSPACE_BYTES, Replay, cublas_workspace_bytes
+from .replay_ledger import KINDS
 
 GiB = 2**30
 HEADROOM = 0.10                       # allocator rounding / fragmentation: reserved is usually 5-15 % above peak

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from .models import CAUSAL_SDPA, FAST_GELU, N_POSITIONS, PRESETS, padded_vocab_size, vocab_size
 from .replay_attention import AttentionReplay
-from .replay_ledger import KINDS, Ledger  # noqa: F401  (KINDS: labutils.estimate reads it here)
+from .replay_ledger import Ledger
 from .replay_loss import LossReplay
 
 CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8   # cuBLAS default workspace per (handle, stream)
