@@ -31,7 +31,10 @@ from . import env as _env
 from . import reference as ref_model
 from .compiling import compile_for_training, compiled_graphs
 from .config import Config, ConfigError, source_of
+from .flops import model_flops_per_token
 from .memory import oom_caught, release
+from .models import padded_vocab_size, vocab_size
+from .peaks import peak_info
 from .run_result import first_timed_step
 from .train import autocast_for, for_this_card, prepare, scaler_for, train
 
@@ -179,10 +182,6 @@ def mfu_goal(cfg: Config, device, labutils_steps: list[float], reference_steps: 
     GPU runs, over the card's dense peak, :mod:`labutils.peaks`) from their median step times, and its goal: >= 45 %
     on an A100, judged by :func:`judge` over each run's MFU; on an H100 / H200 the goal is the ratio (MFU shown); other
     cards and the CPU: shown, not judged."""
-    from .flops import model_flops_per_token
-    from .models import padded_vocab_size, vocab_size
-    from .peaks import peak_info
-
     name = dev.name(device) if torch.device(device).type == "cuda" else None
     peak, why = peak_info(name, cfg.train.precision)
     if peak is None:

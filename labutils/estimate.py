@@ -9,9 +9,10 @@ when it does not fit: :mod:`labutils.advise`.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
-from .cards import CUDA_CONTEXT_BYTES
+from .cards import CUDA_CONTEXT_BYTES, card_total_bytes
 from .config import validate
 from .models import N_POSITIONS, PRESETS, padded_vocab_size, vocab_size
 from . import device as dev
@@ -221,10 +222,6 @@ def scale_model_budget(full_cfg, smoke_cfg, rows: dict, card_gb: float = 8.0, sm
     lab records the rows, each with the ``status`` its smoke run measured ("ok" / "oom"), as its results table
     ``scale_model`` (tests/test_output_budget.py checks them against the estimator's full-mode prediction).
     """
-    import math
-
-    from .cards import card_total_bytes
-
     total, card_rule = card_total_bytes(card_gb)
     usable = (total - CUDA_CONTEXT_BYTES) / (1 + HEADROOM)  # the largest full-mode peak that fits the card
     out = []
