@@ -48,8 +48,8 @@ def peak_speeds(gpu_name: str | None) -> tuple[dict, str] | None:
     if not base:
         return None
     peaks = {p: peak_tflops(gpu_name, p) for p in ("fp32", "tf32", "fp16", "bf16")}
-    return ({p: v / base for p, v in peaks.items() if v}, f"the dense peak TFLOP/s of {gpu_name} (labutils' peak table, "
-            f"not a measurement: real speed-ups are smaller)")
+    return ({p: v / base for p, v in peaks.items() if v}, f"the dense peak TFLOP/s of {gpu_name} (labutils' peak "
+            f"table, not a measurement: real speed-ups are smaller)")
 
 
 def speed_source(gpu_name: str | None, mode: str = "full") -> tuple[dict, str] | None:

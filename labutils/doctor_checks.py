@@ -373,7 +373,8 @@ def check_checkpointing(c: Checks, device: torch.device) -> None:
             with c.check(f"checkpointing grads: {v.name} (dropout 0.1)") as row:
                 d = cm.max_rel_diff(grads(v), ref)
                 row["value"] = d
-                expect(row, d <= GRAD_TOLERANCE, f"max relative difference vs no checkpointing (limit {GRAD_TOLERANCE:g})")
+                expect(row, d <= GRAD_TOLERANCE,
+                       f"max relative difference vs no checkpointing (limit {GRAD_TOLERANCE:g})")
     release()
 
 

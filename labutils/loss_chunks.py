@@ -17,9 +17,9 @@ Liger-Kernel's fused linear cross-entropy does, computes the gradients in the fo
 Compiled, inductor fuses each chunk's log-sum-exp into one reduction and ``softmax - onehot`` and its cast into one
 elementwise kernel over the matmul's output, and the backward graph holds no matmul of the head that AOT
 autograd's common subexpression elimination could merge with the forward's (then every chunk's logits would be
-saved: tests/test_fast_path.py). FLOPs are the full head's, ``3 x 2 * V * d`` per position. The cost is the weight: each chunk reads the head's weight twice and the
-fp32 accumulator once more, about ``16 * V * d`` bytes per extra chunk; so a chunk should be large (the fast
-config's is a fraction of the batch, not a fixed small size).
+saved: tests/test_fast_path.py). FLOPs are the full head's, ``3 x 2 * V * d`` per position. The cost is the
+weight: each chunk reads the head's weight twice and the fp32 accumulator once more, about ``16 * V * d`` bytes per
+extra chunk; so a chunk should be large (the fast config's is a fraction of the batch, not a fixed small size).
 
 :func:`install` replaces a GPT2LMHeadModel instance's ``forward`` for training calls with labels: the transformer
 runs as before (gradient checkpointing and ``nn.Module.compile`` included: the compiled call traces the instance's
