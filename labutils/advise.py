@@ -23,7 +23,8 @@ from .results import read_results, write_json
 # How the advisor ranks precisions: no built-in numbers (the design's "2.2x" is claim C2, tested in lab 01). A speed
 # source gives {precision: throughput relative to fp32} and says where it came from: lab 01's measurements on this
 # GPU (measured_speeds), a peak table of the card, or nothing ("unknown": all precisions counted equal).
-UNKNOWN_SPEEDS = "unknown: no measured or peak speeds for this GPU; precisions counted equal (ranked by memory, recompute and micro-batch size only)"
+UNKNOWN_SPEEDS = ("unknown: no measured or peak speeds for this GPU; precisions counted equal (ranked by memory, "
+                  "recompute and micro-batch size only)")
 SATURATION_TOKENS = 1024              # micro-batch tokens at which a GPU reaches half of its throughput (assumed)
 
 
@@ -46,10 +47,9 @@ def peak_speeds(gpu_name: str | None) -> tuple[dict, str] | None:
     base = peak_tflops(gpu_name, "fp32") if gpu_name else None
     if not base:
         return None
-    speeds = {p: (v / base if v else None) for p in ("fp32", "tf32", "fp16", "bf16")
-              for v in [peak_tflops(gpu_name, p)]}
-    return ({p: v for p, v in speeds.items() if v}, f"the dense peak TFLOP/s of {gpu_name} (labutils' peak table, "
-            f"not a measurement: real speed-ups are smaller)")
+    peaks = {p: peak_tflops(gpu_name, p) for p in ("fp32", "tf32", "fp16", "bf16")}
+    return ({p: v / base for p, v in peaks.items() if v}, f"the dense peak TFLOP/s of {gpu_name} (labutils' peak "
+            f"table, not a measurement: real speed-ups are smaller)")
 
 
 def speed_source(gpu_name: str | None, mode: str = "full") -> tuple[dict, str] | None:
@@ -63,11 +63,7 @@ def relative_step_time(plan: Plan, speeds: dict | None = None) -> float:
     ``speeds``: {precision: throughput relative to fp32}; a precision it does not list counts as 1.0."""
     tokens = plan.micro * plan.seq
     util = tokens / (tokens + SATURATION_TOKENS)
-    recompute = plan.checkpointing and plan.every_n == 1
-    flops = flops_per_token(plan.model, plan.seq, recompute=recompute)
-    if plan.checkpointing and plan.every_n > 1:   # only some blocks recompute
-        base = flops_per_token(plan.model, plan.seq)
-        flops = base + (flops_per_token(plan.model, plan.seq, recompute=True) - base) / plan.every_n
+    flops = flops_per_token(plan.model, plan.seq, recompute=plan.checkpointing, every_n_layers=plan.every_n)
     return plan.effective_batch * plan.seq * flops / ((speeds or {}).get(plan.precision) or 1.0) / util / 1e12
 
 
@@ -78,39 +74,31 @@ def candidate_plans(base: Plan, amp_dtype: str | None = None) -> list[Plan]:
         amp_dtype = base.precision if base.amp else "bf16"
     full = "tf32" if base.precision == "tf32" else "fp32"
     micros = [m for m in range(eff, 0, -1) if eff % m == 0]
-    out = []
-    for precision in dict.fromkeys([full, amp_dtype]):
-        for ckpt in (False, True):
-            for m in micros:
-                out.append(replace(base, precision=precision, checkpointing=ckpt, every_n=1, micro=m,
-                                   accum=eff // m))
-    return out
+    return [replace(base, precision=precision, checkpointing=ckpt, every_n=1, micro=m, accum=eff // m)
+            for precision in dict.fromkeys([full, amp_dtype]) for ckpt in (False, True) for m in micros]
 
 
 def recommend(cfg, budget_bytes: int, *, device: str = "cuda", amp_dtype: str | None = None,
-              context_bytes: int = CUDA_CONTEXT_BYTES, headroom: float = HEADROOM,
-              speeds: tuple[dict, str] | None = None, **overrides) -> dict:
+              speeds: tuple[dict, str] | None = None) -> dict:
     """The fastest configuration predicted to fit ``budget_bytes`` (a GPU's memory), keeping the config's
     effective batch (micro x accumulation) as the target. Returns the chosen candidate and all candidates.
     ``speeds``: ({precision: speed relative to fp32}, where it came from), e.g. :func:`measured_speeds` or a peak
     table of the card; without one precisions count equal and ``speed_source`` says so."""
     speed_map, speed_source = speeds if speeds else ({}, UNKNOWN_SPEEDS)
-    base = plan_from_config(cfg, device=device, **overrides)
+    base = plan_from_config(cfg, device=device)
     rows = []
     for plan in candidate_plans(base, amp_dtype):
         est = estimate_plan(plan)
-        ok = fits(est, budget_bytes, context_bytes, headroom)
         rows.append({"precision": plan.precision, "checkpointing": plan.checkpointing, "micro_batch": plan.micro,
                      "accum": plan.accum, "peak_bytes": est["peak_bytes"], "peak_phase": est["peak_phase"],
-                     "fits": ok, "relative_time": relative_step_time(plan, speed_map)})
+                     "fits": fits(est, budget_bytes), "relative_time": relative_step_time(plan, speed_map)})
     fastest = min((r for r in rows if r["fits"]), key=lambda r: r["relative_time"], default=None)
     own_time = relative_step_time(base, speed_map)
     for r in rows:
         r["speedup_vs_config"] = own_time / r["relative_time"]
-    return {"budget_bytes": int(budget_bytes), "context_bytes": int(context_bytes), "headroom": headroom,
+    return {"budget_bytes": int(budget_bytes), "context_bytes": CUDA_CONTEXT_BYTES, "headroom": HEADROOM,
             "effective_batch": base.effective_batch, "recommendation": fastest, "candidates": rows,
-            "speed_source": speed_source,
-            "config_fits": fits(estimate_plan(base), budget_bytes, context_bytes, headroom)}
+            "speed_source": speed_source, "config_fits": fits(estimate_plan(base), budget_bytes)}
 
 
 def _amp_dtype(cfg) -> tuple[str, str | None]:
@@ -122,18 +110,15 @@ def _amp_dtype(cfg) -> tuple[str, str | None]:
     return "bf16", "no GPU here; use fp16 on GPUs before Ampere: same memory"
 
 
-def _gpu_name() -> str | None:
-    return dev.name() if dev.cuda_available() else None
-
-
-def default_budget_bytes() -> tuple[int, str]:
+def default_budget_bytes(whole_card: bool = False) -> tuple[int, str]:
     """The card to fit on: this GPU's memory, or the card it was told to behave like (``LAB_GPU_MEMORY_GB``:
-    what torch reports on such a card, :mod:`labutils.cards`); an 8 GB card without a GPU. ``fits`` then leaves
-    room for the CUDA context itself."""
+    what torch reports on such a card, :mod:`labutils.cards`; not with ``whole_card``); an 8 GB card without a
+    GPU. ``fits`` then leaves room for the CUDA context itself."""
     if dev.cuda_available():
-        budget = dev.current_budget() or dev.card_budget(dev.budget_from_env())
+        budget = None if whole_card else dev.current_budget() or dev.card_budget(dev.budget_from_env())
         if budget:
-            return budget["card_total_bytes"], f"this GPU ({dev.name()}) behaving like a {budget['card_gib']:g} GB card"
+            return budget["card_total_bytes"], (f"this GPU ({dev.name()}) behaving like a {budget['card_gib']:g} GB "
+                                                 "card")
         return dev.total_memory(), f"this GPU ({dev.name()})"
     total, rule = cards.card_total_bytes(8)
     return total, f"no GPU here: an 8 GB card ({rule})"
@@ -158,10 +143,10 @@ def cli_estimate(cfg, args) -> int:
             raise ConfigError(source.strip(" ="), None, args.gpu_memory_gb, str(exc)) from None
         where = f"{source}{args.gpu_memory_gb:g}: {rule}"
     else:
-        budget, where = default_budget_bytes()
+        budget, where = default_budget_bytes(getattr(args, "whole_card", False))
     est = estimate_memory(cfg)
     amp, amp_note = _amp_dtype(cfg)
-    advice = recommend(cfg, budget, amp_dtype=amp, speeds=speed_source(_gpu_name()))
+    advice = recommend(cfg, budget, amp_dtype=amp, speeds=speed_source(dev.name() if dev.cuda_available() else None))
     t = cfg.train
     print(f"{cfg.model.name} ({est['parameters'] / 1e6:.1f}M parameters), {t.precision}, micro-batch "
           f"{t.micro_batch_size} x accumulation {t.accumulation_steps} x {cfg.data.seq_length} tokens, "
@@ -201,10 +186,10 @@ def cli_estimate(cfg, args) -> int:
               f"{'on' if smallest['checkpointing'] else 'off'}, micro-batch {smallest['micro_batch']}). "
               f"Shorter sequences, a smaller model, LoRA, an 8-bit optimizer or ZeRO offload are the next steps.")
     # beyond one GPU: what ZeRO sharding leaves on each GPU
-    zero = zero_table(est["parameters"], est["activations_bytes"], getattr(args, "gpus", 8),
-                      mixed_precision=t.precision in ("fp16", "bf16"))
-    print(f"per GPU with data parallelism / ZeRO (model state {'2P+2P+12P' if t.precision in ('fp16', 'bf16') else '4P+4P+8P'}"
-          f" sharded + all of one micro-batch's activations: a sum, not the replayed peak):")
+    mixed = t.precision in ("fp16", "bf16")
+    zero = zero_table(est["parameters"], est["activations_bytes"], getattr(args, "gpus", 8), mixed_precision=mixed)
+    print(f"per GPU with data parallelism / ZeRO (model state {'2P+2P+12P' if mixed else '4P+4P+8P'} sharded + all "
+          "of one micro-batch's activations: a sum, not the replayed peak):")
     cols = list(zero[0])
     w = 2 + max(len(str(x)) for x in cols[1:] + [_gib(r[c]) for r in zero for c in cols[1:]])  # a space between
     print("  " + f"{cols[0]:>22}" + "".join(f"{c:>{w}}" for c in cols[1:]))

@@ -12,9 +12,8 @@ One statistic, one rule. Both sides time each step up to the one host read that 
 loss, grad norm and scale in one transfer; the reference its loss); a run's step time is the median of its timed
 steps (after the warm-up, at least 2, and any step that compiled: :func:`labutils.run_result.first_timed_step`).
 Each side gets ``repeats`` fresh runs in ABBA order, a side's step time is the median over its runs (spread beside
-it), and each repeat's neighbouring pair gives one ratio: the verdict (:func:`judge`) is "met" when every repeat's
-ratio is >= :data:`GOAL`, "missed" when every one is below, else "not decided" (so is one repeat: no spread); only a
-GPU run is judged. On an H100 / H200 the ratio is the goal and MFU is shown beside it; on an A100 MFU >= 45 % is
+it), and each repeat's neighbouring pair gives one ratio, judged against :data:`GOAL` by :func:`judge`; only a GPU
+run is judged. On an H100 / H200 the ratio is the goal and MFU is shown beside it; on an A100 MFU >= 45 % is
 judged by the same rule over each run's MFU. Sections, both sides each: the config (the headline); with
 ``train.compile: true`` eager too; the other ``model.loss`` (``loss full`` / ``loss chunked``: what fast_config.yaml
 picks its loss by). Each run records its compile status and the allocator's retries (a run near a memory cap slows
@@ -32,12 +31,15 @@ from . import env as _env
 from . import reference as ref_model
 from .compiling import compile_for_training, compiled_graphs
 from .config import Config, ConfigError, source_of
+from .flops import model_flops_per_token
 from .memory import oom_caught, release
+from .models import padded_vocab_size, vocab_size
+from .peaks import peak_info
 from .run_result import first_timed_step
 from .train import autocast_for, for_this_card, prepare, scaler_for, train
 
-GOAL = 0.95  # course / reference throughput on a GPU (issue 28)
-MFU_GOAL_A100 = 0.45  # issue 28: the fast path's MFU goal on an A100 (on an H100 / H200 the goal is the ratio)
+GOAL = 0.95  # course / reference throughput on a GPU
+MFU_GOAL_A100 = 0.45  # the fast path's MFU goal on an A100 (on an H100 / H200 the goal is the ratio)
 SIDES = ("reference", "labutils")
 
 
@@ -157,6 +159,13 @@ def judge(values: list[float], goal: float) -> tuple[str, str]:
     return "not decided", f"the repeats straddle {goal:g} ({spread}): more repeats, or a quieter machine"
 
 
+def _judged(values: list[float], goal: float, why: str = "") -> dict:
+    """:func:`judge`'s verdict as a dict: goal, judged, verdict, met (True / False / None: not decided), why."""
+    word, rule = judge(values, goal)
+    return {"goal": goal, "judged": True, "verdict": word, "met": {"met": True, "missed": False}.get(word),
+            "why": why + rule}
+
+
 def verdict(ratios: list[float] | None, device, oom: str | None = None) -> dict:
     """The ratio's goal and verdict (:func:`judge` over each repeat's ratio); only a GPU run is judged."""
     if torch.device(device).type != "cuda":
@@ -165,8 +174,7 @@ def verdict(ratios: list[float] | None, device, oom: str | None = None) -> dict:
     if not ratios:
         return {"goal": GOAL, "judged": True, "verdict": "not decided", "met": None,
                 "why": f"no ratio: a run ran out of memory ({oom})"}
-    word, why = judge(ratios, GOAL)
-    return {"goal": GOAL, "judged": True, "verdict": word, "met": {"met": True, "missed": False}.get(word), "why": why}
+    return _judged(ratios, GOAL)
 
 
 def mfu_goal(cfg: Config, device, labutils_steps: list[float], reference_steps: list[float]) -> dict:
@@ -174,10 +182,6 @@ def mfu_goal(cfg: Config, device, labutils_steps: list[float], reference_steps: 
     GPU runs, over the card's dense peak, :mod:`labutils.peaks`) from their median step times, and its goal: >= 45 %
     on an A100, judged by :func:`judge` over each run's MFU; on an H100 / H200 the goal is the ratio (MFU shown); other
     cards and the CPU: shown, not judged."""
-    from .flops import model_flops_per_token
-    from .models import padded_vocab_size, vocab_size
-    from .peaks import peak_info
-
     name = dev.name(device) if torch.device(device).type == "cuda" else None
     peak, why = peak_info(name, cfg.train.precision)
     if peak is None:
@@ -190,9 +194,8 @@ def mfu_goal(cfg: Config, device, labutils_steps: list[float], reference_steps: 
     out = {"labutils": ours, "reference": theirs, "goal": None, "judged": False, "verdict": "not judged", "met": None}
     gpu = name.lower()
     if "a100" in gpu:
-        word, why = judge([flops / s for s in labutils_steps], MFU_GOAL_A100)
-        return {**out, "goal": MFU_GOAL_A100, "judged": True, "verdict": word,
-                "met": {"met": True, "missed": False}.get(word), "why": f">= {MFU_GOAL_A100:.0%} on an A100: {why}"}
+        return {**out, **_judged([flops / s for s in labutils_steps], MFU_GOAL_A100,
+                                 f">= {MFU_GOAL_A100:.0%} on an A100: ")}
     if "h100" in gpu or "h200" in gpu:
         return {**out, "why": "shown: on an H100 / H200 the goal is the ratio to the reference"}
     return {**out, "why": f"no MFU goal for {name} (goals: the ratio on every GPU, MFU on an A100): shown"}

@@ -89,7 +89,8 @@ def print_summary(result) -> None:
     d = result.to_dict()
     t = d["config"]["train"]
     rows = [
-        ("model", f"{d['config']['model']['name']} ({result.parameters / 1e6:.1f}M params, {d['env'].get('weights')} weights)"),
+        ("model", f"{d['config']['model']['name']} ({result.parameters / 1e6:.1f}M params, "
+                  f"{d['env'].get('weights')} weights)"),
         ("tokenizer", d["env"].get("tokenizer")),
         ("device", d["env"].get("gpu_name") or d["env"].get("device")),
         ("mode", d["env"].get("mode")),
@@ -110,9 +111,8 @@ def print_summary(result) -> None:
         if result.compile_fallback:
             rows.append(("compile", f"NOT COMPILED: {result.compile_fallback}"))
     if result.ok and not result.timed_steps:
-        rows += [("step time", f"no timed steps: train.steps ({t['steps']}) <= train.timing_warmup_steps "
-                               f"({t['timing_warmup_steps']}), or the last step compiled; raise train.steps"),
-                 ("peak memory", fmt_bytes(result.peak_memory_bytes)), ("skipped steps", result.skipped_steps)]
+        rows.append(("step time", f"no timed steps: train.steps ({t['steps']}) <= train.timing_warmup_steps "
+                                  f"({t['timing_warmup_steps']}), or the last step compiled; raise train.steps"))
     elif result.ok:
         rows += [
             ("step time", f"{result.step_time_seconds * 1000:.1f} ms (median of the last {result.timed_steps} steps)"),
@@ -123,11 +123,11 @@ def print_summary(result) -> None:
             ("MFU / HFU", f"{result.mfu:.1%} / {result.hfu:.1%} of {result.peak_tflops:g} TFLOP/s "
                           f"({t['precision']} peak)" if result.mfu is not None else
                           "- (" + peak_info(d["env"].get("gpu_name"), t["precision"])[1] + ")"),
-            ("peak memory", fmt_bytes(result.peak_memory_bytes)
-                            + (f", {result.num_alloc_retries} allocator retries (frees and retries near the cap: "
-                               "they slow the step)" if result.num_alloc_retries else "")),
-            ("skipped steps", result.skipped_steps),
         ]
+    if result.ok:
+        rows += [("peak memory", fmt_bytes(result.peak_memory_bytes)
+                  + (f", {result.num_alloc_retries} allocator retries (frees and retries near the cap: they slow the "
+                     "step)" if result.num_alloc_retries else "")), ("skipped steps", result.skipped_steps)]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
@@ -148,21 +148,10 @@ def _apply_budget(verbose: bool = True) -> None:
         print(budget_line(budget))
 
 
-def _fit_to_card(cfg, verbose: bool = True):
-    """On a GPU: fp16 where it has no native BF16, and in full mode the largest micro-batch the estimator fits on
-    this card (:func:`labutils.train.for_this_card`), each change said in one line."""
-    from .train import for_this_card
-
-    fitted, lines = for_this_card(cfg)
-    for line in lines if verbose else ():
-        print(line)
-    return fitted
-
-
 def cmd_run(args) -> int:
     from .distributed import is_main_process
     from .device import detect_mode
-    from .train import run
+    from .train import for_this_card, run
 
     mode, reason = detect_mode()
     cfg = load_config(args.config, args.overrides, mode=mode)
@@ -170,9 +159,10 @@ def cmd_run(args) -> int:
     if main_process:
         check_output_file(args.json, "--json", _inputs(args, cfg))  # before any work: a bad path must not cost the run
     _apply_budget(verbose=main_process)
-    if main_process:
-        print(f"mode: {mode} ({reason})")
-    cfg = _fit_to_card(cfg, verbose=main_process)
+    # on a GPU: fp16 where it has no native BF16, in full mode the largest micro-batch that fits: a line per change
+    cfg, changes = for_this_card(cfg)
+    for line in [f"mode: {mode} ({reason})"] + changes if main_process else ():
+        print(line)
     result = run(cfg, progress=not args.quiet)
     if not main_process:
         return 0 if result.ok else 1
@@ -186,9 +176,7 @@ def cmd_run(args) -> int:
 def cmd_bench(args) -> int:
     from .bench import bench, check_steps
 
-    cfg = load_config(args.config, args.overrides)
-    if args.repeats < 1:
-        raise ConfigError("--repeats", None, args.repeats, "must be an integer >= 1")
+    cfg = load_config(args.config, args.overrides)  # (--repeats >= 1: checked by argparse, positive_int)
     check_steps(cfg)  # steps at or below the warm-up: nothing to time
     check_output_file(args.json, "--json", _inputs(args, cfg))  # before any work
     _apply_budget()
@@ -200,7 +188,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_estimate(args) -> int:
-    from .advise import cli_estimate  # issue 6: the memory estimator and advisor
+    from .advise import cli_estimate
 
     cfg = load_config(args.config, args.overrides, mode="full")  # estimates are for the real sizes
     check_output_file(args.json, "--json", _inputs(args, cfg))
@@ -208,13 +196,7 @@ def cmd_estimate(args) -> int:
     if args.gpu_memory_gb is None and from_env:  # the card to behave like: on a GPU and on the CPU alike
         args.gpu_memory_gb, args.gpu_memory_source = from_env, "LAB_GPU_MEMORY_GB="
     if args.gpu_memory_gb == 0:  # no cap: the whole card (as for regenerate), not a 0 GiB card
-        args.gpu_memory_gb = None
-        saved = os.environ.pop("LAB_GPU_MEMORY_GB", None)  # the default budget would apply this cap
-        try:
-            return cli_estimate(cfg, args)
-        finally:
-            if saved is not None:
-                os.environ["LAB_GPU_MEMORY_GB"] = saved
+        args.gpu_memory_gb, args.whole_card = None, True
     return cli_estimate(cfg, args)
 
 
@@ -228,7 +210,7 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_regenerate(args) -> int:
-    from .regenerate import cli_regenerate  # issue 7: re-execute the labs and render the results
+    from .regenerate import cli_regenerate
 
     return cli_regenerate(args)
 

@@ -50,12 +50,6 @@ def graph_breaks() -> Counter:
     return Counter(_counters()["graph_break"])
 
 
-def _one_line(exc: BaseException) -> str:
-    inner = getattr(exc, "inner_exception", None) or exc.__cause__ or exc
-    text = str(inner).strip().splitlines()
-    return f"{type(inner).__name__}: {text[0] if text else ''}"[:300]
-
-
 def backend_problem(device, backend: str = DEFAULT_BACKEND) -> str | None:
     """Why torch.compile's ``backend`` cannot work on ``device`` (one line), or None when it can.
 
@@ -70,8 +64,10 @@ def backend_problem(device, backend: str = DEFAULT_BACKEND) -> str | None:
 
     try:
         torch.compile(probe, backend=backend, dynamic=False)(torch.ones(8, device=device))
-    except BackendCompilerFailed as exc:
-        return _one_line(exc)
+    except BackendCompilerFailed as exc:  # one line: the backend's own error, not dynamo's wrapper
+        inner = getattr(exc, "inner_exception", None) or exc.__cause__ or exc
+        text = str(inner).strip().splitlines()
+        return f"{type(inner).__name__}: {text[0] if text else ''}"[:300]
     return None
 
 
@@ -124,11 +120,6 @@ def compile_for_training(model: torch.nn.Module, device, backend: str = DEFAULT_
     return CompileRun(backend, graphs_at_start=compiled_graphs(), breaks_at_start=graph_breaks())
 
 
-CPU_COMPILE_UNTRACKED = ("not tracked: on the CPU the memory tracker counts tensor storages through torch's "
-                         "dispatcher, which compiled (inductor) kernels bypass, and dynamo does not compile under it; "
-                         "compiled steps are not tracked on the CPU (train.compile: false measures the eager step)")
-
-
 def cpu_compile_untracked(device, compiled: bool, track_memory: bool, cpu_budget_bytes) -> str | None:
     """Why a run's memory goes untracked (compiled steps on the CPU), or None. A CPU budget cannot be enforced on
     compiled steps: refused (ValueError) rather than ignored."""
@@ -137,4 +128,6 @@ def cpu_compile_untracked(device, compiled: bool, track_memory: bool, cpu_budget
     if cpu_budget_bytes is not None:
         raise ValueError("cpu_budget_bytes (a simulated CPU memory budget) cannot be enforced on compiled steps: the "
                          "CPU tracker does not see inside compiled kernels; set train.compile: false for this run")
-    return CPU_COMPILE_UNTRACKED if track_memory else None
+    return ("not tracked: on the CPU the memory tracker counts tensor storages through torch's dispatcher, which "
+            "compiled (inductor) kernels bypass, and dynamo does not compile under it; compiled steps are not tracked "
+            "on the CPU (train.compile: false measures the eager step)") if track_memory else None

@@ -24,12 +24,12 @@ MIXED = {"fp32": "no", "tf32": "no", "fp16": "fp16", "bf16": "bf16"}
 LAUNCHER_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
-def launcher_env(environ=None) -> dict[str, int]:
+def launcher_env() -> dict[str, int]:
     """The launcher variables that are set, as integers; a malformed one raises ConfigError (one line).
 
     torchrun and ``accelerate launch`` set WORLD_SIZE, RANK, LOCAL_RANK (and LOCAL_WORLD_SIZE); a value left in a
     shell by hand is checked too, so a typo never silently decides which process reports."""
-    environ = os.environ if environ is None else environ
+    environ = os.environ
     allowed = "set by torchrun / accelerate launch; unset it when not launching several processes"
     got = {}
     for name in LAUNCHER_VARS:
@@ -52,21 +52,17 @@ def launcher_env(environ=None) -> dict[str, int]:
     return got
 
 
-def launched_by_accelerate(environ=None) -> bool:
+def launched_by_accelerate() -> bool:
     """``accelerate launch`` (which always sets ACCELERATE_MIXED_PRECISION) or ``torchrun`` with >1 process."""
-    environ = os.environ if environ is None else environ
-    return "ACCELERATE_MIXED_PRECISION" in environ or launcher_env(environ).get("WORLD_SIZE", 1) > 1
+    return "ACCELERATE_MIXED_PRECISION" in os.environ or launcher_env().get("WORLD_SIZE", 1) > 1
 
 
-def is_main_process(environ=None) -> bool:
+def is_main_process() -> bool:
     """Whether this process reports (prints the summary, writes --json): always, unless this is a real launch of
     several processes (WORLD_SIZE > 1), where only RANK 0 does. A RANK left in the environment without a launch
     does not silence a run."""
-    environ = os.environ if environ is None else environ
-    env = launcher_env(environ)
-    if env.get("WORLD_SIZE", 1) <= 1:
-        return True
-    return env["RANK"] == 0
+    env = launcher_env()
+    return env.get("WORLD_SIZE", 1) <= 1 or env["RANK"] == 0
 
 
 def compile_refusal(cfg: Config) -> ConfigError:
@@ -85,7 +81,8 @@ def maybe_accelerator(cfg: Config):
         return None
     if cfg.train.compile:
         raise compile_refusal(cfg)
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and importlib.util.find_spec("deepspeed") is None:
+    wanted = {name: os.environ.get(f"ACCELERATE_USE_{name}", "").lower() == "true" for name in ("FSDP", "DEEPSPEED")}
+    if wanted["DEEPSPEED"] and importlib.util.find_spec("deepspeed") is None:
         raise ConfigError("accelerate config", "distributed_type", "DEEPSPEED",
                           "DeepSpeed was requested but the deepspeed package is not installed; "
                           "pip install -e '.[deepspeed]' (needs a CUDA toolkit), or use a DDP/FSDP config")
@@ -97,8 +94,6 @@ def maybe_accelerator(cfg: Config):
 
     acc = Accelerator(mixed_precision=MIXED[cfg.train.precision], cpu=not dev.cuda_available(),
                       gradient_accumulation_steps=cfg.train.accumulation_steps)
-    wanted = {"FSDP": os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true",
-              "DEEPSPEED": os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"}
     for name, asked in wanted.items():
         if asked and acc.distributed_type.name != name:  # never run something else silently
             raise ConfigError("accelerate config", "distributed_type", name,

@@ -6,9 +6,9 @@ short training step per precision the card supports (GPT-2 small); the memory ca
 out-of-memory error; an allocator snapshot recorded, dumped and read back by the course's own parser; a profiler
 run with CUDA activity; every checkpointing variant's gradients against no checkpointing *with dropout on*; the
 memory estimator against measured peaks; matmul TFLOP/s per precision; configs/fast_config.yaml for a few steps,
-its MFU printed (never judged: issue 28, the MFU goal is the benchmark's). Exit code 1 if anything failed; the
+its MFU printed (never judged: the MFU goal is the benchmark's). Exit code 1 if anything failed; the
 summary line gives the checks' time and, apart, the fast path's compile time. ``regenerate`` runs it first and
-stops on a failure (a row marked ``"gates_regenerate": False`` does not stop it).
+stops on a failure.
 
 Without a GPU it says so, runs the CPU equivalents that exist (tiny model), and exits 0: the GPU checks are
 listed as skipped, never as passed. If the driver sees a GPU that torch cannot use, that row fails (exit 1).
@@ -144,14 +144,11 @@ def run_doctor(device=None, verbose: bool = True) -> dict:
     compile_seconds = round(sum(r.get("compile_seconds") or 0.0 for r in c.rows), 1)
     checks_seconds = round(seconds - compile_seconds, 1)
     if verbose:
-        quiet = [r["name"] for r in c.failed if r.get("gates_regenerate") is False]
         compiled = (f", compiling the fast path {compile_seconds:.0f} s apart" if any(
             r.get("compile_seconds") is not None for r in c.rows) else "")
-        print(f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped: "
-              f"checks {checks_seconds:.0f} s"
-              + compiled + f", {seconds:.0f} s in all"
-              + ("" if device.type == "cuda" else " (no GPU: CPU checks only)")
-              + (f"; {len(quiet)} of the failures ({', '.join(quiet)}) do not stop `regenerate`" if quiet else ""))
+        print(f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped: checks "
+              f"{checks_seconds:.0f} s{compiled}, {seconds:.0f} s in all"
+              + ("" if device.type == "cuda" else " (no GPU: CPU checks only)"))
     return {"checks": c.rows, "summary": counts, "seconds": seconds, "checks_seconds": checks_seconds,
             "compile_seconds": compile_seconds, "env": environment(device)}
 

@@ -1,9 +1,7 @@
 """The doctor's correctness checks (``python -m labutils doctor``, see :mod:`labutils.doctor` for what fails each):
 the device module's functions and lab 04's raw ``torch.cuda`` calls, short training runs per precision, the cap
 and OOM recovery, allocator snapshots, profiler ranges, checkpointing gradients, the memory estimator, emptying
-the caches. One function per check (``check_*``) adds rows to a :class:`Checks`; where a
-verdict needs a GPU it is a small function of the measured numbers (``*_verdict``) so a test can hand it broken
-numbers (tests/test_doctor_checks.py)."""
+the caches. Each ``check_*`` adds rows to a :class:`Checks`; ``*_verdict``: see :mod:`labutils.doctor`."""
 from __future__ import annotations
 
 import contextlib
@@ -44,14 +42,15 @@ class Checks:
             text = str(exc).strip().splitlines()
             row.update(status="fail", detail=f"{type(exc).__name__}: {text[0][:200] if text else ''}")
         row["seconds"] = round(time.perf_counter() - start, 3)
-        self.rows.append(row)
-        if self.verbose:
-            print(f"  {row['status']:<4}  {name:<44} {_fmt(row['value']):>14}  {row['detail']}", flush=True)
+        self._add(row)
 
     def skip(self, name: str, why: str) -> None:
-        self.rows.append({"name": name, "status": "skip", "value": None, "detail": why, "seconds": 0.0})
+        self._add({"name": name, "status": "skip", "value": None, "detail": why, "seconds": 0.0})
+
+    def _add(self, row: dict) -> None:
+        self.rows.append(row)
         if self.verbose:
-            print(f"  skip  {name:<44} {'':>14}  {why}", flush=True)
+            print(f"  {row['status']:<4}  {row['name']:<44} {_fmt(row['value']):>14}  {row['detail']}", flush=True)
 
     @property
     def failed(self) -> list[dict]:
@@ -59,11 +58,7 @@ class Checks:
 
 
 def _fmt(v) -> str:
-    if v is None:
-        return ""
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
+    return "" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 def expect(row: dict, ok: bool, detail: str) -> None:
@@ -180,7 +175,8 @@ def check_lab04_calls(c: Checks, device: torch.device) -> None:
         # lab 04's torch.cuda.list_gpu_processes(), through the device module's guard: NVML refuses in WSL and
         # some containers, which is no fault of this machine's CUDA
         procs, how = dev.gpu_processes(device)
-        listed = f"list_gpu_processes: {len(procs)} process(es)" if procs is not None else f"list_gpu_processes unavailable ({how})"
+        listed = (f"list_gpu_processes: {len(procs)} process(es)" if procs is not None
+                  else f"list_gpu_processes unavailable ({how})")
         expect(row, lab04_verdict(free, total, torch.cuda.get_device_properties(device.index).total_memory, vals),
                 f"mem_get_info, memory_allocated/reserved, max_memory_allocated, memory_stats; {listed}")
 
@@ -217,8 +213,8 @@ def check_training(c: Checks, device: torch.device, only: tuple[str, ...] | None
     for precision in [p for p in precisions if only is None or p in only]:
         with c.check(f"train step {precision}") as row:
             steps = FP16_STEPS if precision == "fp16" else 3
-            res = run(small_config(name, **{"train.precision": precision, "train.steps": steps}), device, progress=False,
-                      verbose=False)
+            res = run(small_config(name, **{"train.precision": precision, "train.steps": steps}), device,
+                      progress=False, verbose=False)
             ok, detail = train_verdict(precision, res, steps)
             row["value"] = res.peak_memory_bytes / MiB if res.peak_memory_bytes else None
             expect(row, ok, f"{name}: {detail}; value = peak MiB")
@@ -284,8 +280,7 @@ NO_FRAMES = "no Python frames"  # how labutils.profiling labels an allocation th
 def snapshot_verdict(summary: dict) -> tuple[bool, str]:
     """Events were recorded, and some allocation has a stack: a site in the code (the forward's allocations are
     always the model's). Backward's own allocations legitimately have none (autograd's thread, stacks="python"),
-    so the top holder may be one of them; a snapshot where *no* site has a stack recorded none at all. (Before:
-    the top holder had to differ from "(no stack)", a label the parser never writes: a check that could not fail.)"""
+    so the top holder may be one of them; a snapshot where *no* site has a stack recorded none at all."""
     sites = [r["site"] for r in summary["top_allocated"]]
     top = summary["top_at_peak"][0]["site"] if summary["top_at_peak"] else "(none)"
     with_stack = [s for s in sites if NO_FRAMES not in s]
@@ -364,10 +359,8 @@ def check_checkpointing(c: Checks, device: torch.device) -> None:
 
     cfg = small_config("gpt2" if device.type == "cuda" else "tiny", **{"model.dropout": 0.1, "data.seq_length": 64})
     variants = [ck.full(), ck.every_n(2), ck.segments(2)]
-    for feature, make in (("selective", ck.selective), ("offload", ck.offload),
-                          ("offload", ck.checkpoint_offload)):
-        if ck.available(feature)[0]:
-            variants.append(make())
+    variants += [make() for feature, make in (("selective", ck.selective), ("offload", ck.offload),
+                                              ("offload", ck.checkpoint_offload)) if ck.available(feature)[0]]
     with cm.loaded(cfg, device) as s, matmul_precision(False):
         batch = cm.one_batch(s.dataset, 2, cfg.train.seed, device)
 
@@ -380,7 +373,8 @@ def check_checkpointing(c: Checks, device: torch.device) -> None:
             with c.check(f"checkpointing grads: {v.name} (dropout 0.1)") as row:
                 d = cm.max_rel_diff(grads(v), ref)
                 row["value"] = d
-                expect(row, d <= GRAD_TOLERANCE, f"max relative difference vs no checkpointing (limit {GRAD_TOLERANCE:g})")
+                expect(row, d <= GRAD_TOLERANCE,
+                       f"max relative difference vs no checkpointing (limit {GRAD_TOLERANCE:g})")
     release()
 
 
@@ -422,8 +416,7 @@ def check_empty_caches(c: Checks, device: torch.device) -> None:
             expect(row, dev.pinned_host_bytes() is None or dev.cuda_available(), "CPU: no pinned host allocator")
             return
         if dev.pinned_host_bytes() == 0:  # hold some: a freed pinned block stays in the caching host allocator
-            buf = torch.empty(MiB, dtype=torch.uint8, pin_memory=True)
-            del buf
+            torch.empty(MiB, dtype=torch.uint8, pin_memory=True)
         before = dev.pinned_host_bytes()
         dev.empty_caches(device)
         status, detail = empty_caches_verdict(before, dev.pinned_host_bytes())

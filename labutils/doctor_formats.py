@@ -40,8 +40,7 @@ def support_probe(device: torch.device) -> dict:
 def support_verdict(bf16: bool, tf32: bool, probe: dict) -> tuple[bool, str]:
     """labutils' answers against what the device did. BF16 claimed: a bfloat16 matmul ran, with a bfloat16-sized
     error (not fp32's: then it was not bfloat16). TF32 claimed <=> the TF32 switch really changed the fp32 product
-    to a TF32-sized error; with the switch off the product is strict fp32. (Before: labutils' ``major >= 8``
-    compared with torch's same rule, a check that could not fail.)"""
+    to a TF32-sized error; with the switch off the product is strict fp32."""
     lo, hi = BF16_ERROR
     e16, e_tf, e32 = probe["bf16_error"], probe["tf32_error"], probe["fp32_error"]
     problems = []

@@ -1,6 +1,6 @@
 """The doctor's speed checks (``python -m labutils doctor``): matmul TFLOP/s per format against the datasheets'
 ratios, and configs/fast_config.yaml trained for a few steps: it must train; its MFU is printed, never judged
-(issue 28: no card fails for its MFU; the MFU goal is the benchmark's, ``python -m labutils bench``)."""
+(a health check fails no card for speed: the MFU goal is the benchmark's, ``python -m labutils bench``)."""
 from __future__ import annotations
 
 import time
@@ -52,20 +52,16 @@ def matmul_verdict(label: str, tflops: float, rel_error: float, fp32_tflops: flo
 def check_matmul(c: Checks, device: torch.device) -> None:
     cuda = device.type == "cuda"
     n = 4096 if cuda else 512
-    formats = [("fp32", torch.float32, False), ("bf16", torch.bfloat16, False)]
-    if cuda:
-        formats = [("fp32", torch.float32, False), ("fp16", torch.float16, False)]
-        if dev.tf32_support(device)[0]:
-            formats.insert(1, ("tf32", torch.float32, True))
-        if dev.bf16_support(device)[0]:
-            formats.append(("bf16", torch.bfloat16, False))
-        capability = dev.capability(device)
+    runs = {"fp32": True, "tf32": cuda and dev.tf32_support(device)[0], "fp16": cuda,
+            "bf16": not cuda or dev.bf16_support(device)[0]}
+    formats = [f for f in (("fp32", torch.float32, False), ("tf32", torch.float32, True),
+                           ("fp16", torch.float16, False), ("bf16", torch.bfloat16, False)) if runs[f[0]]]
     fp32_tflops = None
     for label, dtype, tf32 in formats:
         with c.check(f"matmul TFLOP/s {label} ({n}x{n})") as row:
             tflops, err = _matmul_measure(n, dtype, tf32, device)
             row["value"] = tflops
-            floor, why = _matmul_speed_floor(label, dev.name(device), capability) if cuda else (None, "")
+            floor, why = _matmul_speed_floor(label, dev.name(device), dev.capability(device)) if cuda else (None, "")
             expect(row, *matmul_verdict(label, tflops, err, fp32_tflops, floor, why, cuda))
             if label == "fp32":
                 fp32_tflops = tflops
@@ -94,17 +90,14 @@ def _matmul_measure(n: int, dtype: torch.dtype, tf32: bool, device: torch.device
 
 
 # ------------------------------------------------------------------------------------------ the fast path's MFU
-# Issue 28: a health check fails no card for the project's own speed. The doctor prints the fast path's MFU (and,
-# where labutils.bench provides it, the ratio to a reference measured side by side); the MFU goal is the
-# benchmark's (`python -m labutils bench`), never a doctor failure.
 FAST_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "fast_config.yaml"
 
 
 def mfu_verdict(mfu: float | None, gpu_name: str | None, precision: str = "bf16", status: str = "ok",
                 error: str | None = None, context: list[str] | tuple[str, ...] = ()) -> tuple[bool, str]:
     """The fast config trained (status ok): that is all the doctor judges. Its MFU is shown, never judged here
-    (issue 28: the goal belongs to the benchmark); ``context`` says how it was measured (a memory budget active,
-    a lowered micro-batch), or there is none (the card's peak is unknown)."""
+    (the goal belongs to the benchmark); ``context`` says how it was measured (a memory budget active, a lowered
+    micro-batch), or there is none (the card's peak is unknown)."""
     from .peaks import peak_info
 
     if status != "ok":
@@ -117,11 +110,10 @@ def mfu_verdict(mfu: float | None, gpu_name: str | None, precision: str = "bf16"
 
 
 def reference_ratio(cfg, device: torch.device, repeats: int = 2) -> tuple[float | None, str]:
-    """The fast path's speed as a ratio to the nanoGPT-style reference timed side by side in one process
-    (:func:`labutils.bench.reference_ratio`: ABBA order, each run's step time the median of its timed steps), printed
-    next to the MFU and never judged here: the benchmark holds the goal. Two ABBA pairs by default, so the ratio
-    comes with its spread (each pair's ratio); one pair says it has none. Returns (ratio or None, what to print). A
-    run that cannot fit here (the reference materialises the whole logits) gives (None, why): shown, not a failure."""
+    """The fast path's speed as a ratio to the nanoGPT-style reference timed side by side
+    (:func:`labutils.bench.reference_ratio`), shown next to the MFU, never judged here. Two ABBA pairs by default,
+    so the ratio has a spread. Returns (ratio or None, what to print): a run that cannot fit here (the reference
+    materialises the whole logits) gives (None, why), not a failure."""
     from .bench import reference_ratio as bench_ratio
 
     got = bench_ratio(cfg, repeats=repeats, device=device)
@@ -138,20 +130,18 @@ def reference_ratio(cfg, device: torch.device, repeats: int = 2) -> tuple[float 
 def fast_path_config(device: torch.device):
     """configs/fast_config.yaml for the doctor: the config's warm-up steps (compile included) + MIN_TIMED_STEPS
     timed ones (the claims' evidence rule, labutils.claims: the MFU verdict rests on as many timed steps as any
-    timed claim), random weights (no download: MFU does not depend on them), FP16 where the card has no BF16, and
-    the largest micro-batch the estimator fits on this card, as ``python -m labutils run`` picks it. Returns
-    (config, the line saying what the fit changed or None)."""
-    from .advise import default_budget_bytes, fit_micro_batch
+    timed claim), random weights (no download: MFU does not depend on them), trained as ``python -m labutils run``
+    trains it on this card (:func:`labutils.train.for_this_card`: FP16 where the card has no BF16, the largest
+    micro-batch the estimator fits). Returns (config, one line per change)."""
     from .config import load_config
+    from .train import for_this_card
 
     base = load_config(FAST_CONFIG, mode="full")
     t = base.train
     steps = t.timing_warmup_steps + MIN_TIMED_STEPS
     over = {"train.steps": steps, "model.pretrained": "false",
             "data.num_samples": min(base.data.num_samples, steps * t.micro_batch_size * t.accumulation_steps)}
-    if t.precision == "bf16" and not dev.bf16_support(device)[0]:
-        over["train.precision"] = "fp16"
-    return fit_micro_batch(load_config(FAST_CONFIG, overrides=over, mode="full"), default_budget_bytes()[0])
+    return for_this_card(load_config(FAST_CONFIG, overrides=over, mode="full"), device)
 
 
 def check_fast_path(c: Checks, device: torch.device) -> None:
@@ -170,7 +160,7 @@ def check_fast_path(c: Checks, device: torch.device) -> None:
     from .train import run
 
     with c.check(name) as row:
-        cfg, fitted = fast_path_config(device)
+        cfg, changes = fast_path_config(device)
         compiles, why = dev.compile_support(device)
         if cfg.train.compile and not compiles:  # its compile would raise, and a row that is never "ok" would block
             row["status"] = "skip"              # `regenerate`: not judged, with the reason
@@ -179,7 +169,7 @@ def check_fast_path(c: Checks, device: torch.device) -> None:
         t = cfg.train
         budget = dev.current_budget()  # set by run_doctor from LAB_GPU_MEMORY_GB, or by the fit just above
         context = ([f"under a memory budget (behaving like a {budget['card_gib']:g} GB card)"] if budget else []) \
-            + (["at a micro-batch lowered to fit"] if fitted else [])
+            + (["at a micro-batch lowered to fit"] if "train.micro_batch_size" in cfg.origins else [])
         res = run(cfg, device, progress=False, verbose=False)
         ok, detail = mfu_verdict(res.mfu, dev.name(device), t.precision, res.status, res.error, context)
         row["value"] = None if res.mfu is None else 100 * res.mfu
@@ -190,12 +180,9 @@ def check_fast_path(c: Checks, device: torch.device) -> None:
         warm = res.step_times[:t.timing_warmup_steps]
         if res.step_time_seconds:
             parts.append(f"{len(res.step_times) - len(warm)} timed steps, {res.step_time_seconds * 1e3:.0f} ms/step")
-        compile_s = getattr(res, "compile_seconds", None)  # RunResult.compile_seconds where train.py reports it
-        row["compile_seconds"] = compile_s
-        if compile_s is not None:
-            parts.append(f"compile {compile_s:.1f} s, not timed")
+        row["compile_seconds"] = res.compile_seconds
+        if res.compile_seconds is not None:
+            parts.append(f"compile {res.compile_seconds:.1f} s, not timed")
         elif warm:
             parts.append(f"{len(warm)} warm-up steps (compile included) {sum(warm):.1f} s, not timed")
-        parts += [fitted] if fitted else []
-        detail = "; ".join(parts) + "; value = MFU %"
-        expect(row, ok, detail)
+        expect(row, ok, "; ".join(parts + changes) + "; value = MFU %")

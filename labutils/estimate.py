@@ -9,13 +9,15 @@ when it does not fit: :mod:`labutils.advise`.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
-from .cards import CUDA_CONTEXT_BYTES
+from .cards import CUDA_CONTEXT_BYTES, card_total_bytes
 from .config import validate
 from .models import N_POSITIONS, PRESETS, padded_vocab_size, vocab_size
 from . import device as dev
-from .replay import CUBLAS_WORKSPACE_BYTES, KINDS, Replay, cublas_workspace_bytes
+from .replay import CUBLAS_WORKSPACE_BYTES, Replay, cublas_workspace_bytes
+from .replay_ledger import KINDS
 
 GiB = 2**30
 HEADROOM = 0.10                       # allocator rounding / fragmentation: reserved is usually 5-15 % above peak
@@ -59,10 +61,6 @@ class Plan:
     @property
     def effective_batch(self) -> int:
         return self.micro * self.accum
-
-    def layers_checkpointed(self) -> list[int]:
-        n_layer = PRESETS[self.model][0]
-        return list(range(0, n_layer, self.every_n)) if self.checkpointing else []
 
 
 def plan_from_config(cfg, device: str = "cuda", **overrides) -> Plan:
@@ -160,7 +158,7 @@ def activation_table(cfg=None, device: str = "cuda", **overrides) -> list[dict]:
 
 def korthikanti_bytes_per_layer(model: str, seq: int, micro: int, flash: bool = True) -> int:
     """Korthikanti et al. 2022, eq. (1): s*b*h*(34 + 5*a*s/h) bytes per layer (16-bit activations)."""
-    n_layer, h, a = PRESETS[model]
+    _, h, a = PRESETS[model]
     return int(seq * micro * h * (34 + (0 if flash else 5 * a * seq / h)))
 
 
@@ -224,10 +222,6 @@ def scale_model_budget(full_cfg, smoke_cfg, rows: dict, card_gb: float = 8.0, sm
     lab records the rows, each with the ``status`` its smoke run measured ("ok" / "oom"), as its results table
     ``scale_model`` (tests/test_output_budget.py checks them against the estimator's full-mode prediction).
     """
-    import math
-
-    from .cards import card_total_bytes
-
     total, card_rule = card_total_bytes(card_gb)
     usable = (total - CUDA_CONTEXT_BYTES) / (1 + HEADROOM)  # the largest full-mode peak that fits the card
     out = []

@@ -45,7 +45,6 @@ def recomputed_flops_per_token(name: str, seq_length: int, every_n_layers: int =
     GPT-2 block, the MLP's output projection (c_proj, 8d^2 per token), produces nothing backward needs, unless
     a dropout follows it: dropout's mask is saved for backward and is drawn *after* c_proj runs, so with
     ``dropout`` (GPT-2's own 0.1) the whole forward is re-run, and without it c_proj is skipped.
-    Checked against ``torch.utils.flop_counter.FlopCounterMode`` in tests/test_flops.py.
     """
     n_layer, d, _ = PRESETS[name]
     checkpointed = len(range(0, n_layer, every_n_layers))
@@ -103,8 +102,7 @@ def attention_kernel(model, seq_length: int, padded: bool, precision: str = "fp3
     GPT-2 hands them over: [batch, heads, seq, head_dim] in the autocast dtype; with padding, a boolean mask and
     ``is_causal=False`` (transformers drops an all-ones mask and passes ``is_causal=True``); the model's
     attention dropout while training. A padding mask or dropout rules kernels out: on CUDA the flash kernel takes
-    no mask; on the CPU its flash kernel takes no dropout. Where that function is missing, CUDA falls back to the
-    public ``torch.backends.cuda.can_use_*`` checks.
+    no mask; on the CPU its flash kernel takes no dropout.
     """
     cfg = model.config
     impl = getattr(cfg, "_attn_implementation", "sdpa")
@@ -117,15 +115,7 @@ def attention_kernel(model, seq_length: int, padded: bool, precision: str = "fp3
     q = torch.empty(1, cfg.n_head, seq_length, cfg.n_embd // cfg.n_head, dtype=dtype, device=device)
     mask = torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool, device=device) if padded else None
     dropout = float(cfg.attn_pdrop) if model.training else 0.0
-    choose = getattr(torch, "_fused_sdp_choice", None)
-    if choose is not None:
-        kernel = _SDPA_KERNELS.get(int(choose(q, q, q, mask, dropout, not padded)), "unknown")
-    elif device.type == "cuda":  # pragma: no cover - torch without the dispatcher entry point
-        params = torch.backends.cuda.SDPAParams(q, q, q, mask, dropout, not padded, False)
-        kernel = ("flash" if torch.backends.cuda.can_use_flash_attention(params) else
-                  "memory-efficient" if torch.backends.cuda.can_use_efficient_attention(params) else "math")
-    else:  # pragma: no cover
-        return "not queried (this torch cannot say)"
+    kernel = _SDPA_KERNELS.get(int(torch._fused_sdp_choice(q, q, q, mask, dropout, not padded)), "unknown")
     return f"{kernel} (CPU kernel)" if device.type == "cpu" and kernel == "flash" else kernel
 
 

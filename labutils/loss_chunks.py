@@ -15,12 +15,11 @@ Liger-Kernel's fused linear cross-entropy does, computes the gradients in the fo
 * backward only scales the stored gradients by the incoming one: no recompute, no host sync.
 
 Compiled, inductor fuses each chunk's log-sum-exp into one reduction and ``softmax - onehot`` and its cast into one
-elementwise kernel over the matmul's output, and the backward graph holds no matmul of the head that common
-subexpression elimination could merge with the forward's (the earlier design recomputed the logits in backward,
-which AOT autograd's CSE merged back: every chunk's logits were saved, tests/test_fast_path.py). FLOPs are the full
-head's, ``3 x 2 * V * d`` per position. The cost is the weight: each chunk reads the head's weight twice and the
-fp32 accumulator once more, about ``16 * V * d`` bytes per extra chunk; so a chunk should be large (the fast
-config's is a fraction of the batch, not a fixed small size).
+elementwise kernel over the matmul's output, and the backward graph holds no matmul of the head that AOT
+autograd's common subexpression elimination could merge with the forward's (then every chunk's logits would be
+saved: tests/test_fast_path.py). FLOPs are the full head's, ``3 x 2 * V * d`` per position. The cost is the
+weight: each chunk reads the head's weight twice and the fp32 accumulator once more, about ``16 * V * d`` bytes per
+extra chunk; so a chunk should be large (the fast config's is a fraction of the batch, not a fixed small size).
 
 :func:`install` replaces a GPT2LMHeadModel instance's ``forward`` for training calls with labels: the transformer
 runs as before (gradient checkpointing and ``nn.Module.compile`` included: the compiled call traces the instance's

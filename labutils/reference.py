@@ -82,17 +82,7 @@ class GPT(nn.Module):
             drop=nn.Dropout(c.dropout), h=nn.ModuleList(Block(c) for _ in range(c.n_layer)),
             ln_f=nn.LayerNorm(c.n_embd)))
         self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # tied
-        self.apply(self._init_weights)
-
-    @staticmethod
-    def _init_weights(m):  # GPT-2's init (from_hf overwrites it; kept so the class stands on its own)
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, std=0.02)
+        self.lm_head.weight = self.transformer.wte.weight  # tied (the weights come from from_hf)
 
     def forward(self, idx, targets=None):
         T = idx.shape[1]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from .models import CAUSAL_SDPA, FAST_GELU, N_POSITIONS, PRESETS, padded_vocab_size, vocab_size
 from .replay_attention import AttentionReplay
-from .replay_ledger import KINDS, Ledger  # noqa: F401  (KINDS: labutils.estimate reads it here)
+from .replay_ledger import Ledger
 from .replay_loss import LossReplay
 
 CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8   # cuBLAS default workspace per (handle, stream)
@@ -38,8 +38,7 @@ def cublas_workspace_bytes(major: int | None = None) -> int:
     """torch's default cuBLAS workspace per (handle, stream) on a GPU of compute capability ``major``
     (aten/src/ATen/cuda/CublasHandlePool.cpp, ``parseChosenWorkspaceSize`` without CUBLAS_WORKSPACE_CONFIG):
     ":4096:2:16:8" (8.125 MiB) before Hopper, 32 MiB on Hopper and Blackwell (9.x and on, the RTX 50 GeForce
-    cards too). None: a card not named, taken as a student's pre-Hopper GeForce. The first GPU run (H200) measured
-    the 32 MiB: the estimator's fixed cost was short by twice the difference."""
+    cards too). None: a card not named, taken as a student's pre-Hopper GeForce."""
     return 32 * 2**20 if major is not None and major >= 9 else CUBLAS_WORKSPACE_BYTES
 
 
@@ -84,7 +83,7 @@ class Replay(AttentionReplay, LossReplay):
             self.attn = "flash"                           # flash / memory-efficient / CPU flash: no s*s scores
         else:
             self.attn = "math"                            # CPU SDPA with dropout: the math path, upcast to fp32
-        self.ckpt = set(plan.layers_checkpointed())
+        self.ckpt = set(range(0, self.L, plan.every_n)) if plan.checkpointing else set()   # checkpointed blocks
         self.led = Ledger(round_to=512 if self.cuda else 1)
         # Autograd adds a second gradient into its input buffer in place when it holds the only reference.
         # On CPU we compare with labutils' tracker, whose dispatch mode keeps extra references: every such
@@ -119,10 +118,9 @@ class Replay(AttentionReplay, LossReplay):
         led.alloc("emb.pos_embeds", 4 * T * h)
         led.alloc("emb.sum", 4 * N * h)
         mask_saved = bool(self.ckpt)                            # checkpoint keeps its inputs, the mask too
-        if p.attn == "eager":
-            led.alloc("mask4d", 4 * B * T * T, "activations" if mask_saved else "temporaries", mask_saved)
-        elif self.masked:
-            led.alloc("mask4d", B * T * T, "activations" if mask_saved else "temporaries", mask_saved)
+        if p.attn == "eager" or self.masked:                    # eager: a float mask; SDPA: a bool one
+            led.alloc("mask4d", (4 if p.attn == "eager" else 1) * B * T * T,
+                      "activations" if mask_saved else "temporaries", mask_saved)
         if p.dropout:
             led.alloc("res.0", 4 * N * h, "activations", True)
             led.alloc("emb.drop_mask", self.mask_bytes(4) * N * h, "activations", True)
@@ -211,14 +209,10 @@ class Replay(AttentionReplay, LossReplay):
                 save("gelu.x32", e * n)                             # pow's autocast cast to fp32, saved by pow
             else:
                 keep("fc")                                          # pow saves its input
-            led.alloc(x + "gelu.t1", e * n)                         # pow
-            release("gelu.x32")
-            led.alloc(x + "gelu.t2", e * n)                         # * 0.044715
-            led.free(x + "gelu.t1")
-            led.alloc(x + "gelu.t3", e * n)                         # x + ...
-            led.free(x + "gelu.t2")
-            led.alloc(x + "gelu.t4", e * n)                         # * sqrt(2/pi)
-            led.free(x + "gelu.t3")
+            # pow, * 0.044715, x + ..., * sqrt(2/pi): each temporary frees the one before
+            for k, before in enumerate(("gelu.x32", "gelu.t1", "gelu.t2", "gelu.t3"), 1):
+                led.alloc(f"{x}gelu.t{k}", e * n)
+                release(before)
             save("gelu.tanh", e * n)
             led.free(x + "gelu.t4")
             save("gelu.one_plus", e * n)
@@ -259,22 +253,20 @@ class Replay(AttentionReplay, LossReplay):
         what it saved and the gradient it consumed; the parameter gradients then go on: a half copy's gradient
         is cast back to fp32, and AccumulateGrad keeps it (.grad is None) or adds it in place."""
         led, half, exist = self.led, cast and self.p.amp, self.grads_exist
+
+        def fp32_grad(name, numel):  # .grad exists: a temporary, added into it in place; else it becomes .grad
+            led.alloc(("tmp.g32." if exist else "grad.") + name, 4 * numel, "temporaries" if exist else "grads")
         for name, nbytes, *kind in out:
             led.alloc(name, nbytes, *kind)
         for name, numel in params:
             if half:
                 led.alloc("tmp.g16." + name, self.c * numel)
-            elif exist:
-                led.alloc("tmp.g32." + name, 4 * numel)
             else:
-                led.alloc("grad." + name, 4 * numel, "grads")
+                fp32_grad(name, numel)
         led.free(*free)
         for name, numel in params:
             if half:
-                if exist:
-                    led.alloc("tmp.g32." + name, 4 * numel)
-                else:
-                    led.alloc("grad." + name, 4 * numel, "grads")
+                fp32_grad(name, numel)
                 led.free("tmp.g16." + name)
             led.free("tmp.g32." + name)
 
