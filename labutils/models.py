@@ -25,18 +25,17 @@ PRESETS = {
     "tiny": (2, 128, 4),  # GPT-2 architecture, for smoke runs only; no hub checkpoint
 }
 N_POSITIONS = 1024  # positions of every size
-_last_weights: list[str] = []  # what load_model gave, most recent last
-_last_tokenizer: list[str] = []
+_last: dict[str, str] = {}  # the most recent load_model's "weights" and "tokenizer"
 
 
 def last_weights() -> str | None:
     """"pretrained" or "random": the weights of the most recent model loaded in this process (None before any)."""
-    return _last_weights[-1] if _last_weights else None
+    return _last.get("weights")
 
 
 def last_tokenizer() -> str | None:
     """The name of the tokenizer of the most recent model loaded in this process (None before any)."""
-    return _last_tokenizer[-1] if _last_tokenizer else None
+    return _last.get("tokenizer")
 
 
 def padded_vocab_size(vocab: int, multiple: int | None) -> int:
@@ -220,7 +219,6 @@ def compile_model(model, backend: str | None = None, **kwargs):
     return model
 
 
-
 @dataclass
 class Loaded:
     model: torch.nn.Module
@@ -335,8 +333,7 @@ def _ready(model, tok, cfg: ModelConfig, weights: str, notice: str | None, verbo
     model.loss_type = "ForCausalLM"  # GPT2LMHeadModel's class name maps to no loss type: avoid a warning
     if notice and verbose:
         print(notice)
-    _last_weights.append(weights)
-    _last_tokenizer.append(tok.name)
+    _last.update(weights=weights, tokenizer=tok.name)
     return Loaded(model, tok, weights, notice)
 
 
