@@ -12,6 +12,7 @@ import functools
 import math
 import numbers
 import os
+import re
 import reprlib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -206,37 +207,11 @@ def _assign(cfg: Config, key: str, value: Any, source: str) -> None:
         cfg.validated.pop(key, None)  # now the source's value, not one code changed
 
 
-def _choice(source, key, value, allowed):
-    if value not in allowed:
-        raise ConfigError(source, key, value, f"must be one of {', '.join(allowed)}")
-
-
-def _range(source, key, value, lo=None, hi=None, lo_open=False, allow_none=False, why=""):
-    if value is None and allow_none:
-        return
-    bad = (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi)
-    if bad:
-        lo_s = "" if lo is None else (f"> {lo}" if lo_open else f">= {lo}")
-        hi_s = "" if hi is None else f"<= {hi}"
-        raise ConfigError(source, key, value, "must be " + " and ".join(s for s in (lo_s, hi_s) if s)
-                          + (" (or null)" if allow_none else "") + why)
-
-
 def _is_file(path: str) -> bool:
     try:
         return Path(path).is_file()
     except (OSError, ValueError):  # a name too long, a NUL byte
         return False
-
-
-def _has_trainable_document(path: str) -> bool:
-    """At least one document (blank-line separated) of two or more words: two words are two tokens or more
-    under any GPT-2 tokenizer (BPE never merges across a space) and the byte-level stand-in alike, and a
-    sample needs two tokens (one input, one target)."""
-    import re
-
-    text = Path(path).read_text(encoding="utf-8", errors="replace")
-    return any(len(d.split()) >= 2 for d in re.split(r"\n\s*\n", text))
 
 
 def _flat(cfg: Config) -> dict:
@@ -295,11 +270,18 @@ def validate(cfg: Config) -> Config:
         return f" (given {other} = {shown(value)} from " + (f"{src} {other}={value}" if src in ("--set", "override")
                                                            else src) + ")"
 
-    def rng(key, value, *a, other=None, **k):
-        _range(s(key), key, value, *a, why=given(key, other) if other else "", **k)
+    def rng(key, value, lo=None, hi=None, lo_open=False, allow_none=False, other=None):
+        if value is None and allow_none:
+            return
+        if (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi):
+            lo_s = "" if lo is None else (f"> {lo}" if lo_open else f">= {lo}")
+            hi_s = "" if hi is None else f"<= {hi}"
+            raise ConfigError(s(key), key, value, "must be " + " and ".join(b for b in (lo_s, hi_s) if b)
+                              + (" (or null)" if allow_none else "") + (given(key, other) if other else ""))
 
     def choice(key, value, allowed):
-        _choice(s(key), key, value, allowed)
+        if value not in allowed:
+            raise ConfigError(s(key), key, value, f"must be one of {', '.join(allowed)}")
 
     choice("model.name", m.name, MODEL_NAMES)
     choice("model.pretrained", m.pretrained, PRETRAINED)
@@ -323,15 +305,16 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(s("data.corpus"), "data.corpus", d.corpus,
                               "must be 'builtin' or the path of an existing .txt file")
         try:
-            empty = not Path(d.corpus).read_text(encoding="utf-8", errors="replace").strip()
-            trainable = empty or _has_trainable_document(d.corpus)
+            text = Path(d.corpus).read_text(encoding="utf-8", errors="replace")
         except OSError as exc:
             raise ConfigError(s("data.corpus"), "data.corpus", d.corpus,
                               f"cannot be read ({exc.strerror or exc})") from None
-        if empty:
+        if not text.strip():
             raise ConfigError(s("data.corpus"), "data.corpus", d.corpus, "the file is empty; it needs documents "
                                                                          "separated by blank lines")
-        if not trainable:
+        # a sample needs two tokens (one input, one target): two words are two tokens or more under any GPT-2
+        # tokenizer (BPE never merges across a space) and the byte-level stand-in alike
+        if not any(len(doc.split()) >= 2 for doc in re.split(r"\n\s*\n", text)):
             raise ConfigError(s("data.corpus"), "data.corpus", d.corpus,
                               "every document is too short to train on; a document (paragraphs are separated "
                               "by blank lines) needs two or more words")
