@@ -1,8 +1,5 @@
-"""Lab 03's checkpointing variants: the ways to train GPT-2 that a student switches on and compares.
-
-The notebook writes each technique out on a toy stack first; the functions here apply the same ideas to the
-GPT-2 models of labutils, so that every variant runs through :func:`labutils.train` and is measured the same way
-(measuring them: :mod:`labutils.checkpoint_measure`).
+"""Lab 03's checkpointing variants on labutils' GPT-2 models (the notebook writes each out on a toy stack first),
+so that every variant runs through :func:`labutils.train` and is measured the same way (:mod:`.checkpoint_measure`).
 
 Variants: ``variant.apply(model)`` switches it on and returns a function that switches it off again.
 
@@ -108,17 +105,13 @@ def segments(k: int) -> Variant:
     return Variant(f"segments of {k}", "segments", apply, k)
 
 
-def _sdpa_ops() -> set:
-    aten = torch.ops.aten
-    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
-    return {getattr(aten, n).default for n in names if hasattr(aten, n)}
-
-
 # Matrix multiplications (and fused attention, a pair of them) cost FLOPs; everything else in a GPT-2 block
 # (layer norm, GELU's tanh/pow/mul, residual adds, dropout, views) is pointwise and cheap to recompute.
-SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-            torch.ops.aten.baddbmm.default} | _sdpa_ops()
+_aten = torch.ops.aten
+SAVE_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
+            _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
+            _aten._scaled_dot_product_cudnn_attention.default,
+            _aten._scaled_dot_product_flash_attention_for_cpu.default}
 
 
 def draws_random_numbers(op, args, kwargs) -> bool:
@@ -156,12 +149,9 @@ def selective(policy=None) -> Variant:
 class CountingSaveOnCPU(torch.autograd.graph.save_on_cpu):
     """``torch.autograd.graph.save_on_cpu`` that leaves ``keep`` tensors (the weights) in place and counts bytes.
 
-    Plain ``save_on_cpu`` packs *every* saved tensor, and a matmul saves its weight for backward: it would copy
-    all weights to the host and back each step while saving no device memory (the parameters stay on the
-    device anyway). Here tensors whose storage is in ``keep`` are not moved; ``bytes`` counts what was moved,
-    ``kept_bytes`` what plain ``save_on_cpu`` would have copied in addition. Pinned host memory (asynchronous
-    copies) where there is a GPU; on a CPU-only machine the tensors already live in host memory and packing is
-    free (pinning would need an accelerator).
+    Plain ``save_on_cpu`` would copy every weight a matmul saves to the host and back each step, saving no device
+    memory (the parameters stay there anyway). ``bytes`` counts what was moved, ``kept_bytes`` what plain
+    ``save_on_cpu`` would have copied in addition. Pinned host memory where there is a GPU (pinning needs one).
     """
 
     def __init__(self, device_type: str = "cuda", keep: frozenset = frozenset()):

@@ -23,17 +23,9 @@ import yaml
 MODEL_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "tiny")
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 PRETRAINED = ("auto", "true", "false")
-ATTENTION = ("sdpa", "eager", "sdpa_causal")
-# sdpa_causal: labutils' own attention function (labutils.models.CAUSAL_SDPA), registered through transformers'
-# AttentionInterface: scaled_dot_product_attention(q, k, v, is_causal=True) with no mask, eager or compiled, so
-# the flash kernel stays available under torch.compile. Exact for packed data, and for labutils' right-padded data
-# too (a causal query never sees the padding after it; padded positions carry no loss).
-ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
-# gelu_new: HF's tanh-GELU written as ~9 elementwise ops (GPT-2's checkpoint config); gelu_pytorch_tanh: the same
-# tanh formula as one fused kernel (torch.nn.functional.gelu(x, approximate="tanh")).
-LOSSES = ("full", "chunked")
-# full: transformers' loss over the whole [B, T, V] logits; chunked: LM head + cross-entropy a chunk of positions at
-# a time, the logits never whole, gradients computed in the forward (labutils.loss_chunks)
+ATTENTION = ("sdpa", "eager", "sdpa_causal")  # sdpa_causal: causal SDPA without a mask (labutils.models.CAUSAL_SDPA)
+ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # the same tanh GELU: ~9 elementwise ops, or one fused kernel
+LOSSES = ("full", "chunked")  # chunked: the logits never whole (labutils.loss_chunks)
 MAX_LOSS_CHUNK = 2**20
 PAD_VOCAB_TO = (64, 128)  # or null: the vocabulary rounded up to a multiple of this, padded logits masked
 MAX_POSITIONS = 1024  # GPT-2's learned position table
@@ -360,9 +352,6 @@ def _override_items(overrides, source: str) -> list[tuple[str, Any]]:
     return [parse_set(o, source) for o in overrides]
 
 
-MERGE_TAG = "tag:yaml.org,2002:merge"
-
-
 class _UniqueKeyLoader(yaml.SafeLoader):
     """PyYAML's safe loader, except that a key repeated in one mapping is an error (YAML says keys are unique;
     PyYAML silently keeps the last one). Merge keys (``<<: *anchor``) work as in PyYAML's safe loader: the
@@ -371,7 +360,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = {}
         for key_node, _ in node.value:
-            if key_node.tag == MERGE_TAG:  # `<<`: merged by SafeConstructor.flatten_mapping below
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<`: merged by SafeConstructor.flatten_mapping below
                 continue
             key = self.construct_object(key_node, deep=True)
             try:
@@ -383,9 +372,6 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                     None, None, f"duplicate key {shown(key)} (first on line {first.start_mark.line + 1}); "
                                 "each key may appear once", key_node.start_mark)
         return super().construct_mapping(node, deep)
-
-
-MAX_YAML_DEPTH_HINT = "nested too deeply to read (thousands of levels); a config is sections of key: value"
 
 
 def _read_yaml(path: Path) -> dict:
@@ -414,7 +400,8 @@ def _read_yaml(path: Path) -> dict:
         raise ConfigError(src, None, _MISSING, f"malformed YAML{where}: "
                                                f"{getattr(exc, 'problem', None) or 'cannot parse'}") from None
     except RecursionError:  # PyYAML composes and constructs recursively
-        raise ConfigError(src, None, _MISSING, MAX_YAML_DEPTH_HINT) from None
+        raise ConfigError(src, None, _MISSING, "nested too deeply to read (thousands of levels); a config is "
+                                               "sections of key: value") from None
     if raw is None:  # empty, whitespace, comments only, a bare `---` or `null`: nothing was configured
         raise ConfigError(src, None, _MISSING, f"the file holds no settings (empty, comments only or null); "
                                                f"give a mapping with sections {', '.join(SECTIONS)}")

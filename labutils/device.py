@@ -13,11 +13,8 @@ such a card (:mod:`labutils.cards`: an "8 GB" GeForce reports 7.78 GiB) minus wh
 workspaces count against the cap like tensors (aten/src/ATen/cuda/CublasHandlePool.cpp takes them from the caching
 allocator). Memory that other processes hold on the GPU is named in the budget's notice, not taken from the cap.
 
-API versions (the floor in pyproject.toml is torch 2.6): ``torch.OutOfMemoryError`` (2.5),
-``torch.cuda.get_per_process_memory_fraction`` (2.8; older torch: we remember what we set),
-``torch._C._host_emptyCache`` (2.5; absent from CPU builds),
-``torch.cuda.memory._record_memory_history(enabled=, max_entries=, stacks=)`` (2.1), ``_snapshot`` /
-``_dump_snapshot`` (2.1).
+API versions above the floor in pyproject.toml (torch 2.6): ``torch.cuda.get_per_process_memory_fraction`` (2.8;
+older torch: we remember what we set); ``torch._C._host_emptyCache`` is absent from CPU builds.
 """
 from __future__ import annotations
 

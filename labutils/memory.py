@@ -47,16 +47,12 @@ class _StorageRef(weakref.ref):
 
 class LiveStorages(TorchDispatchMode):
     """Counts bytes of live CPU tensor storages; keeps a running peak (``with LiveStorages() as live: ...;
-    live.peak``). What :class:`MemoryTracker` uses on the CPU; ``add_existing()`` also counts what was alive
-    before.
+    live.peak``). What :class:`MemoryTracker` uses on the CPU; ``add_existing()`` also counts what was alive before.
 
-    It must see every operator, so it does not declare ``ignore_compile_internals``: torch.compile'd code met
-    inside it runs eagerly (dynamo does not compile under a non-infra dispatch mode), and is measured as the eager
-    step. Dynamo also marks that code as skipped for the rest of the process; the training loop clears those
-    marks before it compiles (:mod:`labutils.compiling`) and does not track compiled steps on the CPU (compiled
-    kernels allocate past the dispatcher, so this count would miss their buffers). A storage's death is queued by
-    a C function (its weakref's callback is ``deque.append``) and counted at the next allocation or reading: a Ctrl-C
-    landing in a Python finaliser is swallowed ("Exception ignored in: <finalize object>"), the cell going on."""
+    It must see every operator, so it does not declare ``ignore_compile_internals``: torch.compile'd code met inside
+    it runs (and is measured) eagerly, and dynamo marks it skipped, which :mod:`labutils.compiling` clears. A
+    storage's death is queued by a C function (its weakref's callback is ``deque.append``) and counted at the next
+    allocation or reading: a Ctrl-C landing in a Python finaliser would be swallowed, the cell going on."""
 
     def __init__(self, budget_bytes: int | None = None):
         super().__init__()
@@ -143,7 +139,6 @@ class MemoryTracker:
     def __post_init__(self):
         self.device = dev.resolve(self.device)
         self._cpu: LiveStorages | None = None
-        self._active = False
 
     @property
     def is_cuda(self) -> bool:
@@ -178,7 +173,6 @@ class MemoryTracker:
             self._cpu.__enter__()
         self.start_bytes = self.current_bytes()
         self.peak_bytes = self.start_bytes
-        self._active = True
         return self
 
     def __exit__(self, *exc) -> None:
@@ -190,7 +184,6 @@ class MemoryTracker:
             self._cpu.__exit__(*exc)
         self.end_bytes = self.current_bytes()
         self.peak_bytes = max(self._peak_now(), self.end_bytes)
-        self._active = False
 
     @property
     def peak_above_start(self) -> int:
