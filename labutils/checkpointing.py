@@ -1,8 +1,5 @@
-"""Lab 03's checkpointing variants: the ways to train GPT-2 that a student switches on and compares.
-
-The notebook writes each technique out on a toy stack first; the functions here apply the same ideas to the
-GPT-2 models of labutils, so that every variant runs through :func:`labutils.train` and is measured the same way
-(measuring them: :mod:`labutils.checkpoint_measure`).
+"""Lab 03's checkpointing variants on labutils' GPT-2 models (the notebook writes each out on a toy stack first),
+so that every variant runs through :func:`labutils.train` and is measured the same way (:mod:`.checkpoint_measure`).
 
 Variants: ``variant.apply(model)`` switches it on and returns a function that switches it off again.
 
@@ -13,9 +10,9 @@ Variants: ``variant.apply(model)`` switches it on and returns a function that sw
     offload()             no recompute: every saved activation goes to host memory (torch.autograd.graph.save_on_cpu)
     checkpoint_offload()  full checkpointing, and what it still saves (block inputs, LM head) goes to host memory
 
-``available(feature)`` says whether this torch/transformers has what a variant needs. Selective checkpointing's
+``available(feature)`` says whether this torch has what a variant needs. Selective checkpointing's
 policy is :func:`save_matmuls` (saves the ops in ``SAVE_OPS``, never one that :func:`draws_random_numbers`);
-offload's hooks are :class:`CountingSaveOnCPU`; :func:`first_line` shortens an error for a table row.
+offload's hooks are :class:`CountingSaveOnCPU`.
 """
 from __future__ import annotations
 
@@ -25,37 +22,25 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from . import device as dev
+from .memory import oom_text
 from .models import disable_checkpointing, enable_checkpointing
 
-try:  # torch >= 2.4
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-except ImportError:  # pragma: no cover - older torch: the selective variant is reported as unavailable
-    CheckpointPolicy = create_selective_checkpoint_contexts = None
+# What the selective and offload variants need, and where torch has it (both older than pyproject.toml's floor,
+# torch 2.6: selective checkpointing came in 2.4, save_on_cpu in 1.10)
+FEATURES = {"selective": "torch.utils.checkpoint.create_selective_checkpoint_contexts",
+            "offload": "torch.autograd.graph.save_on_cpu"}
 
 
 # ----------------------------------------------------------------------------------------------- what torch offers
 def available(feature: str) -> tuple[bool, str]:
-    """Is a checkpointing feature in this torch/transformers? ("selective", "offload", "every_n_layers")."""
-    if feature == "selective":
-        ok = create_selective_checkpoint_contexts is not None
-        return ok, ("torch.utils.checkpoint.create_selective_checkpoint_contexts" if ok else
-                    f"torch {torch.__version__} has no create_selective_checkpoint_contexts (needs torch >= 2.4)")
-    if feature == "offload":
-        ok = hasattr(torch.autograd.graph, "save_on_cpu")
-        return ok, ("torch.autograd.graph.save_on_cpu" if ok else
-                    f"torch {torch.__version__} has no torch.autograd.graph.save_on_cpu")
-    if feature == "every_n_layers":
-        import inspect
-
-        from transformers import PreTrainedModel
-        fn = getattr(PreTrainedModel, "activation_checkpointing_enable", None) or \
-            PreTrainedModel.gradient_checkpointing_enable
-        ok = "every_n_layers" in inspect.signature(fn).parameters
-        return ok, (f"{fn.__name__}(every_n_layers=k)" if ok else "this transformers has no every_n_layers")
-    raise ValueError(f"unknown feature {feature!r}; one of selective, offload, every_n_layers")
+    """Is a checkpointing feature in this torch ("selective", "offload")? ``(True, where torch has it)``: this
+    module imports both, so on a torch without one it would not import at all."""
+    if feature not in FEATURES:
+        raise ValueError(f"unknown feature {feature!r}; one of {', '.join(FEATURES)}")
+    return True, FEATURES[feature]
 
 
 # ------------------------------------------------------------------------------------------------------ variants
@@ -72,15 +57,6 @@ class Variant:
         return f"Variant({self.name!r})"
 
 
-def _hf_enable(model, every_n_layers: int = 1, **checkpoint_kwargs) -> None:
-    """The model's own switch, with extra ``torch.utils.checkpoint`` arguments (``context_fn``, ...)."""
-    enable_checkpointing(model, every_n_layers, **checkpoint_kwargs)
-
-
-def _hf_disable(model) -> None:
-    disable_checkpointing(model)
-
-
 def baseline() -> Variant:
     return Variant("baseline", "baseline", lambda model: (lambda: None))
 
@@ -88,13 +64,8 @@ def baseline() -> Variant:
 def every_n(k: int = 1, **checkpoint_kwargs) -> Variant:
     """The model's API: ``lu.enable_checkpointing(model, every_n_layers=k)`` (blocks 0, k, 2k, ... recompute)."""
     def apply(model):
-        if checkpoint_kwargs:
-            _hf_enable(model, k, **checkpoint_kwargs)
-        else:
-            if hasattr(model, "disable_input_require_grads"):
-                model.disable_input_require_grads()
-            enable_checkpointing(model, every_n_layers=k)
-        return lambda: _hf_disable(model)
+        enable_checkpointing(model, k, **checkpoint_kwargs)
+        return lambda: disable_checkpointing(model)
     return Variant("full" if k == 1 else f"every {k}", "every_n", apply, k)
 
 
@@ -134,17 +105,13 @@ def segments(k: int) -> Variant:
     return Variant(f"segments of {k}", "segments", apply, k)
 
 
-def _sdpa_ops() -> set:
-    aten = torch.ops.aten
-    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
-    return {getattr(aten, n).default for n in names if hasattr(aten, n)}
-
-
 # Matrix multiplications (and fused attention, a pair of them) cost FLOPs; everything else in a GPT-2 block
 # (layer norm, GELU's tanh/pow/mul, residual adds, dropout, views) is pointwise and cheap to recompute.
-SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-            torch.ops.aten.baddbmm.default} | _sdpa_ops()
+_aten = torch.ops.aten
+SAVE_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
+            _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
+            _aten._scaled_dot_product_cudnn_attention.default,
+            _aten._scaled_dot_product_flash_attention_for_cpu.default}
 
 
 def draws_random_numbers(op, args, kwargs) -> bool:
@@ -175,32 +142,16 @@ def save_matmuls(ctx, op, *args, **kwargs):
 
 def selective(policy=None) -> Variant:
     """Every block checkpointed through the model's API, with ``context_fn`` = selective checkpointing contexts."""
-    ok, why = available("selective")
-    if not ok:
-        raise RuntimeError(why)
-
-    def apply(model):
-        context_fn = functools.partial(create_selective_checkpoint_contexts, policy or save_matmuls)
-        _hf_enable(model, 1, context_fn=context_fn)
-        return lambda: _hf_disable(model)
-    return Variant("selective", "selective", apply, 1)
-
-
-def first_line(exc: BaseException) -> str:
-    """The first line of an exception's message (at most 300 characters), for a table cell or an error row."""
-    text = str(exc).strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:300]
+    context_fn = functools.partial(create_selective_checkpoint_contexts, policy or save_matmuls)
+    return Variant("selective", "selective", every_n(1, context_fn=context_fn).apply, 1)
 
 
 class CountingSaveOnCPU(torch.autograd.graph.save_on_cpu):
     """``torch.autograd.graph.save_on_cpu`` that leaves ``keep`` tensors (the weights) in place and counts bytes.
 
-    Plain ``save_on_cpu`` packs *every* saved tensor, and a matmul saves its weight for backward: it would copy
-    all weights to the host and back each step while saving no device memory (the parameters stay on the
-    device anyway). Here tensors whose storage is in ``keep`` are not moved; ``bytes`` counts what was moved,
-    ``kept_bytes`` what plain ``save_on_cpu`` would have copied in addition. Pinned host memory (asynchronous
-    copies) where there is a GPU; on a CPU-only machine the tensors already live in host memory and packing is
-    free (pinning would need an accelerator).
+    Plain ``save_on_cpu`` would copy every weight a matmul saves to the host and back each step, saving no device
+    memory (the parameters stay there anyway). ``bytes`` counts what was moved, ``kept_bytes`` what plain
+    ``save_on_cpu`` would have copied in addition. Pinned host memory where there is a GPU (pinning needs one).
     """
 
     def __init__(self, device_type: str = "cuda", keep: frozenset = frozenset()):
@@ -220,7 +171,7 @@ class CountingSaveOnCPU(torch.autograd.graph.save_on_cpu):
                 if isinstance(exc, torch.OutOfMemoryError) or not self.pinned or not dev.is_oom(exc):
                     raise  # any other error (a bad tensor, a driver fault) is what it is, not an OOM
                 raise torch.OutOfMemoryError(f"CPU offload: could not allocate {t.numel() * t.element_size()} "
-                                             f"bytes of pinned host memory ({first_line(exc)})") from exc
+                                             f"bytes of pinned host memory ({oom_text(exc)})") from exc
             # Already on the CPU, .cpu() returns the tensor itself; a saved *output* held that way would form a
             # reference cycle through its own grad_fn that outlives the graph if backward never runs (OOM).
             return device, (packed.detach() if packed is t else packed)
@@ -257,9 +208,6 @@ def _wrap_forward(model, variant: Variant):
 def offload() -> Variant:
     """No recompute: every activation autograd saves in the forward is parked in host memory until backward
     (the weights it saves stay where they are, see :class:`CountingSaveOnCPU`)."""
-    ok, why = available("offload")
-    if not ok:
-        raise RuntimeError(why)
     v = Variant("offload", "offload", None)
     v.apply = lambda model: _wrap_forward(model, v)
     return v
@@ -267,9 +215,6 @@ def offload() -> Variant:
 
 def checkpoint_offload() -> Variant:
     """Full checkpointing, plus offload of what it still saves (block inputs, embeddings, LM head)."""
-    ok, why = available("offload")
-    if not ok:
-        raise RuntimeError(why)
     v = Variant("checkpoint + offload", "checkpoint_offload", None, 1)
 
     def apply(model):

@@ -12,6 +12,7 @@ import functools
 import math
 import numbers
 import os
+import re
 import reprlib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -22,17 +23,9 @@ import yaml
 MODEL_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "tiny")
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 PRETRAINED = ("auto", "true", "false")
-ATTENTION = ("sdpa", "eager", "sdpa_causal")
-# sdpa_causal: labutils' own attention function (labutils.models.CAUSAL_SDPA), registered through transformers'
-# AttentionInterface: scaled_dot_product_attention(q, k, v, is_causal=True) with no mask, eager or compiled, so
-# the flash kernel stays available under torch.compile. Exact for packed data, and for labutils' right-padded data
-# too (a causal query never sees the padding after it; padded positions carry no loss).
-ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
-# gelu_new: HF's tanh-GELU written as ~9 elementwise ops (GPT-2's checkpoint config); gelu_pytorch_tanh: the same
-# tanh formula as one fused kernel (torch.nn.functional.gelu(x, approximate="tanh")).
-LOSSES = ("full", "chunked")
-# full: transformers' loss over the whole [B, T, V] logits; chunked: LM head + cross-entropy a chunk of positions at
-# a time, the logits never whole, gradients computed in the forward (labutils.loss_chunks)
+ATTENTION = ("sdpa", "eager", "sdpa_causal")  # sdpa_causal: causal SDPA without a mask (labutils.models.CAUSAL_SDPA)
+ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # the same tanh GELU: ~9 elementwise ops, or one fused kernel
+LOSSES = ("full", "chunked")  # chunked: the logits never whole (labutils.loss_chunks)
 MAX_LOSS_CHUNK = 2**20
 PAD_VOCAB_TO = (64, 128)  # or null: the vocabulary rounded up to a multiple of this, padded logits masked
 MAX_POSITIONS = 1024  # GPT-2's learned position table
@@ -206,37 +199,11 @@ def _assign(cfg: Config, key: str, value: Any, source: str) -> None:
         cfg.validated.pop(key, None)  # now the source's value, not one code changed
 
 
-def _choice(source, key, value, allowed):
-    if value not in allowed:
-        raise ConfigError(source, key, value, f"must be one of {', '.join(allowed)}")
-
-
-def _range(source, key, value, lo=None, hi=None, lo_open=False, allow_none=False, why=""):
-    if value is None and allow_none:
-        return
-    bad = (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi)
-    if bad:
-        lo_s = "" if lo is None else (f"> {lo}" if lo_open else f">= {lo}")
-        hi_s = "" if hi is None else f"<= {hi}"
-        raise ConfigError(source, key, value, "must be " + " and ".join(s for s in (lo_s, hi_s) if s)
-                          + (" (or null)" if allow_none else "") + why)
-
-
 def _is_file(path: str) -> bool:
     try:
         return Path(path).is_file()
     except (OSError, ValueError):  # a name too long, a NUL byte
         return False
-
-
-def _has_trainable_document(path: str) -> bool:
-    """At least one document (blank-line separated) of two or more words: two words are two tokens or more
-    under any GPT-2 tokenizer (BPE never merges across a space) and the byte-level stand-in alike, and a
-    sample needs two tokens (one input, one target)."""
-    import re
-
-    text = Path(path).read_text(encoding="utf-8", errors="replace")
-    return any(len(d.split()) >= 2 for d in re.split(r"\n\s*\n", text))
 
 
 def _flat(cfg: Config) -> dict:
@@ -295,11 +262,18 @@ def validate(cfg: Config) -> Config:
         return f" (given {other} = {shown(value)} from " + (f"{src} {other}={value}" if src in ("--set", "override")
                                                            else src) + ")"
 
-    def rng(key, value, *a, other=None, **k):
-        _range(s(key), key, value, *a, why=given(key, other) if other else "", **k)
+    def rng(key, value, lo=None, hi=None, lo_open=False, allow_none=False, other=None):
+        if value is None and allow_none:
+            return
+        if (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi):
+            lo_s = "" if lo is None else (f"> {lo}" if lo_open else f">= {lo}")
+            hi_s = "" if hi is None else f"<= {hi}"
+            raise ConfigError(s(key), key, value, "must be " + " and ".join(b for b in (lo_s, hi_s) if b)
+                              + (" (or null)" if allow_none else "") + (given(key, other) if other else ""))
 
     def choice(key, value, allowed):
-        _choice(s(key), key, value, allowed)
+        if value not in allowed:
+            raise ConfigError(s(key), key, value, f"must be one of {', '.join(allowed)}")
 
     choice("model.name", m.name, MODEL_NAMES)
     choice("model.pretrained", m.pretrained, PRETRAINED)
@@ -323,15 +297,16 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(s("data.corpus"), "data.corpus", d.corpus,
                               "must be 'builtin' or the path of an existing .txt file")
         try:
-            empty = not Path(d.corpus).read_text(encoding="utf-8", errors="replace").strip()
-            trainable = empty or _has_trainable_document(d.corpus)
+            text = Path(d.corpus).read_text(encoding="utf-8", errors="replace")
         except OSError as exc:
             raise ConfigError(s("data.corpus"), "data.corpus", d.corpus,
                               f"cannot be read ({exc.strerror or exc})") from None
-        if empty:
+        if not text.strip():
             raise ConfigError(s("data.corpus"), "data.corpus", d.corpus, "the file is empty; it needs documents "
                                                                          "separated by blank lines")
-        if not trainable:
+        # a sample needs two tokens (one input, one target): two words are two tokens or more under any GPT-2
+        # tokenizer (BPE never merges across a space) and the byte-level stand-in alike
+        if not any(len(doc.split()) >= 2 for doc in re.split(r"\n\s*\n", text)):
             raise ConfigError(s("data.corpus"), "data.corpus", d.corpus,
                               "every document is too short to train on; a document (paragraphs are separated "
                               "by blank lines) needs two or more words")
@@ -377,9 +352,6 @@ def _override_items(overrides, source: str) -> list[tuple[str, Any]]:
     return [parse_set(o, source) for o in overrides]
 
 
-MERGE_TAG = "tag:yaml.org,2002:merge"
-
-
 class _UniqueKeyLoader(yaml.SafeLoader):
     """PyYAML's safe loader, except that a key repeated in one mapping is an error (YAML says keys are unique;
     PyYAML silently keeps the last one). Merge keys (``<<: *anchor``) work as in PyYAML's safe loader: the
@@ -388,7 +360,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = {}
         for key_node, _ in node.value:
-            if key_node.tag == MERGE_TAG:  # `<<`: merged by SafeConstructor.flatten_mapping below
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<`: merged by SafeConstructor.flatten_mapping below
                 continue
             key = self.construct_object(key_node, deep=True)
             try:
@@ -400,9 +372,6 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                     None, None, f"duplicate key {shown(key)} (first on line {first.start_mark.line + 1}); "
                                 "each key may appear once", key_node.start_mark)
         return super().construct_mapping(node, deep)
-
-
-MAX_YAML_DEPTH_HINT = "nested too deeply to read (thousands of levels); a config is sections of key: value"
 
 
 def _read_yaml(path: Path) -> dict:
@@ -431,7 +400,8 @@ def _read_yaml(path: Path) -> dict:
         raise ConfigError(src, None, _MISSING, f"malformed YAML{where}: "
                                                f"{getattr(exc, 'problem', None) or 'cannot parse'}") from None
     except RecursionError:  # PyYAML composes and constructs recursively
-        raise ConfigError(src, None, _MISSING, MAX_YAML_DEPTH_HINT) from None
+        raise ConfigError(src, None, _MISSING, "nested too deeply to read (thousands of levels); a config is "
+                                               "sections of key: value") from None
     if raw is None:  # empty, whitespace, comments only, a bare `---` or `null`: nothing was configured
         raise ConfigError(src, None, _MISSING, f"the file holds no settings (empty, comments only or null); "
                                                f"give a mapping with sections {', '.join(SECTIONS)}")

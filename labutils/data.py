@@ -93,11 +93,8 @@ class LMDataset:
 
     def batch(self, indices) -> dict[str, torch.Tensor]:
         """The samples ``indices`` as model inputs. Packed data has no padding, so no ``attention_mask``: nothing
-        to gather, and nothing for the model to inspect. (transformers 5's stock SDPA path reads an all-ones mask
-        back to the host to decide to drop it, ``fast_all``; without a mask it reads the position ids back
-        instead, ``find_packed_sequence_indices``. Only an attention function registered without a mask function
-        skips both: that is the model's side.) On a GPU the indices travel from pinned memory without waiting
-        for the device (``torch.as_tensor(..., device="cuda")`` copies synchronously: a host sync per batch)."""
+        to gather, and no mask for transformers to read back to the host. On a GPU the indices travel from pinned
+        memory without waiting for the device (``torch.as_tensor(..., device="cuda")`` would sync the host)."""
         idx = torch.as_tensor(indices, dtype=torch.long)
         if self.input_ids.is_cuda:
             idx = idx.pin_memory().to(self.input_ids.device, non_blocking=True)
@@ -153,13 +150,13 @@ def build_dataset(cfg: DataConfig, tokenizer) -> LMDataset:
         mask = torch.ones_like(ids)
         labels = ids.clone()
     else:
-        encoded = [e for e in (tokenizer.encode(d, max_length=T) for d in docs) if len(e) >= 2]
+        encoded = [e[:T] for e in map(tokenizer.encode, docs) if len(e) >= 2]
         if not encoded:
             raise ValueError(f"{cfg.corpus}: no document has two or more tokens")
         ids = torch.full((N, T), eos, dtype=torch.long)
         mask = torch.zeros((N, T), dtype=torch.long)
         for i in range(N):
-            e = encoded[i % len(encoded)][:T]
+            e = encoded[i % len(encoded)]
             ids[i, :len(e)] = torch.tensor(e)
             mask[i, :len(e)] = 1
         labels = ids.masked_fill(mask == 0, IGNORE_INDEX)

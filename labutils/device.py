@@ -7,24 +7,14 @@ such call is also one of ``python -m labutils doctor``'s checks). Each function 
 no counterpart. CUDA functions always get an explicit device *index*: ``torch.device("cuda")`` has none, and
 several ``torch.cuda`` functions refuse it.
 
-Memory budget ("behave like a G-GB card"): a student's G GB card gives torch less than G GiB (an "8 GB"
-GeForce reports 7.78 GiB: :mod:`labutils.cards`, from real out-of-memory messages), and of that the CUDA
-context, library handles and lazily loaded kernels live outside PyTorch's caching allocator (cuBLAS workspaces,
-one per thread and stream, do not: aten/src/ATen/cuda/CublasHandlePool.cpp takes them from the caching
-allocator, so they count against the cap like tensors). :func:`card_budget` caps the allocator at the card
-table's total minus what lives outside it on *this* GPU, measured with ``cudaMemGetInfo``
-(:func:`outside_allocator_bytes`): this GPU's context, not the emulated card's (an H100's is larger than a
-GeForce's; :func:`budget_line` says so); :func:`follow_outside` measures again after the first training step
-(lazily loaded kernels arrive then) and lowers the cap by what was added (never raises it). Memory that other
-processes hold on the GPU (a second notebook kernel left open) is not part of the student's card: it is named
-(:func:`other_processes`, NVML through ``torch.cuda.list_gpu_processes``, which WSL and some containers refuse)
-and reported in the budget's notice rather than silently shrinking the cap.
+Memory budget ("behave like a G-GB card", :func:`card_budget`): the allocator is capped at what torch reports on
+such a card (:mod:`labutils.cards`: an "8 GB" GeForce reports 7.78 GiB) minus what lives outside the allocator on
+*this* GPU (CUDA context, library handles, lazily loaded kernels), measured with ``cudaMemGetInfo``; cuBLAS
+workspaces count against the cap like tensors (aten/src/ATen/cuda/CublasHandlePool.cpp takes them from the caching
+allocator). Memory that other processes hold on the GPU is named in the budget's notice, not taken from the cap.
 
-API versions (the floor in pyproject.toml is torch 2.6): ``torch.OutOfMemoryError`` (2.5),
-``torch.cuda.get_per_process_memory_fraction`` (2.8; older torch: we remember what we set),
-``torch.cuda.is_bf16_supported(including_emulation=)`` (2.3), ``torch._C._host_emptyCache`` (2.5, guarded),
-``torch.cuda.memory._record_memory_history(enabled=, max_entries=, stacks=)`` (2.1), ``_snapshot`` /
-``_dump_snapshot`` (2.1).
+API versions above the floor in pyproject.toml (torch 2.6): ``torch.cuda.get_per_process_memory_fraction`` (2.8;
+older torch: we remember what we set); ``torch._C._host_emptyCache`` is absent from CPU builds.
 """
 from __future__ import annotations
 
@@ -50,15 +40,10 @@ _state: dict = {}  # outside-allocator measurement, cap we set (torch < 2.8 cann
 
 
 # ------------------------------------------------------------------------------------------------- which device
-def smoke_requested() -> bool:
-    """LAB_SMOKE=1 (or true/yes/on): run the tiny smoke configuration even on a GPU."""
-    return os.environ.get("LAB_SMOKE", "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def detect_mode() -> tuple[str, str]:
-    """("smoke" | "full", reason). The mode follows the device: smoke when LAB_SMOKE=1 or when there is no CUDA
-    GPU, full on a CUDA GPU. The labs' setup cell decides it once; configs take their sizes from it."""
-    if smoke_requested():
+    """("smoke" | "full", reason). The mode follows the device: smoke when LAB_SMOKE=1 (or true/yes/on) or when
+    there is no CUDA GPU, full on a CUDA GPU. The labs' setup cell decides it once; configs take their sizes from it."""
+    if os.environ.get("LAB_SMOKE", "").strip().lower() in ("1", "true", "yes", "on"):
         return "smoke", "LAB_SMOKE=1"
     if not cuda_available():
         unusable = unusable_gpu()
@@ -172,9 +157,8 @@ def empty_caches(device=None) -> None:
     """Return cached blocks to the driver: the device allocator's, pinned host memory (``save_on_cpu`` pins host
     RAM through a caching host allocator that ``empty_cache`` alone never frees), and the cuBLAS workspaces. Those
     are allocated tensors (CublasHandlePool.cpp ``getNewWorkspace``), one per thread's handle and stream, made at
-    the first matmul of each: the autograd thread's appears at the first backward, and the first GPU run's lab 02
-    called that 33 MiB "left over from an earlier section". Cleared (``clearCublasWorkspaces``), they come back at
-    the next matmul, inside whatever region measures it."""
+    the first matmul of each (the autograd thread's at the first backward); cleared, they come back at the next
+    matmul, inside whatever region measures it, instead of passing for memory an earlier section left."""
     if not cuda_available():
         return
     synchronize(device)
@@ -233,7 +217,8 @@ def gpu_processes(device=None) -> tuple[list[tuple[int, int]] | None, str]:
     try:
         text = torch.cuda.list_gpu_processes(_index(device))
     except Exception as exc:  # NVMLError_NotSupported / NoPermission, or a None memory that the printout divides
-        return None, f"NVML cannot list processes ({type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''})"
+        first = (str(exc).splitlines() or [""])[0][:80]
+        return None, f"NVML cannot list processes ({type(exc).__name__}: {first})"
     procs = [(int(m[1]), int(float(m[2]) * 2**20))
              for m in re.finditer(r"process\s+(\d+) uses\s+([0-9.]+) MB GPU memory", text)]
     if not procs and "no processes are running" not in text:

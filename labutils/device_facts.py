@@ -34,6 +34,12 @@ def is_cuda(device=None) -> bool:
     return resolve(device).type == "cuda"
 
 
+def _card(device: torch.device) -> tuple[str, int]:
+    """("NAME (compute capability M.m)", M) of a CUDA device."""
+    major, minor = torch.cuda.get_device_capability(device.index)
+    return f"{torch.cuda.get_device_name(device.index)} (compute capability {major}.{minor})", major
+
+
 def bf16_support(device=None) -> tuple[bool, str]:
     """Native BF16 (no emulation) on this device, and a reason a student can read: one answer per machine, used
     by every lab. CUDA: from Ampere (8.0) on. CPU: only with BF16 instructions; elsewhere CPU autocast still runs
@@ -47,22 +53,17 @@ def bf16_support(device=None) -> tuple[bool, str]:
         return native, (f"this CPU ({cap}) has native BF16 instructions (oneDNN)" if native else
                         f"this CPU ({cap}) has no native BF16: autocast would emulate bfloat16 (correct, but many "
                         f"times slower than FP32)")
-    major, minor = torch.cuda.get_device_capability(device.index)
-    name = torch.cuda.get_device_name(device.index)
-    ok = major >= 8
-    return ok, (f"{name} (compute capability {major}.{minor}) has native BF16" if ok else
-                f"{name} (compute capability {major}.{minor}) has no native BF16 (needs Ampere, 8.0, or newer)")
+    card, major = _card(device)
+    return major >= 8, (f"{card} has native BF16" if major >= 8 else
+                        f"{card} has no native BF16 (needs Ampere, 8.0, or newer)")
 
 
 def tf32_support(device=None) -> tuple[bool, str]:
     device = resolve(device)
     if device.type != "cuda":
         return False, "TF32 is a tensor-core format of NVIDIA Ampere and newer GPUs; this run has no GPU"
-    major, minor = torch.cuda.get_device_capability(device.index)
-    name = torch.cuda.get_device_name(device.index)
-    if major >= 8:
-        return True, f"{name} (compute capability {major}.{minor}) has TF32 tensor cores"
-    return False, f"{name} (compute capability {major}.{minor}) predates Ampere: no TF32"
+    card, major = _card(device)
+    return major >= 8, f"{card} has TF32 tensor cores" if major >= 8 else f"{card} predates Ampere: no TF32"
 
 
 def name(device=None) -> str:

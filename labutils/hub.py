@@ -80,9 +80,8 @@ class ByteTokenizer:
         self.name = ("byte-level (tiny smoke vocabulary, 257 entries)" if vocab_size == TINY_VOCAB else
                      f"byte-level fallback (the {BPE_PACKAGE} package is not installed)")
 
-    def encode(self, text: str, max_length: int | None = None) -> list[int]:
-        ids = list(text.encode("utf-8"))
-        return ids[:max_length] if max_length else ids
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
 
     def decode(self, ids) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -96,9 +95,8 @@ class HubTokenizer:
         self.tok.model_max_length = int(1e9)  # we cut to seq_length ourselves: no "too long" warnings
         self.eos_token_id, self.vocab_size = tok.eos_token_id, VOCAB_SIZE
 
-    def encode(self, text: str, max_length: int | None = None) -> list[int]:
-        ids = self.tok.encode(text)
-        return ids[:max_length] if max_length else ids
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text)
 
     def decode(self, ids) -> str:
         return self.tok.decode(ids)
@@ -160,8 +158,6 @@ def gpt2_tokenizer(name: str):
 
 def vocab_size(name: str) -> int:
     return TINY_VOCAB if name == "tiny" else VOCAB_SIZE
-
-
 
 
 class WeightsUnavailableError(ConfigError):

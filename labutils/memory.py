@@ -47,16 +47,12 @@ class _StorageRef(weakref.ref):
 
 class LiveStorages(TorchDispatchMode):
     """Counts bytes of live CPU tensor storages; keeps a running peak (``with LiveStorages() as live: ...;
-    live.peak``). What :class:`MemoryTracker` uses on the CPU; ``add_existing()`` also counts what was alive
-    before.
+    live.peak``). What :class:`MemoryTracker` uses on the CPU; ``add_existing()`` also counts what was alive before.
 
-    It must see every operator, so it does not declare ``ignore_compile_internals``: torch.compile'd code met
-    inside it runs eagerly (dynamo does not compile under a non-infra dispatch mode), and is measured as the eager
-    step. Dynamo also marks that code as skipped for the rest of the process; the training loop clears those
-    marks before it compiles (:mod:`labutils.compiling`) and does not track compiled steps on the CPU (compiled
-    kernels allocate past the dispatcher, so this count would miss their buffers). A storage's death is queued by
-    a C function (its weakref's callback is ``deque.append``) and counted at the next allocation or reading: a Ctrl-C
-    landing in a Python finaliser is swallowed ("Exception ignored in: <finalize object>"), the cell going on."""
+    It must see every operator, so it does not declare ``ignore_compile_internals``: torch.compile'd code met inside
+    it runs (and is measured) eagerly, and dynamo marks it skipped, which :mod:`labutils.compiling` clears. A
+    storage's death is queued by a C function (its weakref's callback is ``deque.append``) and counted at the next
+    allocation or reading: a Ctrl-C landing in a Python finaliser would be swallowed, the cell going on."""
 
     def __init__(self, budget_bytes: int | None = None):
         super().__init__()
@@ -143,7 +139,6 @@ class MemoryTracker:
     def __post_init__(self):
         self.device = dev.resolve(self.device)
         self._cpu: LiveStorages | None = None
-        self._active = False
 
     @property
     def is_cuda(self) -> bool:
@@ -178,7 +173,6 @@ class MemoryTracker:
             self._cpu.__enter__()
         self.start_bytes = self.current_bytes()
         self.peak_bytes = self.start_bytes
-        self._active = True
         return self
 
     def __exit__(self, *exc) -> None:
@@ -190,7 +184,6 @@ class MemoryTracker:
             self._cpu.__exit__(*exc)
         self.end_bytes = self.current_bytes()
         self.peak_bytes = max(self._peak_now(), self.end_bytes)
-        self._active = False
 
     @property
     def peak_above_start(self) -> int:
@@ -259,14 +252,12 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None 
 
 
 def freeze_import_state() -> bool:
-    """Take what exists now out of the garbage collector's full scans (``gc.freeze``) while no tensor is alive: called
-    by :func:`labutils.setup` in a notebook's kernel, where it is the imported modules' own state (torch, transformers,
-    matplotlib: 300-450 thousand objects). Each ``gc.collect()`` (:class:`MemoryTracker`, :func:`release`) walked them
-    all, about 0.2 s a call: 43 s of the four labs' 170 s smoke run on the 2-core CI box. A tensor frozen here would
-    stay out of the CPU tracker's census and a cycle through it never freed, hence the rule; later objects are
-    collected as before, and everything is unfrozen at exit. Kernels only: in ``regenerate``'s process (jupyter_client's
-    zmq sockets) a freeze was followed, under load, by a libzmq abort at exit (1 run in 20; reverted in 023f631).
-    Called again, it freezes what is new, under the same rule. Returns whether it froze."""
+    """Take what exists now out of the garbage collector's full scans (``gc.freeze``) while no tensor is alive, so
+    that each ``gc.collect()`` (:class:`MemoryTracker`, :func:`release`) does not walk the imported modules' own
+    state (torch, transformers, matplotlib: hundreds of thousands of objects). Called by :func:`labutils.setup` in a
+    notebook's kernel only (in ``regenerate``'s process, with jupyter_client's zmq sockets, a freeze can end in a
+    libzmq abort at exit). A tensor frozen here would stay out of the CPU tracker's census and a cycle through it
+    never freed, hence the rule; everything is unfrozen at exit. Returns whether it froze."""
     if any(issubclass(type(o), torch.Tensor) for o in gc.get_objects()):  # type(): no lazy-module side effects
         return False  # (a tensor in uncollected garbage counts too: no freeze, the safe side)
     # what every lab imports on first use, imported here so that it is frozen too: transformers' GPT-2 classes (its
@@ -325,10 +316,9 @@ def release_failed_cell() -> int:
 
 
 def oom_text(exc: BaseException) -> str:
-    """An out-of-memory error as one short line for a table row or a sentence. torch's CUDA message goes on to
-    name the whole card's capacity and free memory: on the H200 run, "a total capacity of 139.80 GiB of which
-    132.14 GiB is free" under a 7 GiB cap, which reads as if the card were full. Kept: what ran out, the request,
-    and the cap ("X allowed", present when a memory fraction is set); any other message: its first line."""
+    """An out-of-memory error as one short line for a table row or a sentence: what ran out, the request, and the
+    cap ("X allowed", present when a memory fraction is set), without the whole card's capacity and free memory
+    (under a cap they read as if the card were full); any other message: its first line."""
     lines = str(exc).strip().splitlines()
     text = lines[0] if lines else type(exc).__name__
     head = re.match(r"(.*?out of memory\.)\s*(Tried to allocate [\d.]+ \w+)", text)
@@ -339,9 +329,8 @@ def oom_text(exc: BaseException) -> str:
 
 
 def budget_words() -> str:
-    """What a run that did not fit ran out of, in words: the emulated card's budget when the GPU is capped (the H200
-    run said "did not fit on this device" of a 140 GiB card capped to an 8 GB card's share), else the memory this
-    run could use. No number: the budget line printed at setup holds it."""
+    """What a run that did not fit ran out of, in words: the emulated card's budget when the GPU is capped, else
+    the memory this run could use. No number: the budget line printed at setup holds it."""
     b = dev.current_budget()
     return f"the {b['card_gib']:g} GB card's memory budget" if b else "the memory this run could use"
 

@@ -25,18 +25,17 @@ PRESETS = {
     "tiny": (2, 128, 4),  # GPT-2 architecture, for smoke runs only; no hub checkpoint
 }
 N_POSITIONS = 1024  # positions of every size
-_last_weights: list[str] = []  # what load_model gave, most recent last
-_last_tokenizer: list[str] = []
+_last: dict[str, str] = {}  # the most recent load_model's "weights" and "tokenizer"
 
 
 def last_weights() -> str | None:
     """"pretrained" or "random": the weights of the most recent model loaded in this process (None before any)."""
-    return _last_weights[-1] if _last_weights else None
+    return _last.get("weights")
 
 
 def last_tokenizer() -> str | None:
     """The name of the tokenizer of the most recent model loaded in this process (None before any)."""
-    return _last_tokenizer[-1] if _last_tokenizer else None
+    return _last.get("tokenizer")
 
 
 def padded_vocab_size(vocab: int, multiple: int | None) -> int:
@@ -55,14 +54,11 @@ def causal_sdpa_attention(module, query, key, value, attention_mask=None, dropou
                           scaling: float | None = None, **kwargs):
     """GPT-2's attention as ``scaled_dot_product_attention(q, k, v, is_causal=True)``, never with a mask.
 
-    transformers 5.x builds no mask for an attention function registered without a mask function
-    (``masking_utils._preprocess_mask_arguments``: "custom attention without equivalent mask creation"), so this
-    holds eager *and* under torch.compile, where transformers' own ``sdpa`` path cannot prove an all-ones mask
-    is all ones (a traced tensor) and passes SDPA a full 4-D mask, which rules out the CUDA flash kernel.
-    Exact for labutils' data: packed blocks have no padding, and padding is on the right, so a causal query
-    never sees it (padded positions carry label -100). A 4-D mask handed in explicitly is refused, not ignored;
-    a 2-D mask it could not honour (left padding, a hole) is refused where the model receives it
-    (:func:`guard_causal_mask`, which :func:`load_model` installs).
+    transformers 5.x builds no mask for an attention function registered without a mask function, so this holds
+    under torch.compile too, where the stock ``sdpa`` path passes SDPA a full 4-D mask (ruling out the CUDA flash
+    kernel). Exact for labutils' data: packed blocks have no padding, and padding is on the right, where a causal
+    query never sees it (padded positions carry label -100). A 4-D mask handed in is refused, not ignored; a 2-D
+    mask it could not honour is refused where the model receives it (:func:`guard_causal_mask`).
     """
     if attention_mask is not None:
         raise ValueError(f"attn_implementation={CAUSAL_SDPA!r} is causal attention without a mask, but got a "
@@ -89,12 +85,9 @@ def refuse_unhonoured_mask(mask: torch.Tensor) -> None:
     kept = mask.bool()
     if kept.shape[1] > 1 and bool((kept[:, 1:] & ~kept[:, :-1]).any()):
         rows = (kept[:, 1:] & ~kept[:, :-1]).any(dim=1).nonzero().flatten().tolist()
+        shown = ", ".join(map(str, rows[:5])) + (", ..." if len(rows) > 5 else "")
         raise ValueError(f"attention_mask of shape {tuple(mask.shape)} has a kept position after a padded one "
-                         f"(rows {_shown_rows(rows)}: left padding?); {MASK_FIX}")
-
-
-def _shown_rows(rows: list[int]) -> str:
-    return ", ".join(map(str, rows[:5])) + (", ..." if len(rows) > 5 else "")
+                         f"(rows {shown}: left padding?); {MASK_FIX}")
 
 
 def _mask_guard(module, args, kwargs):
@@ -163,15 +156,12 @@ def pad_vocabulary(model, multiple: int | None) -> int:
     """Pad the (tied) token embedding / LM head to a multiple of ``multiple`` rows (tensor cores like a vocabulary
     that is a multiple of 64; nanoGPT: 50257 -> 50304), after ``from_pretrained`` or construction alike.
 
-    The new rows start at zero and never matter: token ids stay below the real vocabulary, and the LM head gets a
-    constant bias, 0 on the real columns and :data:`PAD_LOGIT` on the padded ones, so their logits never win an
-    argmax and add exactly 0 to the softmax's denominator (exp underflows): the loss and every gradient equal the
-    unpadded model's, and the padded rows get zero gradient (weight decay keeps zero at zero). The bias is a
-    non-persistent buffer under the name ``bias``, so ``nn.Linear`` computes ``addmm`` (the bias in the matmul's
-    epilogue, no extra pass over the logits, also under torch.compile), nothing trains it, and the state_dict keys
-    stay the checkpoint's. The RNG state is left as it was (resizing draws nothing that later dropout or data
-    order would see). Returns the new vocabulary size; ``model.config.vocab_size`` is updated (the loss views
-    logits with it)."""
+    The new rows start at zero; the LM head gets a constant bias, 0 on the real columns and :data:`PAD_LOGIT` on
+    the padded ones, whose logits never win an argmax and add exactly 0 to the softmax (exp underflows): the
+    loss and every gradient equal the unpadded model's, and the padded rows get zero gradient. The bias is a
+    non-persistent buffer named ``bias``: ``nn.Linear`` computes ``addmm`` (the bias in the matmul's epilogue),
+    nothing trains it, and the state_dict keys stay the checkpoint's. The RNG state is left as it was. Returns the
+    new vocabulary size (``model.config.vocab_size`` is updated: the loss views logits with it)."""
     real = model.get_input_embeddings().weight.shape[0]
     new = padded_vocab_size(real, multiple)
     if new == real:
@@ -198,27 +188,16 @@ def real_vocab_size(model) -> int:
     return getattr(head, "labutils_real_vocab", head.weight.shape[0])
 
 
-def install_loss(model, cfg: ModelConfig):
-    """``model.loss: chunked``: the training loss computed by :mod:`labutils.loss_chunks` (LM head and
-    cross-entropy a chunk of positions at a time, the logits never whole); ``full`` leaves the model as it is."""
-    if cfg.loss == "chunked":
-        from . import loss_chunks
-
-        loss_chunks.install(model, cfg.loss_chunk_size)
-    return model
-
-
 def compile_model(model, backend: str | None = None, **kwargs):
     """``torch.compile`` in place (``nn.Module.compile``: same parameters and state_dict keys), returning the
     model. With ``attn_implementation="sdpa_causal"`` the compiled graph calls SDPA with ``is_causal=True`` and
-    no mask (tests/test_fast_path.py reads it from the traced graph). ``backend`` defaults to inductor.
+    no mask. ``backend`` defaults to inductor.
     Clears dynamo's state first, as the training loop does (labutils.compiling): a forward that dynamo met under a
     dispatch mode (the CPU memory tracker, FlopCounterMode) left its code objects marked as skipped, and the
     blocks would run eagerly, without a word."""
     torch._dynamo.reset()
     model.compile(**({"backend": backend} if backend else {}), **kwargs)
     return model
-
 
 
 @dataclass
@@ -229,11 +208,10 @@ class Loaded:
     notice: str | None = None
 
 
-def _from_cache_or_hub(cfg: ModelConfig, device: torch.device, local_only: bool):
-    """``from_pretrained`` of the size's checkpoint (local cache only, or cache then hub), in training mode."""
+def _from_cache_or_hub(cfg: ModelConfig, repo: str, device: torch.device, local_only: bool):
+    """``from_pretrained`` of ``repo`` (local cache only, or cache then hub), in training mode."""
     from transformers import GPT2LMHeadModel
 
-    repo = TINY_CACHE_ID if cfg.name == "tiny" else HUB_IDS[cfg.name]
     if cfg.attn_implementation == CAUSAL_SDPA:
         register_attention()
     kw = dict(use_cache=False, attn_implementation=cfg.attn_implementation, local_files_only=local_only,
@@ -291,11 +269,11 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int =
         errors = load_errors()
         try:
             try:
-                model, tok = _from_cache_or_hub(cfg, device, local_only=True)  # a cache hit needs no network
+                model, tok = _from_cache_or_hub(cfg, repo, device, local_only=True)  # a cache hit needs no network
             except errors:
                 if not reachable:
                     raise
-                model, tok = _from_cache_or_hub(cfg, device, local_only=False)
+                model, tok = _from_cache_or_hub(cfg, repo, device, local_only=False)
             arch = (model.config.n_layer, model.config.n_embd, model.config.n_head)
             if arch != PRESETS[cfg.name]:  # a checkpoint of other sizes cached under the id: said, trained as it is
                 notice = (f"[labutils] the cached {repo} is not {cfg.name}'s architecture: (n_layer, n_embd, n_head) "
@@ -328,26 +306,26 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int =
 
 def _ready(model, tok, cfg: ModelConfig, weights: str, notice: str | None, verbose: bool) -> Loaded:
     """What the course adds to a model just loaded or built (the mask guard; the vocabulary padded after the
-    checkpoint's rows are in, or after init, the RNG state untouched; the loss), its notice said, and remembered."""
+    checkpoint's rows are in, or after init, the RNG state untouched; ``model.loss: chunked``, computed by
+    :mod:`labutils.loss_chunks`), its notice said, and remembered."""
     guard_causal_mask(model)
     pad_vocabulary(model, cfg.pad_vocab_to)
-    install_loss(model, cfg)
+    if cfg.loss == "chunked":
+        from . import loss_chunks
+
+        loss_chunks.install(model, cfg.loss_chunk_size)
     model.loss_type = "ForCausalLM"  # GPT2LMHeadModel's class name maps to no loss type: avoid a warning
     if notice and verbose:
         print(notice)
-    _last_weights.append(weights)
-    _last_tokenizer.append(tok.name)
+    _last.update(weights=weights, tokenizer=tok.name)
     return Loaded(model, tok, weights, notice)
 
 
 def enable_checkpointing(model, every_n_layers: int = 1, **checkpoint_kwargs) -> None:
-    """Activation (gradient) checkpointing through the model's own API, non-reentrant.
-
-    transformers >= 5.23 calls it ``activation_checkpointing_enable``; 5.16-5.22 had the same behaviour
-    under ``gradient_checkpointing_enable`` (now a deprecated alias, so we only call it where the new name
-    is missing). ``every_n_layers=k`` checkpoints blocks 0, k, 2k, ... Extra keyword arguments go to
-    ``torch.utils.checkpoint.checkpoint`` (e.g. ``context_fn`` for selective checkpointing).
-    """
+    """Activation (gradient) checkpointing through the model's own API (``activation_checkpointing_enable``;
+    before transformers 5.23, the now deprecated ``gradient_checkpointing_enable``), non-reentrant.
+    ``every_n_layers=k`` checkpoints blocks 0, k, 2k, ... Extra keyword arguments go to
+    ``torch.utils.checkpoint.checkpoint`` (e.g. ``context_fn`` for selective checkpointing)."""
     kwargs = {"use_reentrant": False, **checkpoint_kwargs}
     if hasattr(model, "disable_input_require_grads"):
         model.disable_input_require_grads()  # enable() adds an embedding hook each time: keep only one

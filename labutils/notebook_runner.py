@@ -34,10 +34,8 @@ FULL_CELL_TIMEOUT = 4 * 3600  # s per cell; a full sweep cell can legitimately t
 class KernelPollNoise(logging.Filter):
     """Drops asyncio's "Task exception was never retrieved" for nbclient's kernel-alive poll, and nothing else.
 
-    That poll (``NotebookClient._async_poll_kernel_alive``, every second) can outlive a kernel we killed on
-    Ctrl-C: its next check finds the kernel client already cleaned up and fails an ``assert self.kc is not None``;
-    the task is never awaited again, so asyncio prints its traceback when it is collected, after our summary.
-    The kernel is gone either way: the traceback is noise that would bury the one line that says what stopped."""
+    That poll (``NotebookClient._async_poll_kernel_alive``) can outlive a kernel we killed on Ctrl-C and fail an
+    assert; asyncio prints its traceback after our summary, burying the one line that says what stopped."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "_async_poll_kernel_alive" not in record.getMessage()
@@ -74,13 +72,9 @@ class Outcome:
 
 def _current_env_kernel_manager():
     """A kernel manager that starts ipykernel with *this* interpreter (like nbval's --nbval-current-env), not
-    whatever ``python`` an installed "python3" kernelspec happens to find on PATH.
-
-    An ``AsyncKernelManager``, as nbclient's own default (``NotebookClient.kernel_manager_class``): its client's
-    ``get_msg`` awaits, so nbclient's three tasks per cell (reply, output, the 1 s kernel-alive poll) take turns.
-    A blocking ``KernelManager`` hands it a blocking client: waiting for the cell's output then blocks the event
-    loop itself, so a kernel that died (segfault, OOM killer, ``os._exit``) was waited for forever and a cell that
-    printed nothing was never timed out (issue 29)."""
+    whatever ``python`` an installed "python3" kernelspec happens to find on PATH. An ``AsyncKernelManager``, as
+    nbclient's own default: with a blocking client, waiting for a cell's output blocks the event loop, so a dead
+    kernel would be waited for forever and a silent cell never timed out."""
     import ipykernel.kernelspec
     import zmq
     from jupyter_client import AsyncKernelManager
@@ -134,7 +128,8 @@ def read_notebook(path: Path):
             raise ValueError(f"{path}: not a readable notebook: git merge conflict markers (line {line}: {marker!r}); "
                              "resolve the conflict (or git checkout the file)") from None
         msg = getattr(exc, "msg", str(exc))
-        raise ValueError(f"{path}: not a readable notebook: not JSON (line {getattr(exc, 'lineno', '?')}: {msg})") from None
+        raise ValueError(f"{path}: not a readable notebook: not JSON "
+                         f"(line {getattr(exc, 'lineno', '?')}: {msg})") from None
     try:
         nb = nbformat.reads(text, as_version=4)
     except Exception as exc:  # noqa: BLE001 - nbformat raises several kinds; one line says which
@@ -264,13 +259,9 @@ def execute_notebook(path: Path, env: dict, *, cwd: Path = REPO_ROOT, timeout: i
                      executed_dir: Path | None = None, on_cell=None, guard: SignalGuard = NO_GUARD) -> Outcome:
     """Run one notebook top to bottom in a fresh kernel; never raises for the notebook's own errors.
 
-    Why nbclient: it is the library underneath ``jupyter execute``/``nbconvert --execute`` and papermill, already
-    a test dependency, and called in-process it gives what we need and the CLIs do not: per-cell hooks (the
-    failing cell's index for the summary, progress), the kernel's env and cwd, and the executed notebook object
-    to save somewhere other than the repository. papermill would add a dependency for parameter injection we
-    don't use (the notebooks read their mode from the environment, as they do for students and CI).
-
-    nbclient runs in a worker thread: the main thread only waits, so a signal reaches our handler (see
+    nbclient (underneath ``jupyter execute``), called in-process: per-cell hooks (the failing cell, progress), the
+    kernel's env and cwd, and the executed notebook to save outside the repository. It runs in a worker
+    thread: the main thread only waits, so a signal reaches our handler (see
     :class:`SignalGuard`); on :class:`Interrupted` the kernel is killed, nothing is written, and it propagates.
     """
     import nbformat
@@ -303,10 +294,8 @@ def execute_notebook(path: Path, env: dict, *, cwd: Path = REPO_ROOT, timeout: i
                             on_notebook_start=kernel_ready)
     t0 = time.perf_counter()
     outcome = Outcome(path.stem, ok=True, seconds=0.0)
-    # the kernel process's own stdout/stderr (C++ libraries writing to the fd, crash messages) go to a log
-    # beside the executed copy instead of interleaving with the progress lines; what cells print is in the copy.
-    # It is written under a name of this run's own and renamed at the end, so that runs into one folder at the
-    # same time never write to, or delete, each other's log.
+    # the kernel process's own stdout/stderr (C++ libraries, crash messages) go to a log beside the executed copy,
+    # under a name of this run's own, renamed at the end: runs into one folder never touch each other's log
     log_tmp, log = None, subprocess.DEVNULL
     failure: list[BaseException] = []
 
@@ -352,8 +341,8 @@ def execute_notebook(path: Path, env: dict, *, cwd: Path = REPO_ROOT, timeout: i
         elif exc is not None:
             raise exc
     finally:
-        # nbclient registers a clean-up at exit for every run; a kernel that never started leaves it armed, and at
-        # exit it failed an assert (a traceback after our summary). The kernel is shut down here, so it goes.
+        # nbclient's clean-up at exit, left armed by a kernel that never started, fails an assert then: the kernel
+        # is shut down here
         atexit.unregister(client._cleanup_kernel)
         if km.has_kernel:  # belt and braces: never leave a kernel behind
             if interrupted:

@@ -52,16 +52,14 @@ def scaler_for(precision: str, device: torch.device, **scaler_kwargs):
 
 
 def step_scheduler(scheduler) -> None:
-    """Advance the learning-rate schedule by one optimizer step, skipped or not.
-
-    Every loop of the course (this one, the labs' written-out ones, the benchmark) advances the schedule once
-    per step, so they stay step-for-step identical. When fp16's GradScaler skips the very first step (an
-    overflow at its initial scale of 65536 is common), the optimizer has not run yet and torch warns that
+    """Advance the learning-rate schedule by one optimizer step, skipped or not, as every loop of the course does
+    (so they stay step-for-step identical). When fp16's GradScaler skips the first step, torch warns that
     ``lr_scheduler.step()`` came before ``optimizer.step()``: expected here, so that one warning is not shown."""
     import warnings
 
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before", category=UserWarning)
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before",
+                                category=UserWarning)
         scheduler.step()
 
 
@@ -73,12 +71,22 @@ def make_optimizer(model, cfg: Config, device: torch.device, accelerator=None):
     from .distributed import uses_engine_optimizer
     if uses_engine_optimizer(accelerator):  # DeepSpeed builds the optimizer its config names ("auto" = ours)
         from accelerate.utils import DummyOptim
-        opt = DummyOptim(groups, lr=t.lr, weight_decay=t.weight_decay)
-        return opt, None
+        return DummyOptim(groups, lr=t.lr, weight_decay=t.weight_decay), None
     opt = torch.optim.AdamW(groups, lr=t.lr, fused=device.type == "cuda")
     warm = t.warmup_steps
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
     return opt, sched
+
+
+def _start(cfg: Config, model, dataset: LMDataset, env: dict, world: int = 1) -> RunResult:
+    """A run's result before its first step; the model in training mode, checkpointed as the config says."""
+    result = RunResult(config=cfg.to_dict(), env=env, effective_batch_size=cfg.effective_batch_size * world,
+                       tokens_per_step=cfg.effective_batch_size * world * dataset.seq_length,
+                       parameters=count_parameters(model))
+    model.train()
+    if cfg.train.gradient_checkpointing:
+        enable_checkpointing(model, cfg.train.checkpoint_every_n_layers)
+    return result
 
 
 def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch.device | str | None = None, *,
@@ -99,12 +107,7 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
                                   on_step=on_step)
     t = cfg.train
     device = torch.device(device or _env.default_device())
-    result = RunResult(config=cfg.to_dict(), env=env or {}, effective_batch_size=cfg.effective_batch_size,
-                       tokens_per_step=cfg.effective_batch_size * dataset.seq_length,
-                       parameters=count_parameters(model))
-    model.train()
-    if t.gradient_checkpointing:
-        enable_checkpointing(model, t.checkpoint_every_n_layers)
+    result = _start(cfg, model, dataset, env or {})
     compiling = compile_for_training(model, device) if t.compile else None  # in place; None: not asked
     compiled = compiling is not None and compiling.active
     result.attention_kernel = attention_kernel(model, dataset.seq_length, dataset.padding_fraction > 0,
@@ -132,7 +135,8 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
         scaler = scaler_for(t.precision, device, **(scaler_kwargs or {}))
         probe = AttentionProbe()
         one = torch.ones((), device=device) if scaler else None
-        bar = tqdm(range(t.steps), desc=desc or f"{cfg.model.name} {t.precision}", disable=not (progress and _env.progress_bars()), leave=False)
+        bar = tqdm(range(t.steps), desc=desc or f"{cfg.model.name} {t.precision}",
+                   disable=not (progress and _env.progress_bars()), leave=False)
         graphs, compile_steps = compiled_graphs(), []
         retries = dev.memory_stats(device).get("num_alloc_retries")
         mark = time.perf_counter()  # each step's time runs from the previous step's end to its own end
@@ -228,7 +232,6 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
                              tracked_steps=tracked_steps)
     elif untracked_why:
         result.memory.update(tracked_steps=0, not_tracked=untracked_why)
-    # On the CPU the memory-tracked steps are slow (Python work per operator): left out when a step remains.
     slow = tracked_steps if device.type != "cuda" and tracker is not None else 0
     first = first_timed_step(t.steps, t.timing_warmup_steps, compile_steps, slow)
     finish_timing(result, cfg, dataset.seq_length, device, first, compile_steps, real_positions, compiling)
@@ -240,8 +243,7 @@ def prepare(cfg: Config, device: torch.device | str | None = None, verbose: bool
     """Model, tokenizer and dataset for a config: ``loaded, dataset = prepare(cfg)``."""
     device = torch.device(device or _env.default_device())
     loaded = load_model(cfg.model, device, seed=cfg.train.seed, verbose=verbose)
-    dataset = build_dataset(cfg.data, loaded.tokenizer)
-    return loaded, dataset
+    return loaded, build_dataset(cfg.data, loaded.tokenizer)
 
 
 def for_this_card(cfg: Config, device: torch.device | str | None = None) -> tuple[Config, list[str]]:
@@ -282,11 +284,10 @@ def run(cfg: Config, device: torch.device | str | None = None, *, progress: bool
         verbose = verbose and accelerator.is_main_process
     device = torch.device(device or _env.default_device())
     _env.seed_everything(cfg.train.seed)
-    result = None
     env = _env.environment(device, cfg.mode)
     loaded = dataset = None
-    oom = diverged = oom_peak = None
-    if device.type == "cuda":
+    cuda = device.type == "cuda"
+    if cuda:
         release()
         dev.reset_peak(device)
     try:
@@ -296,24 +297,18 @@ def run(cfg: Config, device: torch.device | str | None = None, *, progress: bool
     except RuntimeError as exc:  # torch.OutOfMemoryError, or an OOM outside the allocator (cuBLAS, kernel load)
         if not dev.is_oom(exc):
             raise
-        oom = oom_text(exc)
-        oom_peak = getattr(exc, "peak_memory_bytes", None)  # CPU: the tracker's peak when the budget was hit
-    except NonFiniteLossError as exc:
-        diverged = str(exc)
-    finally:
-        model = loaded.model if loaded else None
-        loaded = None
-        del model
-        release()
-    if diverged is not None:
-        result = RunResult(config=cfg.to_dict(), env=env, status="diverged", error=diverged,
-                           effective_batch_size=cfg.effective_batch_size)
-    if oom is not None:
         env.setdefault("weights", None)
-        peak = dev.peak_allocated(device) if device.type == "cuda" else oom_peak
-        result = RunResult(config=cfg.to_dict(), env=env, status="oom", error=oom,
+        # CPU: the tracker's peak when the budget was hit
+        peak = dev.peak_allocated(device) if cuda else getattr(exc, "peak_memory_bytes", None)
+        result = RunResult(config=cfg.to_dict(), env=env, status="oom", error=oom_text(exc),
                            effective_batch_size=cfg.effective_batch_size, peak_memory_bytes=peak,
-                           peak_reserved_bytes=dev.peak_reserved(device) if device.type == "cuda" else None)
+                           peak_reserved_bytes=dev.peak_reserved(device) if cuda else None)
+    except NonFiniteLossError as exc:
+        result = RunResult(config=cfg.to_dict(), env=env, status="diverged", error=str(exc),
+                           effective_batch_size=cfg.effective_batch_size)
+    finally:
+        loaded = dataset = None  # the model and data go before release() frees their memory
+        release()
     return result
 
 
@@ -325,14 +320,8 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
         from .distributed import compile_refusal
         raise compile_refusal(cfg)
     device = acc.device
-    result = RunResult(config=cfg.to_dict(), env={**(env or {}), "world_size": world,
-                                                  "distributed_type": str(acc.distributed_type)},
-                       effective_batch_size=cfg.effective_batch_size * world,
-                       tokens_per_step=cfg.effective_batch_size * world * dataset.seq_length,
-                       parameters=count_parameters(model))
-    model.train()
-    if t.gradient_checkpointing:
-        enable_checkpointing(model, t.checkpoint_every_n_layers)
+    result = _start(cfg, model, dataset, {**(env or {}), "world_size": world,
+                                          "distributed_type": str(acc.distributed_type)}, world)
     result.attention_kernel = attention_kernel(model, dataset.seq_length, dataset.padding_fraction > 0,
                                                t.precision, device)
     data = dataset.to(device)

@@ -199,7 +199,7 @@ def test_memory_budget_on_cpu_yields_the_budget():
 
 
 def test_available_features():
-    for feature in ("selective", "offload", "every_n_layers"):
+    for feature in ("selective", "offload"):
         ok, why = ck.available(feature)
         assert ok, why
     with pytest.raises(ValueError):
