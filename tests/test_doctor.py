@@ -72,12 +72,12 @@ def test_full_regenerate_stops_when_the_doctor_fails(monkeypatch, tmp_path, caps
     from labutils import cli
 
     monkeypatch.setattr(rg, "_cuda_available", lambda: True)        # past the "full needs a GPU" gate
-    monkeypatch.setattr(rg, "run_doctor_first", lambda out, gb: 1)  # a machine whose doctor fails
+    monkeypatch.setattr(rg, "run_doctor_first", lambda out, gb, **k: 1)  # a machine whose doctor fails
     ran = []
     monkeypatch.setattr(rg, "regenerate", lambda *a, **k: ran.append(a) or [])
     assert cli.main(["regenerate", "--out", str(tmp_path / "r"), "--only", "01"]) == 1
     assert not ran and "doctor" in capsys.readouterr().err
-    monkeypatch.setattr(rg, "run_doctor_first", lambda out, gb: 0)
+    monkeypatch.setattr(rg, "run_doctor_first", lambda out, gb, **k: 0)
     cli.main(["regenerate", "--out", str(tmp_path / "r"), "--only", "01"])
     assert ran
 

@@ -144,7 +144,7 @@ def inside_repo_targets():
 @pytest.mark.parametrize("folder", list(inside_repo_targets()))
 def test_out_inside_the_repository_is_refused(capsys, no_lab_runs, monkeypatch, folder, smoke):
     monkeypatch.setattr(rg, "_cuda_available", lambda: True)  # the full run's other refusal out of the way
-    monkeypatch.setattr(rg, "run_doctor_first", lambda *a: pytest.fail("doctor ran"))
+    monkeypatch.setattr(rg, "run_doctor_first", lambda *a, **k: pytest.fail("doctor ran"))
     target = REPO / folder / f".regen-test-{uuid.uuid4().hex[:8]}"
     try:
         err = refused(capsys, (["--smoke"] if smoke else []) + ["--out", str(target)])
@@ -165,7 +165,7 @@ def test_out_through_a_symlink_into_the_repository_is_refused(capsys, no_lab_run
 def test_full_run_into_results_is_still_allowed(monkeypatch, capsys, no_lab_runs):
     """results/ (the default of a full run) is the one place in the repository regenerate writes to."""
     monkeypatch.setattr(rg, "_cuda_available", lambda: True)
-    monkeypatch.setattr(rg, "run_doctor_first", lambda *a: 7)  # stops right after the checks: nothing is run
+    monkeypatch.setattr(rg, "run_doctor_first", lambda *a, **k: 7)  # stops right after the checks: nothing is run
     assert cli.main(["regenerate", "--only", "01"]) == 1
     assert "doctor` failed (exit 7" in capsys.readouterr().err
 
