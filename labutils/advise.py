@@ -20,9 +20,6 @@ from .flops import flops_per_token
 from .peaks import peak_tflops
 from .results import read_results, write_json
 
-# How the advisor ranks precisions: no built-in numbers (the design's "2.2x" is claim C2, tested in lab 01). A speed
-# source gives {precision: throughput relative to fp32} and says where it came from: lab 01's measurements on this
-# GPU (measured_speeds), a peak table of the card, or nothing ("unknown": all precisions counted equal).
 UNKNOWN_SPEEDS = ("unknown: no measured or peak speeds for this GPU; precisions counted equal (ranked by memory, "
                   "recompute and micro-batch size only)")
 SATURATION_TOKENS = 1024              # micro-batch tokens at which a GPU reaches half of its throughput (assumed)

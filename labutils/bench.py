@@ -13,11 +13,9 @@ loss, grad norm and scale in one transfer; the reference its loss); a run's step
 steps (after the warm-up, at least 2, and any step that compiled: :func:`labutils.run_result.first_timed_step`).
 Each side gets ``repeats`` fresh runs in ABBA order, a side's step time is the median over its runs (spread beside
 it), and each repeat's neighbouring pair gives one ratio, judged against :data:`GOAL` by :func:`judge`; only a GPU
-run is judged. On an H100 / H200 the ratio is the goal and MFU is shown beside it; on an A100 MFU >= 45 % is
-judged by the same rule over each run's MFU. Sections, both sides each: the config (the headline); with
-``train.compile: true`` eager too; the other ``model.loss`` (``loss full`` / ``loss chunked``: what fast_config.yaml
-picks its loss by). Each run records its compile status and the allocator's retries (a run near a memory cap slows
-down); an out-of-memory run is a row (status "oom", the error) and ends its section.
+run is judged (MFU: :func:`mfu_goal`). The sections (:func:`bench`) include the other ``model.loss``: what
+fast_config.yaml picks its loss by. Each run records its compile status and the allocator's retries (a run near a
+memory cap slows down); an out-of-memory run is a row (status "oom", the error) and ends its section.
 """
 from __future__ import annotations
 

@@ -15,8 +15,7 @@ Three things torch.compile does quietly, and what the training loop does about e
   path raises ``InvalidCxxCompiler``. :func:`backend_problem` compiles and runs a two-op function with the backend on
   the device first (torch's own code path, no prediction of ours); if that fails the run trains eagerly with one
   warning and records why (``RunResult.compile_fallback``), so a table can skip the compiled row with the reason.
-* **Counting.** ``torch._dynamo.utils.counters``: ``["stats"]["unique_graphs"]`` (graphs compiled) and
-  ``["graph_break"]`` (reason -> count). A run with ``compile: true`` that compiled no graph warns and says so in
+* **Counting.** dynamo's own counters; a run with ``compile: true`` that compiled no graph warns and says so in
   ``compile_fallback``: it is never reported as compiled.
 """
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """``python -m labutils doctor [--json PATH]``: the first thing to run on a new machine.
 
-It runs every CUDA path the labs rely on, briefly, and prints a pass/fail table with numbers: whether torch can use
-the GPU the NVIDIA driver sees; the device module's functions and the raw ``torch.cuda`` calls lab 04 shows; one
-short training step per precision the card supports (GPT-2 small); the memory cap and recovery from an
-out-of-memory error; an allocator snapshot recorded, dumped and read back by the course's own parser; a profiler
-run with CUDA activity; every checkpointing variant's gradients against no checkpointing *with dropout on*; the
-memory estimator against measured peaks; matmul TFLOP/s per precision; configs/fast_config.yaml for a few steps,
-its MFU printed (never judged: the MFU goal is the benchmark's). Exit code 1 if anything failed; the
-summary line gives the checks' time and, apart, the fast path's compile time. ``regenerate`` runs it first and
-stops on a failure.
+It runs every CUDA path the labs rely on, briefly (GPT-2 small; the table below), and prints a pass/fail table
+with numbers. Exit code 1 if anything failed; the summary line gives the checks' time and, apart, the fast path's
+compile time. ``regenerate`` runs it first and stops on a failure.
 
 Without a GPU it says so, runs the CPU equivalents that exist (tiny model), and exits 0: the GPU checks are
 listed as skipped, never as passed. If the driver sees a GPU that torch cannot use, that row fails (exit 1).
@@ -19,42 +13,27 @@ One function per check (``check_*``); where the verdict needs a GPU, it is a sma
 numbers (``*_verdict``) so a test can hand it broken numbers. What fails each (tests/test_doctor_checks.py breaks
 each on purpose):
 
-  driver: torch can use its GPU     nvidia-smi lists a GPU that torch cannot use (``is_available()`` False: a torch
-                                    built for a newer CUDA than the driver, a CPU-only torch, hidden devices):
-                                    the row names the driver's version, torch's CUDA version and the fix
-  device: memory counters           a 64 MiB tensor not seen by memory_allocated / peak / reserved; on CPU, a
-                                    CUDA-only counter answering a number
-  device: mem_info / total / stats  cudaMemGetInfo's total != get_device_properties().total_memory (exactly),
-                                    free > total, no allocator stats
-  device: cap set / restore         the driver ignoring set_per_process_memory_fraction; a nested larger cap
-                                    raising the smaller one; the cap not restored
-  device: outside-allocator memory  cudaMemGetInfo unanswerable (only the default is known), 0 or >= 4 GiB
-  device: bf16 / tf32 support       labutils claims BF16 and a real bfloat16 matmul on the device does not run
-                                    or is not bfloat16-precise; labutils' TF32 answer differs from what the TF32
-                                    switch does to a real fp32 matmul (TF32-sized error or not); strict fp32 not
-                                    strict with the switch off
-  torch.cuda calls of lab 04        a counter < 0, free > total, total != the device's total memory (NVML
-                                    refusing list_gpu_processes, as in WSL, is reported "unavailable", no fail)
+  driver: torch can use its GPU     nvidia-smi lists a GPU torch cannot use (the row names both CUDA versions, the fix)
+  device: memory counters           a 64 MiB tensor unseen by the counters; on CPU, a CUDA-only counter answering
+  device: mem_info / total / stats  cudaMemGetInfo's total != the device's total memory (exactly), free > total,
+                                    no allocator stats
+  device: cap set / restore         the cap ignored, raised by a nested larger one, or not restored
+  device: outside-allocator memory  unmeasurable (only the default known), 0 or >= 4 GiB; again after training
+  device: bf16 / tf32 support       labutils' BF16 / TF32 answers differ from what a real matmul on the device does
+  torch.cuda calls of lab 04        a counter < 0, free > total, a wrong total (NVML refusing: "unavailable")
   tf32 switch: legacy + new flags   a TF32 reader raising ("mix of the legacy and new APIs") or disagreeing
-  train step <precision>            a non-finite loss, too few steps; fp16: no GradScaler, or more than half
-                                    of the steps skipped by it
-  outside-allocator after training  as above, measured again after lazily loaded kernels
-  cap + OOM recovery                a training step under a cap too small for it not refused, refused before
-                                    training started, memory not back to baseline, no successful run after
-  snapshot record -> dump -> parse  no events recorded, or no allocation with a stack (recorded without frames)
+  train step <precision>            a non-finite loss, too few steps; fp16: no GradScaler, most steps skipped
+  cap + OOM recovery                no out-of-memory error during training under a too-small cap, memory not
+                                    back to baseline, or no successful run after
+  snapshot record -> dump -> parse  no events recorded, or no allocation with a stack
   profiler ranges                   forward/backward ranges missing; on CUDA no device time, backward < forward
-  checkpointing grads: <variant>    gradients differ from no checkpointing (e.g. the RNG state not restored
-                                    for the recompute: other dropout masks)
+  checkpointing grads: <variant>    gradients differ from no checkpointing, dropout on (the RNG state not restored)
   estimator vs measured             the estimate more than 10 % from the measured peak
-  device: empty caches              pinned host memory still held after empty_caches (needs
-                                    torch.cuda.host_memory_stats, torch >= 2.7: skipped with the reason before)
-  matmul TFLOP/s <format>           a wrong product (vs float64); TF32 not engaged (fp32-sized error); on CUDA
-                                    TF32 / FP16 / BF16 not faster than FP32 by what the card's datasheet promises
-  fast path MFU (fast_config.yaml)  the fast config not training (OOM even at the fitted micro-batch, a
-                                    non-finite loss). Its MFU over >= claims.MIN_TIMED_STEPS timed steps (and the
-                                    ratio to the reference, where labutils.bench provides it) is printed, never
-                                    judged: no card fails for speed. Skipped with the reason: CPU; no Triton for
-                                    torch.compile (native Windows)
+  device: empty caches              pinned host memory still held (skipped before torch 2.7, with the reason)
+  matmul TFLOP/s <format>           a wrong product (vs float64); TF32 not engaged; on CUDA not as much faster
+                                    than FP32 as the card's datasheet promises
+  fast path MFU (fast_config.yaml)  not training (OOM at the fitted micro-batch, a non-finite loss); the MFU is
+                                    printed, never judged. Skipped with the reason: CPU; no Triton
 """
 from __future__ import annotations
 

@@ -52,10 +52,6 @@ class Checks:
         if self.verbose:
             print(f"  {row['status']:<4}  {row['name']:<44} {_fmt(row['value']):>14}  {row['detail']}", flush=True)
 
-    @property
-    def failed(self) -> list[dict]:
-        return [r for r in self.rows if r["status"] == "fail"]
-
 
 def _fmt(v) -> str:
     return "" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)

@@ -1,10 +1,8 @@
 """Predict the memory of a training run before running it (lab 04).
 
-``estimate_memory(cfg)`` replays one training step of HF GPT-2 as a list of tensor allocations and frees, with
-the sizes and dtypes that CUDA produces (:mod:`labutils.replay`, where the accounting is explained), and returns
-the peak and its parts. Nothing runs on a GPU: it is arithmetic, a few milliseconds per configuration, for any
-GPT-2 size, on a laptop. Here: the :class:`Plan` a replay follows, the estimate, what fits a budget
-(:func:`fits`, :func:`largest_batch`) and how an estimate compares with a measurement. What to run instead
+``estimate_memory(cfg)`` replays one training step of HF GPT-2 (:mod:`labutils.replay`, arithmetic on any
+machine) and returns the peak and its parts. Here: the :class:`Plan` a replay follows, the estimate, what fits a
+budget (:func:`fits`, :func:`largest_batch`) and how an estimate compares with a measurement. What to run instead
 when it does not fit: :mod:`labutils.advise`.
 """
 from __future__ import annotations
@@ -22,9 +20,7 @@ from .replay_ledger import KINDS
 GiB = 2**30
 HEADROOM = 0.10                       # allocator rounding / fragmentation: reserved is usually 5-15 % above peak
 EAGER_BASIS = "the eager step, tensor by tensor"
-# What the estimate assumes for train.compile: the replay follows the eager step's tensors. Inductor fuses
-# elementwise chains (fewer intermediates) and its partitioner may recompute cheap ops instead of saving them, so
-# a compiled step usually holds no more than this; it is not checked here (that needs a GPU run).
+# inductor fuses elementwise chains and its partitioner may recompute cheap ops instead of saving them
 COMPILE_BASIS = ("torch.compile assumed to hold what the eager step holds (inductor usually saves less); "
                  "not measured on a compiled step")
 

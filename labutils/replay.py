@@ -10,14 +10,12 @@ Models", section 4.1): per block, the tensors autograd saves for backward. Their
 
 * the residual stream stays FP32 (embeddings are FP32 and ``fp16 + fp32`` promotes), so LayerNorm inputs
   are 4 bytes per element, and LayerNorm itself runs in FP32 (CUDA autocast's float32 list);
-* GPT-2's activation ``gelu_new`` is a Python expression, ``0.5*x*(1+tanh(c*(x+0.044715*x**3)))``: every
-  intermediate that a multiplication needs is saved, and ``pow`` is on CUDA autocast's float32 list, so the
-  whole chain after it is FP32: the MLP saves 67 bytes per token and hidden unit, Korthikanti counts 19;
+* GPT-2's ``gelu_new`` is a Python expression: every intermediate a multiplication needs is saved, and ``pow``
+  is on CUDA autocast's float32 list, so the chain after it is FP32: 67 bytes per token and hidden unit in the
+  MLP, where Korthikanti counts 19;
 * SDPA (flash / memory-efficient kernels) saves no ``a*s*s`` scores: q, k, v, the output and a log-sum-exp;
-* the loss upcasts the logits ``[B, T, V]`` to FP32 and ``log_softmax`` saves an FP32 copy: with V = 50257
-  this is often the largest single term, and its backward holds three such tensors at once;
-* autocast caches a half-precision copy of each weight for the forward pass; the copies that matmuls save
-  live until their backward (all blocks' copies while the loss is computed, even with checkpointing).
+* the loss's FP32 logits ``[B, T, V]`` (:mod:`labutils.replay_loss`): often the largest single term;
+* autocast's cached half-precision weight copies: those matmuls save live until their backward.
 
 Master weights, gradients and AdamW's two moments are FP32 in every precision: 4 + 4 + 8 = 16 bytes per
 parameter. ``device="cpu"`` switches to the CPU kernels' behaviour (float dropout masks, math attention when
@@ -40,17 +38,6 @@ def cublas_workspace_bytes(major: int | None = None) -> int:
     ":4096:2:16:8" (8.125 MiB) before Hopper, 32 MiB on Hopper and Blackwell (9.x and on, the RTX 50 GeForce
     cards too). None: a card not named, taken as a student's pre-Hopper GeForce."""
     return 32 * 2**20 if major is not None and major >= 9 else CUBLAS_WORKSPACE_BYTES
-
-
-# ----------------------------------------------------------------------------------------------------------
-# One training step of HF GPT-2, tensor by tensor
-# ----------------------------------------------------------------------------------------------------------
-def _block_params(h: int) -> dict[str, int]:
-    """Parameter tensors of one GPT2Block (Conv1D weights are [in, out])."""
-    return {"ln_1.weight": h, "ln_1.bias": h, "attn.c_attn.weight": 3 * h * h, "attn.c_attn.bias": 3 * h,
-            "attn.c_proj.weight": h * h, "attn.c_proj.bias": h, "ln_2.weight": h, "ln_2.bias": h,
-            "mlp.c_fc.weight": 4 * h * h, "mlp.c_fc.bias": 4 * h, "mlp.c_proj.weight": 4 * h * h,
-            "mlp.c_proj.bias": h}
 
 
 class Replay(AttentionReplay, LossReplay):
@@ -92,8 +79,8 @@ class Replay(AttentionReplay, LossReplay):
         self._recomputing = False                         # backward re-runs a checkpointed block's forward
         self.grads_exist = False                          # a later micro-batch: .grad is allocated already
 
-    # dropout mask: CUDA native_dropout keeps a bool mask; the CPU kernel keeps a float mask of the input dtype
     def mask_bytes(self, input_bytes: int) -> int:
+        """Dropout mask: CUDA native_dropout keeps a bool one; the CPU kernel a float one of the input dtype."""
         return 1 if self.cuda else input_bytes
 
     # ---- parameters, gradients ---------------------------------------------------------------------------
@@ -401,8 +388,8 @@ class Replay(AttentionReplay, LossReplay):
         h = self.h
         decay, no_decay = [self.V * h, N_POSITIONS * h], []
         for _ in range(self.L):
-            for name, numel in _block_params(h).items():
-                (decay if name.endswith("weight") and not name.startswith("ln_") else no_decay).append(numel)
+            decay += [3 * h * h, h * h, 4 * h * h, 4 * h * h]    # c_attn, attn.c_proj, c_fc, mlp.c_proj weights
+            no_decay += [h, h, 3 * h, h, h, h, 4 * h, h]        # ln_1, their biases, ln_2, theirs
         return decay, no_decay + [h, h]
 
     def optimizer_step(self, label: str, first: bool) -> None:
@@ -438,11 +425,11 @@ class Replay(AttentionReplay, LossReplay):
             label = f"step {step}"
             led.alloc("window", p.accum * (3 * 8 * self.N + 8 * self.B), "data")
             for mb in range(min(p.accum, 2)):
-                self.grads_exist = mb > 0
+                which = f" (micro-batch {mb})" if p.accum > 1 else ""
                 self.forward(label)
-                led.mark(f"{label} after forward" + (f" (micro-batch {mb})" if p.accum > 1 else ""))
+                led.mark(f"{label} after forward{which}")
                 self.backward(label, grads_exist=mb > 0)
-                led.mark(f"{label} after backward" + (f" (micro-batch {mb})" if p.accum > 1 else ""))
+                led.mark(f"{label} after backward{which}")
             self.optimizer_step(label, first=step == 0)
             led.free("window")
             led.mark(f"{label} after optimizer step")

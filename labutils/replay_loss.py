@@ -56,13 +56,9 @@ class LossReplay:
 
     # ---- model.loss: chunked (labutils.loss_chunks) ------------------------------------------------------------
     def chunked_loss_forward(self) -> None:
-        """``model.loss: chunked`` forward (:class:`labutils.loss_chunks.ChunkedLinearCrossEntropy`): the shifted
-        targets, the head's input and weight cast to the matmul dtype (temporaries), then per chunk the logits in
-        fp32 (``logsumexp``'s temporary beside them), ``softmax - onehot`` in their buffer (the one-hot compare a bool
-        temporary), cast to the matmul dtype, and its shares of the gradients: a [C, d] product kept for the hidden
-        states' gradient (concatenated after the loop, saved), a half [V, d] product (under autocast) turned into
-        (first chunk) or added into (later ones) the fp32 weight gradient, saved. Two chunks are booked: the second
-        holds the accumulator."""
+        """``model.loss: chunked`` forward (:class:`labutils.loss_chunks.ChunkedLinearCrossEntropy`, whose docstring
+        says what each chunk computes). Two chunks are booked: the second holds the fp32 weight-gradient
+        accumulator that the first created."""
         p, led, N, B, T, h, V, c = self.p, self.led, self.N, self.B, self.T, self.h, self.V, self.c
         C, wte = min(p.loss_chunk, N), "temporaries" if self.grads_exist else "grads"
         led.alloc("labels.pad", 8 * B * (T + 1))
