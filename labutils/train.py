@@ -378,11 +378,9 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
     why = divergence(result.losses, result.skipped, t.precision)
     if why:
         result.status, result.error = "diverged", why
-    if tracker:
+    if tracker:  # CPU ranks: no peak (None, as _start left it)
         peak = torch.tensor(tracker.peak_bytes, device=device)
         result.peak_memory_bytes = int(acc.reduce(peak, reduction="max"))  # the busiest rank
-    else:
-        result.peak_memory_bytes = None
     finish_timing(result, cfg, dataset.seq_length, device,
                    first_timed_step(t.steps, t.timing_warmup_steps), (), real_positions)
     acc.free_memory()
