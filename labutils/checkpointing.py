@@ -10,9 +10,8 @@ Variants: ``variant.apply(model)`` switches it on and returns a function that sw
     offload()             no recompute: every saved activation goes to host memory (torch.autograd.graph.save_on_cpu)
     checkpoint_offload()  full checkpointing, and what it still saves (block inputs, LM head) goes to host memory
 
-``available(feature)`` says whether this torch has what a variant needs. Selective checkpointing's
-policy is :func:`save_matmuls` (saves the ops in ``SAVE_OPS``, never one that :func:`draws_random_numbers`);
-offload's hooks are :class:`CountingSaveOnCPU`.
+Selective checkpointing's policy is :func:`save_matmuls` (saves the ops in ``SAVE_OPS``, never one that
+:func:`draws_random_numbers`); offload's hooks are :class:`CountingSaveOnCPU`.
 """
 from __future__ import annotations
 
@@ -27,20 +26,6 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from . import device as dev
 from .memory import oom_text
 from .models import disable_checkpointing, enable_checkpointing
-
-# What the selective and offload variants need, and where torch has it (both older than pyproject.toml's floor,
-# torch 2.6: selective checkpointing came in 2.4, save_on_cpu in 1.10)
-FEATURES = {"selective": "torch.utils.checkpoint.create_selective_checkpoint_contexts",
-            "offload": "torch.autograd.graph.save_on_cpu"}
-
-
-# ----------------------------------------------------------------------------------------------- what torch offers
-def available(feature: str) -> tuple[bool, str]:
-    """Is a checkpointing feature in this torch ("selective", "offload")? ``(True, where torch has it)``: this
-    module imports both, so on a torch without one it would not import at all."""
-    if feature not in FEATURES:
-        raise ValueError(f"unknown feature {feature!r}; one of {', '.join(FEATURES)}")
-    return True, FEATURES[feature]
 
 
 # ------------------------------------------------------------------------------------------------------ variants

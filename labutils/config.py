@@ -229,13 +229,17 @@ def _section(cfg: Config, section: str):
     return obj
 
 
-def _check_types(cfg: Config, s) -> None:
-    """Every section of its class, no key the class lacks, every value of its field's type (coerced as the YAML
-    path coerces it: an int for a float key becomes a float, ``True`` for model.pretrained becomes "true")."""
+def validate(cfg: Config) -> Config:
+    """Check every key of ``cfg`` (types, allowed values, ranges) and raise :class:`ConfigError` with one line
+    naming the source, key, value and what is allowed. The one check of the YAML path, ``override`` and
+    ``labutils.train.run`` / ``train``: a config changed in code after loading is checked as a file is."""
     if not isinstance(cfg, Config):
         raise ConfigError("config", None, cfg, "must be a labutils Config (labutils.load_config)")
     if cfg.mode not in ("full", "smoke"):
         raise ConfigError("mode", None, cfg.mode, "must be full or smoke")
+    s = functools.partial(source_of, cfg)  # the source that set a key
+    # every section of its class, no key the class lacks, every value of its field's type (coerced as the YAML path
+    # coerces it: an int for a float key becomes a float, True for model.pretrained becomes "true")
     for section, cls in SECTIONS.items():
         obj = _section(cfg, section)
         flds = {f.name: f for f in fields(cls)}
@@ -244,14 +248,6 @@ def _check_types(cfg: Config, s) -> None:
             if name not in flds:
                 raise ConfigError(s(key), key, value, f"unknown key; allowed in '{section}': {', '.join(flds)}")
             setattr(obj, name, _coerce(s(key), key, value, flds[name]))
-
-
-def validate(cfg: Config) -> Config:
-    """Check every key of ``cfg`` (types, allowed values, ranges) and raise :class:`ConfigError` with one line
-    naming the source, key, value and what is allowed. The one check of the YAML path, ``override`` and
-    ``labutils.train.run`` / ``train``: a config changed in code after loading is checked as a file is."""
-    s = functools.partial(source_of, cfg)  # the source that set a key
-    _check_types(cfg, s)
     m, d, t = cfg.model, cfg.data, cfg.train
 
     def given(key, other):  # a limit that another key sets: name that key, and its source when it differs

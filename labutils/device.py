@@ -59,10 +59,8 @@ NVIDIA_SMI_QUERY = ["nvidia-smi", "--query-gpu=name,driver_version", "--format=c
 
 
 def driver_gpus() -> list[dict] | None:
-    """The GPUs the NVIDIA driver sees, as ``nvidia-smi --query-gpu=name,driver_version --format=csv,noheader``
-    lists them (one "name, driver" line each): ``[{"name", "driver"}]``, independent of torch. None when nvidia-smi
-    is absent, fails (no driver loaded), lists nothing or does not answer within :data:`NVIDIA_SMI_TIMEOUT_S`.
-    Asked once per process (cached)."""
+    """The GPUs the NVIDIA driver sees (:data:`NVIDIA_SMI_QUERY`), independent of torch: ``[{"name", "driver"}]``,
+    or None when nvidia-smi is absent, fails, lists nothing or times out. Asked once per process."""
     if "driver_gpus" not in _state:
         try:
             out = subprocess.run(NVIDIA_SMI_QUERY, capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S)
@@ -76,10 +74,9 @@ def driver_gpus() -> list[dict] | None:
 
 
 def unusable_gpu() -> dict | None:
-    """None unless the NVIDIA driver sees a GPU (:func:`driver_gpus`) while ``torch.cuda.is_available()`` is False:
-    then ``{"gpus", "driver", "torch_cuda", "fix", "message"}``, the message naming the GPU, the driver's version,
-    torch's CUDA version (``torch.version.cuda``; None on a CPU-only build) and the fix. pip's default torch is a
-    CUDA 13 build: on a driver too old for it, torch sees no GPU and the labs would quietly run on the CPU."""
+    """None unless the NVIDIA driver sees a GPU (:func:`driver_gpus`) that torch cannot use: then ``{"gpus",
+    "driver", "torch_cuda", "fix", "message"}``. pip's default torch is a CUDA 13 build: on a driver too old for
+    it, torch sees no GPU and the labs would quietly run on the CPU."""
     if cuda_available():
         return None
     gpus = driver_gpus()
@@ -154,11 +151,10 @@ def total_memory(device=None) -> int | None:
 
 
 def empty_caches(device=None) -> None:
-    """Return cached blocks to the driver: the device allocator's, pinned host memory (``save_on_cpu`` pins host
-    RAM through a caching host allocator that ``empty_cache`` alone never frees), and the cuBLAS workspaces. Those
-    are allocated tensors (CublasHandlePool.cpp ``getNewWorkspace``), one per thread's handle and stream, made at
-    the first matmul of each (the autograd thread's at the first backward); cleared, they come back at the next
-    matmul, inside whatever region measures it, instead of passing for memory an earlier section left."""
+    """Return cached blocks to the driver: the device allocator's, pinned host memory (``save_on_cpu``'s caching
+    host allocator, which ``empty_cache`` never frees) and the cuBLAS workspaces (allocated tensors, one per
+    thread's handle and stream: cleared, they come back at the next matmul, inside whatever region measures it,
+    instead of passing for memory an earlier section left)."""
     if not cuda_available():
         return
     synchronize(device)
@@ -246,13 +242,10 @@ def other_processes(device=None) -> dict:
 
 
 def outside_allocator_bytes(device=None, refresh: bool = False) -> tuple[int, str]:
-    """Bytes of GPU memory this process uses outside the caching allocator (CUDA context, library handles and
-    kernels), and how that number was obtained. Measured once per process, after the context exists and
-    cuBLAS has run: (total - free) - reserved - what other processes hold (when NVML can list them; when it
-    cannot, or its list is not comparable: this pid missing from it, or more than is used, their memory counts too
-    and the budget's notice says so). Kernels that load later (CUDA's lazy module loading: attention, fused
-    optimizers) add more during the first training step: ``refresh=True`` measures again (:func:`follow_outside`
-    does, after that step)."""
+    """(bytes, how measured) of GPU memory this process uses outside the caching allocator (CUDA context, library
+    handles, kernels): once per process, after CUDA and cuBLAS init, (total - free) - reserved - what other
+    processes hold (counted in when NVML's list is missing or not comparable; the budget's notice says so).
+    Lazily loaded kernels add more in the first training step: ``refresh=True`` (:func:`follow_outside`)."""
     if not is_cuda(device):
         return 0, "no CUDA context on the CPU"
     i = _index(device)
@@ -309,18 +302,16 @@ def other_processes_notice(device=None) -> str | None:
 
 
 def card_allocator_bytes(gb: float, device=None) -> int:
-    """What PyTorch's allocator can hold on a card sold as ``gb`` GB: the total torch reports on such a card
-    (:func:`labutils.cards.card_total_bytes`) minus the memory that lives outside the allocator here (on the
-    CPU, nothing)."""
+    """What PyTorch's allocator can hold on a card sold as ``gb`` GB: its total (:mod:`labutils.cards`) minus
+    what lives outside the allocator here (on the CPU, nothing)."""
     return max(0, cards.card_total_bytes(gb)[0] - outside_allocator_bytes(device)[0])
 
 
 def card_budget(gb: float | None, device=None) -> dict | None:
-    """Make this GPU behave like a card sold as ``gb`` GB: cap the allocator at the total torch reports on such a
-    card (:mod:`labutils.cards`) minus the memory that lives outside the allocator here. Never raises a lower cap
-    already set. Returns what was done (recorded with results): ``{"card_gib", "card_total_bytes", "rule",
-    "outside_allocator_bytes", "how", "allocator_cap_bytes", "fraction", "other_processes_bytes", "notice"}``;
-    None on CPU or when ``gb`` is None (no cap). ``gb`` must be > 0 (the CLI and ``setup`` check this first)."""
+    """Make this GPU behave like a card sold as ``gb`` GB (> 0): cap the allocator at :func:`card_allocator_bytes`,
+    never above a lower cap already set. Returns what was done (recorded with results; None on CPU or when ``gb``
+    is None): card_gib, card_total_bytes, rule, outside_allocator_bytes, how, allocator_cap_bytes, fraction,
+    other_processes_bytes, notice."""
     if gb is None or not is_cuda(device):
         return None
     if not gb > 0:
@@ -393,9 +384,8 @@ def budget_from_env() -> float | None:
 @contextlib.contextmanager
 def memory_cap(budget_bytes: int | None, device=None):
     """Inside the block the allocator may hold at most ``budget_bytes`` (never more than a cap already set),
-    restored exactly afterwards, cached memory released on both sides. On CPU there is nothing to cap: yields
-    ``budget_bytes`` for the CPU tracker's simulated budget (``MemoryTracker(cpu_budget_bytes=...)``); on CUDA
-    yields None."""
+    restored afterwards, caches emptied on both sides. Yields None on CUDA; on CPU ``budget_bytes``, for
+    ``MemoryTracker(cpu_budget_bytes=...)``."""
     if budget_bytes is None or not is_cuda(device):
         yield budget_bytes
         return

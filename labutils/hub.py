@@ -37,11 +37,9 @@ _hub_state: dict = {}
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
-    """Can we talk to the model hub? Answers within ``timeout`` seconds even when DNS hangs.
-
-    When it cannot, sets ``HF_HUB_OFFLINE=1`` (and huggingface_hub's already-read constant) so that
-    ``from_pretrained`` only looks in the local cache and fails fast instead of retrying.
-    """
+    """Can we talk to the model hub? Answers within ``timeout`` seconds even when DNS hangs. When it cannot, sets
+    ``HF_HUB_OFFLINE=1`` (and huggingface_hub's already-read constant): ``from_pretrained`` then only looks in the
+    local cache and fails fast instead of retrying."""
     if "reachable" in _hub_state:
         return _hub_state["reachable"]
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")

@@ -252,12 +252,10 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None 
 
 
 def freeze_import_state() -> bool:
-    """Take what exists now out of the garbage collector's full scans (``gc.freeze``) while no tensor is alive, so
-    that each ``gc.collect()`` (:class:`MemoryTracker`, :func:`release`) does not walk the imported modules' own
-    state (torch, transformers, matplotlib: hundreds of thousands of objects). Called by :func:`labutils.setup` in a
-    notebook's kernel only (in ``regenerate``'s process, with jupyter_client's zmq sockets, a freeze can end in a
-    libzmq abort at exit). A tensor frozen here would stay out of the CPU tracker's census and a cycle through it
-    never freed, hence the rule; everything is unfrozen at exit. Returns whether it froze."""
+    """``gc.freeze`` what exists now, if no tensor is alive (a frozen one would escape the CPU tracker's census),
+    so that each ``gc.collect()`` skips the imported modules' own state (hundreds of thousands of objects); unfrozen
+    at exit. Only in a notebook's kernel (:func:`labutils.setup`): beside regenerate's zmq sockets a freeze can end
+    in a libzmq abort at exit. Returns whether it froze."""
     if any(issubclass(type(o), torch.Tensor) for o in gc.get_objects()):  # type(): no lazy-module side effects
         return False  # (a tensor in uncollected garbage counts too: no freeze, the safe side)
     # what every lab imports on first use, imported here so that it is frozen too: transformers' GPT-2 classes (its
@@ -336,9 +334,8 @@ def budget_words() -> str:
 
 
 class CaughtOOM:
-    """What :func:`oom_caught` caught: falsy until an out-of-memory error ends its block; then ``error`` is the
-    error in one short line (:func:`oom_text`, for a table row). The error itself is not kept: its traceback holds
-    the frames of the step that failed, and with them the activations that :func:`release` must be able to free."""
+    """What :func:`oom_caught` caught: falsy until an out-of-memory error ends its block, then ``error`` is its
+    :func:`oom_text`. The error is not kept: its traceback's frames hold the activations :func:`release` frees."""
 
     def __init__(self):
         self.error: str | None = None
@@ -349,10 +346,8 @@ class CaughtOOM:
 
 @contextlib.contextmanager
 def oom_caught():
-    """``with oom_caught() as oom: ...`` then ``if oom: ... oom.error``: an out-of-memory error ends the block
-    and it is kept as one short line (:func:`oom_text`), the allocator's (``torch.OutOfMemoryError``) and one raised
-    outside it as a plain RuntimeError (cuBLAS handle creation, a lazily loaded kernel:
-    :func:`labutils.device.is_oom`); any other error propagates. What every sweep uses to turn an OOM into a row."""
+    """``with oom_caught() as oom: ...`` then ``if oom: ... oom.error``: an out-of-memory error
+    (:func:`labutils.device.is_oom`) ends the block and becomes a row's one line; any other error propagates."""
     caught = CaughtOOM()
     try:
         yield caught

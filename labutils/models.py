@@ -189,12 +189,9 @@ def real_vocab_size(model) -> int:
 
 
 def compile_model(model, backend: str | None = None, **kwargs):
-    """``torch.compile`` in place (``nn.Module.compile``: same parameters and state_dict keys), returning the
-    model. With ``attn_implementation="sdpa_causal"`` the compiled graph calls SDPA with ``is_causal=True`` and
-    no mask. ``backend`` defaults to inductor.
-    Clears dynamo's state first, as the training loop does (labutils.compiling): a forward that dynamo met under a
-    dispatch mode (the CPU memory tracker, FlopCounterMode) left its code objects marked as skipped, and the
-    blocks would run eagerly, without a word."""
+    """``torch.compile`` in place (``nn.Module.compile``: same parameters and state_dict keys; ``backend``
+    defaults to inductor), returning the model. Clears dynamo's state first, as the training loop does: code met
+    under a dispatch mode stays marked as skipped and would run eagerly, without a word (:mod:`labutils.compiling`)."""
     torch._dynamo.reset()
     model.compile(**({"backend": backend} if backend else {}), **kwargs)
     return model

@@ -2,11 +2,8 @@
 
 :func:`execute_notebook` runs a notebook top to bottom with nbclient and returns an :class:`Outcome` (ok, seconds,
 the failing cell and the line that raised); it never raises for the notebook's own errors. The kernel's stdout and
-stderr go to a log beside the executed copy, and the kernel is always shut down, whatever happens.
-
-Ctrl-C / SIGTERM: while a :class:`SignalGuard` is active they raise :class:`Interrupted` in the main thread, which
-kills the kernel's process group and propagates; inside ``guard.critical()`` a signal is held until the block ends,
-so a file being replaced is never left half written. ``regenerate`` runs every lab through this module.
+stderr go to a log beside the executed copy, and the kernel is always shut down, whatever happens. Ctrl-C and
+SIGTERM: see :class:`SignalGuard`. ``regenerate`` runs every lab through this module.
 """
 from __future__ import annotations
 
@@ -257,13 +254,10 @@ def _kill_kernel(km) -> None:
 
 def execute_notebook(path: Path, env: dict, *, cwd: Path = REPO_ROOT, timeout: int | None = SMOKE_CELL_TIMEOUT,
                      executed_dir: Path | None = None, on_cell=None, guard: SignalGuard = NO_GUARD) -> Outcome:
-    """Run one notebook top to bottom in a fresh kernel; never raises for the notebook's own errors.
-
-    nbclient (underneath ``jupyter execute``), called in-process: per-cell hooks (the failing cell, progress), the
-    kernel's env and cwd, and the executed notebook to save outside the repository. It runs in a worker
-    thread: the main thread only waits, so a signal reaches our handler (see
-    :class:`SignalGuard`); on :class:`Interrupted` the kernel is killed, nothing is written, and it propagates.
-    """
+    """Run one notebook top to bottom in a fresh kernel (module docstring), with nbclient called in-process: per-cell
+    hooks (the failing cell, progress), the kernel's env and cwd, and the executed copy saved outside the repository.
+    nbclient runs in a worker thread while the main thread waits, so a signal reaches :class:`SignalGuard`'s
+    handler; on :class:`Interrupted` the kernel is killed, nothing is written, and it propagates."""
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError

@@ -78,15 +78,25 @@ def make_optimizer(model, cfg: Config, device: torch.device, accelerator=None):
     return opt, sched
 
 
-def _start(cfg: Config, model, dataset: LMDataset, env: dict, world: int = 1) -> RunResult:
-    """A run's result before its first step; the model in training mode, checkpointed as the config says."""
+def _start(cfg: Config, model, dataset: LMDataset, env: dict, device: torch.device, world: int = 1) -> RunResult:
+    """A run's result before its first step (with the SDPA kernel it should use); the model in training mode,
+    checkpointed as the config says."""
     result = RunResult(config=cfg.to_dict(), env=env, effective_batch_size=cfg.effective_batch_size * world,
                        tokens_per_step=cfg.effective_batch_size * world * dataset.seq_length,
                        parameters=count_parameters(model))
     model.train()
     if cfg.train.gradient_checkpointing:
         enable_checkpointing(model, cfg.train.checkpoint_every_n_layers)
+    result.attention_kernel = attention_kernel(model, dataset.seq_length, dataset.padding_fraction > 0,
+                                               cfg.train.precision, device)
     return result
+
+
+def _aside(fn, *args) -> float:
+    """Call ``fn(*args)``: bookkeeping that is not training; the seconds it took are left out of the step's time."""
+    u = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - u
 
 
 def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch.device | str | None = None, *,
@@ -107,11 +117,9 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
                                   on_step=on_step)
     t = cfg.train
     device = torch.device(device or _env.default_device())
-    result = _start(cfg, model, dataset, env or {})
+    result = _start(cfg, model, dataset, env or {}, device)
     compiling = compile_for_training(model, device) if t.compile else None  # in place; None: not asked
     compiled = compiling is not None and compiling.active
-    result.attention_kernel = attention_kernel(model, dataset.seq_length, dataset.padding_fraction > 0,
-                                               t.precision, device)
     data = dataset.to(device)
     real_positions = 0
     windows = data.windows(t.micro_batch_size, t.accumulation_steps, t.seed)
@@ -193,13 +201,9 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
                 graphs = compiled_graphs()
                 compile_steps.append(step)
             if step == 0:  # lazily loaded kernels and backward's cuBLAS workspace now exist: the cap follows
-                u = time.perf_counter()
-                dev.follow_outside(device)
-                untimed += time.perf_counter() - u
+                untimed += _aside(dev.follow_outside, device)
             if on_step:
-                u = time.perf_counter()
-                on_step(step, result, model, optimizer, scaler)
-                untimed += time.perf_counter() - u
+                untimed += _aside(on_step, step, result, model, optimizer, scaler)
             if tracker and step + 1 == tracked_steps:
                 u = time.perf_counter()
                 stack.close()  # ends the tracker (and restores TF32 flags: re-entered below)
@@ -321,9 +325,7 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
         raise compile_refusal(cfg)
     device = acc.device
     result = _start(cfg, model, dataset, {**(env or {}), "world_size": world,
-                                          "distributed_type": str(acc.distributed_type)}, world)
-    result.attention_kernel = attention_kernel(model, dataset.seq_length, dataset.padding_fraction > 0,
-                                               t.precision, device)
+                                          "distributed_type": str(acc.distributed_type)}, device, world)
     data = dataset.to(device)
     real_positions = 0
     # the global window of each step, identical on every rank; rank r takes micro-batches [r*accum, (r+1)*accum)
@@ -356,9 +358,7 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
                     optimizer.zero_grad(set_to_none=True)
             value = (acc.reduce(token_loss, reduction="sum") / window.num_targets).item()
             if step == 0:  # as in train(): lazily loaded kernels, backward's cuBLAS workspace: the cap follows
-                u = time.perf_counter()
-                dev.follow_outside(device)
-                untimed += time.perf_counter() - u
+                untimed += _aside(dev.follow_outside, device)
             if acc.optimizer_step_was_skipped:
                 result.skipped.append(step)
             if not math.isfinite(value) and t.precision != "fp16":
@@ -369,9 +369,7 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
             result.target_tokens.append(window.num_targets)
             real_positions += window.num_real
             if on_step:
-                u = time.perf_counter()
-                on_step(step, result, model, optimizer, None)
-                untimed += time.perf_counter() - u
+                untimed += _aside(on_step, step, result, model, optimizer, None)
             now = time.perf_counter()
             result.step_times.append(now - mark - untimed)
             result.untimed_seconds += untimed
@@ -380,11 +378,9 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
     why = divergence(result.losses, result.skipped, t.precision)
     if why:
         result.status, result.error = "diverged", why
-    if tracker:
+    if tracker:  # CPU ranks: no peak (None, as _start left it)
         peak = torch.tensor(tracker.peak_bytes, device=device)
         result.peak_memory_bytes = int(acc.reduce(peak, reduction="max"))  # the busiest rank
-    else:
-        result.peak_memory_bytes = None
     finish_timing(result, cfg, dataset.seq_length, device,
                    first_timed_step(t.steps, t.timing_warmup_steps), (), real_positions)
     acc.free_memory()

@@ -198,14 +198,6 @@ def test_memory_budget_on_cpu_yields_the_budget():
         assert b is None
 
 
-def test_available_features():
-    for feature in ("selective", "offload"):
-        ok, why = ck.available(feature)
-        assert ok, why
-    with pytest.raises(ValueError):
-        ck.available("nonsense")
-
-
 def test_every_k_accounting_follows_the_measured_peaks(plain):
     """Issue 27: lab 03's every-k formula predicted 17.9 MiB at k = 2 where 13.3 MiB was measured: it added the
     recomputed block's A to the start of backward. The oracle is the memory tracker: the measured peak differences
