@@ -1,18 +1,8 @@
 """The one rule that turns a run's numbers into a verdict: ``holds | partly | does not hold | not measured | not
-judged | not decided``, with a ``why`` computed from the same numbers. The claims it judges (C1-C7) are in
-:mod:`labutils.claims`.
-
-A claim is one or more :class:`Quantity` (what is measured, its unit, which direction is good, the claimed range,
-the verdict's thresholds, what a run needs before it is judged). The threshold rule is sign-aware: a *benefit*
-(``better="higher"``) holds at or above ``holds_at`` and partly at or above ``partly_at``; a *cost*
-(``better="lower"``) holds at or below ``holds_at`` and partly up to ``partly_at``; a *target* (``better="within"``)
-holds inside ``holds_at=(lo, hi)`` and partly inside ``partly_at``. A batch sweep is listed beside the value shown
-as context; the verdict is that of the value shown.
-
-Before the rule is applied, each quantity's :class:`Evidence` is checked against its needs (:data:`NEEDS`; a speed
-quantity always needs a GPU and >= :data:`MIN_TIMED_STEPS` timed steps): an unmet need gives ``not judged`` with the
-reason and the value measured beside it; a value whose noise is as large as its effect, or whose noise range crosses
-a bound, gives ``not decided``. Several quantities combine in :func:`summarise`.
+judged | not decided``, with a ``why`` computed from the same numbers (the claims C1-C7 are in
+:mod:`labutils.claims`). A claim is one or more :class:`Quantity`, judged by sign-aware thresholds
+(:meth:`Quantity.judge`) once its :class:`Evidence` meets its :data:`NEEDS` (else ``not judged``, the value shown
+beside the reason) and its noise cannot change the verdict (else ``not decided``); :func:`summarise` combines them.
 """
 from __future__ import annotations
 
