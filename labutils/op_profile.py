@@ -133,10 +133,9 @@ def op_group_rows(profiles: dict, baseline: str = "fp32") -> list[dict]:
             row[f"{p}_ms"] = sum(prof.group_ms(g) for g in members)
             row[f"{p}_share"] = row[f"{p}_ms"] / prof.total_ms if prof.total_ms else None
             row[f"{p}_calls"] = sum(r["calls"] for r in prof.ops if r["group"] in members)
-        for p in profiles:
-            b, x = row[f"{baseline}_ms"], row[f"{p}_ms"]
-            if p != baseline:
-                row[f"op_time_speedup_{p}"] = b / x if b > 0 and x > 0 else None
+        b = row[f"{baseline}_ms"]
+        row.update({f"op_time_speedup_{p}": b / row[f"{p}_ms"] if b > 0 and row[f"{p}_ms"] > 0 else None
+                    for p in profiles if p != baseline})
         rows.append(row)
     return rows
 
