@@ -194,13 +194,6 @@ class Quantity:
                     f"below the {self.fmt(self.partly_at)} that 'partly' needs: this run could not show the claim")
         return None
 
-    def effect(self, v: float) -> float:
-        """How far ``v`` is from "no change" in its own units (0 % or 1x): compared with the noise."""
-        return abs(v - 1) if self.unit == "x" else abs(v)
-
-    def fmt_spread(self, s: float) -> str:
-        return f"+-{100 * s:.0f} %" if self.unit in ("%", "x") else f"+-{s:.3g}"
-
     def fmt(self, v: float | None) -> str:
         if v is None:
             return "-"
@@ -263,9 +256,10 @@ def judge_quantity(q: Quantity, v, ev: Evidence | None) -> tuple[str, str]:
                 f"on {ev.hardware}" if ev.hardware and q.kind == "speed" else "")
             return NOT_JUDGED, (f"{q.label} not judged: {why}; this run measured {q.fmt(v)}"
                                 + (f" {where}" if where else "") + " (shown, not judged)")
-        if ev.spread is not None and ev.spread >= q.effect(v):
-            return NOT_DECIDED, (f"{q.label} {q.fmt(v)}: not decided (noise {q.fmt_spread(ev.spread)} is as large "
-                                 f"as the effect)")
+        effect = abs(v - 1) if q.unit == "x" else abs(v)  # how far from "no change" (0 % or 1x)
+        if ev.spread is not None and ev.spread >= effect:
+            noise = f"+-{100 * ev.spread:.0f} %" if q.unit in ("%", "x") else f"+-{ev.spread:.3g}"
+            return NOT_DECIDED, f"{q.label} {q.fmt(v)}: not decided (noise {noise} is as large as the effect)"
         if ev.spread and q.judge(v - ev.spread) != q.judge(v + ev.spread):  # the noise range crosses a bound
             return NOT_DECIDED, (f"{q.label} {q.fmt(v)}: not decided (its noise range, {q.fmt(v - ev.spread)} to "
                                  f"{q.fmt(v + ev.spread)}, crosses a bound of the claim: {q.rule()})")
