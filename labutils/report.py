@@ -181,7 +181,8 @@ def render_results(results: dict[str, dict]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def readme_blocks(results: dict[str, dict], figure_prefix: str = f"{RESULTS_DIR.as_posix()}/") -> tuple[dict[str, str], list[str]]:
+def readme_blocks(results: dict[str, dict],
+                  figure_prefix: str = f"{RESULTS_DIR.as_posix()}/") -> tuple[dict[str, str], list[str]]:
     """({lab: block} for the full-run results, [labs refused because they are not full-run results])."""
     blocks = {lab: render_lab(data, figure_prefix, readme=True) for lab, data in sorted(results.items())
               if data.get("mode") == "full"}

@@ -64,7 +64,8 @@ def _need_timed_steps(q, ev: Evidence) -> str | None:
     if n is None:
         return "the run does not say how many timed steps stand behind it"
     if n < MIN_TIMED_STEPS:
-        return f"only {n} timed step{'s' if n != 1 else ''} per run (a timed comparison needs >= {MIN_TIMED_STEPS} after warm-up)"
+        return (f"only {n} timed step{'s' if n != 1 else ''} per run (a timed comparison needs >= {MIN_TIMED_STEPS} "
+                "after warm-up)")
     return None
 
 
@@ -104,8 +105,8 @@ def _need_full_model(q, ev: Evidence) -> str | None:
             f"are a large part of its peak{share}, so a memory ratio does not carry over to GPT-2 on a GPU")
 
 
-NEEDS = {"gpu": _need_gpu, "full_model": _need_full_model, "timed_steps": _need_timed_steps, "batch_sweep": _need_batch_sweep,
-         "layers": _need_layers, "same_micro_batch": _need_same_micro_batch}
+NEEDS = {"gpu": _need_gpu, "full_model": _need_full_model, "timed_steps": _need_timed_steps,
+         "batch_sweep": _need_batch_sweep, "layers": _need_layers, "same_micro_batch": _need_same_micro_batch}
 SPEED_NEEDS = ("gpu", "timed_steps")
 
 
@@ -176,8 +177,9 @@ class Quantity:
 
     def requirement(self) -> str:
         """What a run needs before this quantity is judged, in words (shown with the claim's expectations)."""
-        words = {"gpu": "a GPU", "full_model": "a full-mode run (not the tiny smoke model)", "timed_steps": f">= {MIN_TIMED_STEPS} timed steps", "batch_sweep":
-                 "a batch sweep", "layers": f">= {MIN_LAYERS} layers", "same_micro_batch": "equal micro-batches"}
+        words = {"gpu": "a GPU", "full_model": "a full-mode run (not the tiny smoke model)",
+                 "timed_steps": f">= {MIN_TIMED_STEPS} timed steps", "batch_sweep": "a batch sweep",
+                 "layers": f">= {MIN_LAYERS} layers", "same_micro_batch": "equal micro-batches"}
         return ", ".join(words[n] for n in self.all_needs())
 
     def unmet(self, ev: Evidence) -> str | None:
