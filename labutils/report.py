@@ -144,10 +144,8 @@ def render_lab(data: dict, figure_prefix: str = "", *, readme: bool = False) -> 
     for name, rows in (data.get("tables") or {}).items():  # structured cells (a row's config) stay in the JSON
         columns = [c for c in (rows[0] if rows else {}) if not any(isinstance(r.get(c), (dict, list)) for r in rows)]
         lines += [f"*{name}*", "", format_table(rows, columns or None), ""]
-    for key, value in (data.get("notes") or {}).items():
-        lines.append(f"- {key}: {value}")
     if data.get("notes"):
-        lines.append("")
+        lines += [f"- {key}: {value}" for key, value in data["notes"].items()] + [""]
     for fig in data.get("figures") or []:
         lines.append(f"![{Path(fig).stem}]({figure_prefix}{fig})")
     return "\n".join(lines).rstrip() + "\n"
