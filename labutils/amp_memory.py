@@ -55,16 +55,6 @@ def saved_tensor_census(model: torch.nn.Module):
         yield census
 
 
-def dtype_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """The dtypes the training state is held in: weights, gradients, optimizer state (names, comma-separated)."""
-    name = lambda d: DTYPE_NAMES.get(d, str(d))  # noqa: E731
-    out = {"weights": {name(p.dtype) for p in model.parameters()},
-           "gradients": {name(p.grad.dtype) for p in model.parameters() if p.grad is not None},
-           "optimizer state": {name(v.dtype) for s in optimizer.state.values() for v in s.values()
-                               if isinstance(v, torch.Tensor) and v.dim() > 0}}
-    return {k: ", ".join(sorted(v)) or "-" for k, v in out.items()}
-
-
 # --------------------------------------------------------------------------------------------- one step's memory
 def measure_step_memory(cfg, precision: str, step_fn, device) -> dict:
     """Two steps of ``step_fn`` (the notebook's ``amp_step``, calling ``mark(label)``), the second measured: weights,
@@ -91,7 +81,12 @@ def measure_step_memory(cfg, precision: str, step_fn, device) -> dict:
         marks[label] = mt.mark(label)
         if label == "after backward":  # gradients exist only between backward and zero_grad
             marks["gradient bytes"] = state_bytes(model)["grads"]
-            seen.update(dtype_report(model, optimizer))
+            params = list(model.parameters())  # the dtypes the training state is held in
+            held = {"weights": params, "gradients": [p.grad for p in params if p.grad is not None],
+                    "optimizer state": [v for s in optimizer.state.values() for v in s.values()
+                                        if isinstance(v, torch.Tensor) and v.dim() > 0]}
+            seen.update({k: ", ".join(sorted({DTYPE_NAMES.get(t.dtype, str(t.dtype)) for t in ts})) or "-"
+                         for k, ts in held.items()})
 
     amp_dtype, args = AMP_DTYPES.get(precision), (cfg.train.max_grad_norm,)
     with matmul_precision(tf32=False):

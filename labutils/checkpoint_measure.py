@@ -196,12 +196,14 @@ def one_batch(dataset, micro_batch_size: int, seed: int, device) -> dict:
 
 
 @contextlib.contextmanager
-def _one_step(model, variant: Variant | None):
-    """One forward + backward inside the block with ``variant`` on; gradients cleared before and after."""
+def _one_step(model, batch: dict, variant: Variant | None):
+    """One forward + backward with ``variant`` on, run on entering the block (read its gradients inside the block);
+    gradients cleared before and after."""
     model.train()
     model.zero_grad(set_to_none=True)
     undo = variant.apply(model) if variant else None
     try:
+        model(**batch, use_cache=False).loss.backward()
         yield
     finally:
         if undo:
@@ -212,8 +214,7 @@ def _one_step(model, variant: Variant | None):
 def step_grads(model, batch: dict, variant: Variant | None = None) -> list[torch.Tensor]:
     """Gradients of one forward + backward with ``variant`` on (copies in host memory, one per parameter)."""
     params = list(model.parameters())  # before apply: segments() re-parents blocks, not parameters
-    with _one_step(model, variant):
-        model(**batch, use_cache=False).loss.backward()
+    with _one_step(model, batch, variant):
         return [p.grad.detach().to("cpu", copy=True) if p.grad is not None else None for p in params]
 
 
@@ -233,9 +234,8 @@ def step_flops(model, batch: dict, variant: Variant | None = None) -> int:
     """FLOPs of matmuls and attention in one forward + backward (``torch.utils.flop_counter``): recompute shows up."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with _one_step(model, variant), FlopCounterMode(display=False) as counter:
-        model(**batch, use_cache=False).loss.backward()
-    return counter.get_total_flops()
+    with FlopCounterMode(display=False) as counter, _one_step(model, batch, variant):
+        return counter.get_total_flops()
 
 
 def forward_calls(model, batch: dict, variant: Variant | None = None) -> int:
@@ -245,9 +245,8 @@ def forward_calls(model, batch: dict, variant: Variant | None = None) -> int:
     handles = [block.mlp.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
                for block in model.transformer.h]
     try:
-        with _one_step(model, variant):
-            model(**batch, use_cache=False).loss.backward()
+        with _one_step(model, batch, variant):
+            return calls[0]
     finally:
         for h in handles:
             h.remove()
-    return calls[0]

@@ -113,14 +113,6 @@ def conditions(*, model: str | None, batch: str | None, sequence: int | None, pr
             "hardware": hardware, "mode": mode, **extra}
 
 
-def smoke_tag(cond: dict) -> str:
-    """The tag a smoke measurement's why carries: the tiny model, and where it ran (a CPU, or LAB_SMOKE=1's GPU)."""
-    hw = str(cond.get("hardware") or "cpu")
-    if hw.lower().startswith("cpu"):
-        return " [smoke measurement: tiny model on CPU, not a GPU result]"
-    return f" [smoke measurement: tiny model on {hw}, not a result for GPT-2's sizes]"
-
-
 def claim_entry(claim_id: str, values: dict | None, cond: dict, *, reason: str | None = None,
                 not_measured: str | None = None, prediction: dict | None = None, lab: str | None = None,
                 extra: dict | None = None, prediction_for: str | None = None, evidence=None) -> dict:
@@ -141,13 +133,14 @@ def claim_entry(claim_id: str, values: dict | None, cond: dict, *, reason: str |
     elif reason:
         why = f"{why}: {reason}"
     if v == NOT_MEASURED and prediction:
-        pv, pwhy = verdict(claim_id, prediction)
-        why += (f". The estimator predicts{f' (for {prediction_for})' if prediction_for else ''} "
-                f"{_plain(claim, prediction)}, which would make it "
-                f"'{pv}' (a prediction, not a measurement)")
+        predicted = ", ".join(f"{m['label']} {m['text']}" for m in _measured(claim, prediction).values())
+        why += (f". The estimator predicts{f' (for {prediction_for})' if prediction_for else ''} {predicted}, which "
+                f"would make it '{verdict(claim_id, prediction)[0]}' (a prediction, not a measurement)")
     smoke = cond.get("mode") != "full"
-    if smoke and v != NOT_MEASURED:
-        why += smoke_tag(cond)
+    if smoke and v != NOT_MEASURED:  # where the tiny model ran: a CPU, or LAB_SMOKE=1's GPU
+        hw = str(cond.get("hardware") or "cpu")
+        why += (" [smoke measurement: tiny model on CPU, not a GPU result]" if hw.lower().startswith("cpu") else
+                f" [smoke measurement: tiny model on {hw}, not a result for GPT-2's sizes]")
     entry = {"id": claim_id, "claim": claim.claim, "source": claim.source, "expected": claim.expected(),
              "expected_ranges": claim.expected_ranges(),
              "measured": _measured(claim, values, parts) or None,
@@ -163,10 +156,6 @@ def claim_entry(claim_id: str, values: dict | None, cond: dict, *, reason: str |
     if extra:
         entry["extra"] = extra
     return entry
-
-
-def _plain(claim: Claim, values: dict) -> str:
-    return ", ".join(f"{q.label} {q.fmt(values[q.name])}" for q in claim.quantities if values.get(q.name) is not None)
 
 
 def not_measured(claim_id: str, why: str, cond: dict, *, prediction: dict | None = None, lab: str | None = None,

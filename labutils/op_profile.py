@@ -19,13 +19,13 @@ MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::ad
 MATMUL_PREFIXES = ("aten::_scaled_dot_product_", "aten::scaled_dot_product_attention", "aten::_flash_attention",
                    "aten::_efficient_attention", "aten::_cudnn_attention")
 CAST_OPS = {"aten::_to_copy", "aten::copy_", "aten::to", "aten::clone", "aten::contiguous"}
-NO_DATA_OPS = {"aten::view", "aten::_unsafe_view", "aten::reshape", "aten::_reshape_alias", "aten::t", "aten::transpose",
-               "aten::permute", "aten::expand", "aten::expand_as", "aten::as_strided", "aten::slice", "aten::select",
-               "aten::unsqueeze", "aten::squeeze", "aten::split", "aten::split_with_sizes", "aten::chunk",
-               "aten::unbind", "aten::narrow", "aten::alias", "aten::detach", "aten::detach_", "aten::empty",
-               "aten::empty_strided", "aten::empty_like", "aten::resolve_conj", "aten::resolve_neg",
-               "aten::lift_fresh", "aten::view_as", "aten::flatten", "aten::unflatten", "aten::numpy_T",
-               "aten::item", "aten::_local_scalar_dense", "aten::is_nonzero", "aten::result_type"}
+NO_DATA_OPS = {"aten::view", "aten::_unsafe_view", "aten::reshape", "aten::_reshape_alias", "aten::t",
+               "aten::transpose", "aten::permute", "aten::expand", "aten::expand_as", "aten::as_strided", "aten::slice",
+               "aten::select", "aten::unsqueeze", "aten::squeeze", "aten::split", "aten::split_with_sizes",
+               "aten::chunk", "aten::unbind", "aten::narrow", "aten::alias", "aten::detach", "aten::detach_",
+               "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::resolve_conj", "aten::resolve_neg",
+               "aten::lift_fresh", "aten::view_as", "aten::flatten", "aten::unflatten", "aten::numpy_T", "aten::item",
+               "aten::_local_scalar_dense", "aten::is_nonzero", "aten::result_type"}
 MATMUL, ELEMENTWISE, CASTS, OTHER = ("matmul", "elementwise / reductions", "casts / copies",
                                      "other (views, allocation, framework)")
 OP_GROUPS = (MATMUL, ELEMENTWISE, CASTS, OTHER)
@@ -133,10 +133,9 @@ def op_group_rows(profiles: dict, baseline: str = "fp32") -> list[dict]:
             row[f"{p}_ms"] = sum(prof.group_ms(g) for g in members)
             row[f"{p}_share"] = row[f"{p}_ms"] / prof.total_ms if prof.total_ms else None
             row[f"{p}_calls"] = sum(r["calls"] for r in prof.ops if r["group"] in members)
-        for p in profiles:
-            b, x = row[f"{baseline}_ms"], row[f"{p}_ms"]
-            if p != baseline:
-                row[f"op_time_speedup_{p}"] = b / x if b > 0 and x > 0 else None
+        b = row[f"{baseline}_ms"]
+        row.update({f"op_time_speedup_{p}": b / row[f"{p}_ms"] if b > 0 and row[f"{p}_ms"] > 0 else None
+                    for p in profiles if p != baseline})
         rows.append(row)
     return rows
 
@@ -213,5 +212,6 @@ def step_time_rows(times: dict, baseline: str = "before") -> list[dict]:
         rows.append({"run": label, "median_step_ms": median * 1e3 if median else None,
                      "noise_pct": 100 * noise if noise is not None else None, "timed_steps": len(ts),
                      f"speedup_vs_{baseline}": 1 / t["ratio"] if t["ratio"] else None,
-                     "speedup_noise": t["spread"] / t["ratio"] ** 2 if t["spread"] is not None and t["ratio"] else None})
+                     "speedup_noise": (t["spread"] / t["ratio"] ** 2
+                                       if t["spread"] is not None and t["ratio"] else None)})
     return rows

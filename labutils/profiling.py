@@ -117,8 +117,7 @@ def trace_summary(snapshot: dict, device: int = 0, start_bytes: int = 0, top: in
     traces = snapshot.get("device_traces") or [[]]
     live: dict[int, tuple[int, str]] = {}
     cur, ts, ys, t0 = start_bytes, [], [], None
-    peak, peak_i, at_peak = cur, 0, {}
-    allocated_by_site: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    peak, peak_i, at_peak, allocs = cur, 0, {}, []
     for i, e in enumerate(traces[device] if device < len(traces) else []):
         if e.get("action") == "alloc":
             t = e.get("time_us")
@@ -126,8 +125,7 @@ def trace_summary(snapshot: dict, device: int = 0, start_bytes: int = 0, top: in
             site = _site(e.get("frames"), phase)
             live[e["addr"]] = (e["size"], site)
             cur += e["size"]
-            allocated_by_site[site][0] += e["size"]
-            allocated_by_site[site][1] += 1
+            allocs.append(live[e["addr"]])
         elif e.get("action") == "free_completed" and e.get("addr") in live:
             cur -= live.pop(e["addr"])[0]
         else:
@@ -138,14 +136,16 @@ def trace_summary(snapshot: dict, device: int = 0, start_bytes: int = 0, top: in
         ys.append(cur)
         if cur > peak:
             peak, peak_i, at_peak = cur, len(ys) - 1, dict(live)
-    holders: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for size, site in at_peak.values():
-        holders[site][0] += size
-        holders[site][1] += 1
-    rank = lambda d: [{"site": s, "bytes": b, "count": n}  # noqa: E731
-                      for s, (b, n) in sorted(d.items(), key=lambda kv: -kv[1][0])[:top]]
+
+    def rank(pairs) -> list[dict]:  # (bytes, site) pairs -> the ``top`` sites by bytes, with their counts
+        by_site: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        for size, site in pairs:
+            by_site[site][0] += size
+            by_site[site][1] += 1
+        ranked = sorted(by_site.items(), key=lambda kv: -kv[1][0])[:top]
+        return [{"site": s, "bytes": b, "count": n} for s, (b, n) in ranked]
     return {"t": ts, "bytes": ys, "time_unit": "ms" if t0 is not None else "event", "peak_bytes": peak,
-            "peak_index": peak_i, "top_at_peak": rank(holders), "top_allocated": rank(allocated_by_site),
+            "peak_index": peak_i, "top_at_peak": rank(at_peak.values()), "top_allocated": rank(allocs),
             "events": len(ys)}
 
 

@@ -109,9 +109,8 @@ def _measured(c, name: str, runs: MeasuredRuns, **run_kw) -> tuple[dict, dict]:
     """``lu.run`` one config (an OOM is a row): ``(row, estimate)``, the row with status, measured peak, the estimate
     on the same basis, throughput, device, weights and error. A run that fit goes into ``runs``."""
     res = run(c, desc=name, verbose=False, **run_kw)
-    e = est.estimate_memory(c, device=runs.device.type)
-    if res.ok:
-        runs.record(name, c, res.peak_memory_bytes, res.memory["start_bytes"])
+    e = (runs.record(name, c, res.peak_memory_bytes, res.memory["start_bytes"]) if res.ok else
+         est.estimate_memory(c, device=runs.device.type))
     return {"status": res.status, "peak (GiB)": gib(res.peak_memory_bytes) if res.ok else None,
             "estimate (GiB)": gib(runs.estimate_for(res, e)), "target tokens/s": res.target_tokens_per_second,
             "timed steps": res.timed_steps, "mfu": res.mfu, "device": res.env.get("gpu_name") or res.env.get("device"),

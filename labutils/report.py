@@ -93,10 +93,6 @@ def results_shape_error(data) -> str | None:
     return None
 
 
-def _gib(n) -> str:
-    return f"{n / 2**30:.1f} GiB"
-
-
 def hardware_line(env: dict) -> str:
     """One line: the GPU a run used (memory, cap, compute capability, driver, CUDA), or the CPU when none."""
     gpu = env.get("gpu") or {}
@@ -106,8 +102,8 @@ def hardware_line(env: dict) -> str:
     total, budget = gpu.get("total_memory_bytes"), gpu.get("budget_bytes")
     if total:
         cap = env.get("gpu_memory_budget_gb") or (budget or 0) / 2**30
-        parts += [_gib(total), f"capped to {_gib(budget)} (`--gpu-memory-gb {cap:g}`)" if budget and budget < total
-                  else "no memory cap"]
+        parts += [f"{total / 2**30:.1f} GiB", f"capped to {budget / 2**30:.1f} GiB (`--gpu-memory-gb {cap:g}`)"
+                  if budget and budget < total else "no memory cap"]
     parts += [f"{word} {gpu[key]}" for key, word in (("compute_capability", "compute capability"),
                                                      ("driver", "driver"), ("cuda", "CUDA")) if gpu.get(key)]
     return ", ".join(str(p) for p in parts)
@@ -148,10 +144,8 @@ def render_lab(data: dict, figure_prefix: str = "", *, readme: bool = False) -> 
     for name, rows in (data.get("tables") or {}).items():  # structured cells (a row's config) stay in the JSON
         columns = [c for c in (rows[0] if rows else {}) if not any(isinstance(r.get(c), (dict, list)) for r in rows)]
         lines += [f"*{name}*", "", format_table(rows, columns or None), ""]
-    for key, value in (data.get("notes") or {}).items():
-        lines.append(f"- {key}: {value}")
     if data.get("notes"):
-        lines.append("")
+        lines += [f"- {key}: {value}" for key, value in data["notes"].items()] + [""]
     for fig in data.get("figures") or []:
         lines.append(f"![{Path(fig).stem}]({figure_prefix}{fig})")
     return "\n".join(lines).rstrip() + "\n"
@@ -185,15 +179,12 @@ def render_results(results: dict[str, dict]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def readme_blocks(results: dict[str, dict], figure_prefix: str = f"{RESULTS_DIR.as_posix()}/") -> tuple[dict[str, str], list[str]]:
+def readme_blocks(results: dict[str, dict],
+                  figure_prefix: str = f"{RESULTS_DIR.as_posix()}/") -> tuple[dict[str, str], list[str]]:
     """({lab: block} for the full-run results, [labs refused because they are not full-run results])."""
-    blocks, refused = {}, []
-    for lab, data in sorted(results.items()):
-        if data.get("mode") == "full":
-            blocks[lab] = render_lab(data, figure_prefix, readme=True)
-        else:
-            refused.append(lab)
-    return blocks, refused
+    blocks = {lab: render_lab(data, figure_prefix, readme=True) for lab, data in sorted(results.items())
+              if data.get("mode") == "full"}
+    return blocks, [lab for lab in sorted(results) if lab not in blocks]
 
 
 _MARKER = re.compile(r"<!-- (/?)results:(\d+) -->")

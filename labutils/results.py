@@ -44,17 +44,6 @@ def _nearest_existing(path: Path) -> Path:
     return p
 
 
-def _probe_writable(folder: Path) -> str | None:
-    """Why files cannot be created in ``folder`` (None when they can): tried, not guessed from the mode bits."""
-    try:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".write-check-", suffix=".tmp")
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    os.close(fd)
-    os.unlink(tmp)
-    return None
-
-
 def _tracked(path: Path) -> bool:
     """Is ``path`` (inside the repository) a file git tracks? Without git: any existing file there counts."""
     try:
@@ -104,12 +93,16 @@ def check_output_file(path, option: str = "--json", inputs: dict | None = None) 
 
 
 def _check_creatable(where: str, base: Path, what: str) -> None:
-    """``base`` (the nearest existing ancestor) must be a folder this process can create files in."""
+    """``base`` (the nearest existing ancestor) must be a folder this process can create files in: tried, not
+    guessed from the mode bits."""
     if not base.is_dir():
         raise OutputPathError(f"{where}: {shown_path(base)} is a file, so {what} can be created under it")
-    why = _probe_writable(base)
-    if why:
-        raise OutputPathError(f"{where}: cannot create files in {shown_path(base)} ({why})")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=base, prefix=".write-check-", suffix=".tmp")
+    except OSError as exc:
+        raise OutputPathError(f"{where}: cannot create files in {shown_path(base)} ({exc.strerror or exc})") from None
+    os.close(fd)
+    os.unlink(tmp)
 
 
 def check_output_dir(path: str | os.PathLike, option: str = "--out") -> Path:
@@ -131,17 +124,6 @@ def shown_path(path) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
-def replace_mode(tmp: str | os.PathLike, target: str | os.PathLike) -> None:
-    """Give a temp file (mkstemp makes them 0600) the mode ``target`` has, or a new file's (0666 minus umask)."""
-    try:
-        mode = stat.S_IMODE(os.stat(target).st_mode)
-    except FileNotFoundError:
-        umask = os.umask(0)
-        os.umask(umask)
-        mode = 0o666 & ~umask
-    os.chmod(tmp, mode)
-
-
 def write_json(path: str | os.PathLike, data) -> None:
     """Write strict JSON (NaN and infinities as null, numpy/torch scalars as numbers) as :func:`write_keeping_file`
     does: atomically, through a link, never half a file."""
@@ -157,7 +139,13 @@ def write_atomic(path: Path, data) -> None:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             data(f) if callable(data) else f.write(data)
-        replace_mode(tmp, path)
+        try:  # the temp file (mkstemp makes them 0600) takes the mode the file had, or a new file's
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+        except FileNotFoundError:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except OSError as exc:
         why = exc.strerror or str(exc)
@@ -379,14 +367,6 @@ def show_table(rows: list[dict], columns: list[str] | None = None, *, adapt_unit
     print(text)
 
 
-SMOKE_BANNER = ("SMOKE MODE: a tiny GPT-2 for a few steps, on the CPU. Every number this notebook prints only shows "
-                "that the code runs: none is a GPU result, and nothing is extrapolated to GPU sizes or cards. Run it "
-                "on a CUDA GPU (without LAB_SMOKE=1) for the real measurements.")
-SMOKE_BANNER_GPU = ("SMOKE MODE (LAB_SMOKE=1): a tiny GPT-2 for a few steps, on this GPU. Every number this notebook "
-                    "prints only shows that the code runs: none is a result for GPT-2's sizes, and nothing is "
-                    "extrapolated to them. Run it without LAB_SMOKE=1 for the real measurements.")
-
-
 def mode_banner(mode: str) -> str:
     """The one banner a notebook's setup cell prints in smoke mode (instead of a tag on every line); "" when full.
     Smoke on a CUDA machine (LAB_SMOKE=1) runs on the GPU, and says so."""
@@ -394,5 +374,10 @@ def mode_banner(mode: str) -> str:
         return ""
     from . import device as dev
 
-    rule = "=" * 100
-    return f"{rule}\n{SMOKE_BANNER_GPU if dev.cuda_available() else SMOKE_BANNER}\n{rule}"
+    gpu = dev.cuda_available()
+    text = (f"SMOKE MODE{' (LAB_SMOKE=1)' if gpu else ''}: a tiny GPT-2 for a few steps, on "
+            f"{'this GPU' if gpu else 'the CPU'}. Every number this notebook prints only shows that the code runs: "
+            + ("none is a result for GPT-2's sizes, and nothing is extrapolated to them. Run it without LAB_SMOKE=1"
+               if gpu else "none is a GPU result, and nothing is extrapolated to GPU sizes or cards. Run it on a "
+               "CUDA GPU (without LAB_SMOKE=1)") + " for the real measurements.")
+    return f"{'=' * 100}\n{text}\n{'=' * 100}"

@@ -1,18 +1,8 @@
 """The one rule that turns a run's numbers into a verdict: ``holds | partly | does not hold | not measured | not
-judged | not decided``, with a ``why`` computed from the same numbers. The claims it judges (C1-C7) are in
-:mod:`labutils.claims`.
-
-A claim is one or more :class:`Quantity` (what is measured, its unit, which direction is good, the claimed range,
-the verdict's thresholds, what a run needs before it is judged). The threshold rule is sign-aware: a *benefit*
-(``better="higher"``) holds at or above ``holds_at`` and partly at or above ``partly_at``; a *cost*
-(``better="lower"``) holds at or below ``holds_at`` and partly up to ``partly_at``; a *target* (``better="within"``)
-holds inside ``holds_at=(lo, hi)`` and partly inside ``partly_at``. A batch sweep is listed beside the value shown
-as context; the verdict is that of the value shown.
-
-Before the rule is applied, each quantity's :class:`Evidence` is checked against its needs (:data:`NEEDS`; a speed
-quantity always needs a GPU and >= :data:`MIN_TIMED_STEPS` timed steps): an unmet need gives ``not judged`` with the
-reason and the value measured beside it; a value whose noise is as large as its effect, or whose noise range crosses
-a bound, gives ``not decided``. Several quantities combine in :func:`summarise`.
+judged | not decided``, with a ``why`` computed from the same numbers (the claims C1-C7 are in
+:mod:`labutils.claims`). A claim is one or more :class:`Quantity`, judged by sign-aware thresholds
+(:meth:`Quantity.judge`) once its :class:`Evidence` meets its :data:`NEEDS` (else ``not judged``, the value shown
+beside the reason) and its noise cannot change the verdict (else ``not decided``); :func:`summarise` combines them.
 """
 from __future__ import annotations
 
@@ -74,7 +64,8 @@ def _need_timed_steps(q, ev: Evidence) -> str | None:
     if n is None:
         return "the run does not say how many timed steps stand behind it"
     if n < MIN_TIMED_STEPS:
-        return f"only {n} timed step{'s' if n != 1 else ''} per run (a timed comparison needs >= {MIN_TIMED_STEPS} after warm-up)"
+        return (f"only {n} timed step{'s' if n != 1 else ''} per run (a timed comparison needs >= {MIN_TIMED_STEPS} "
+                "after warm-up)")
     return None
 
 
@@ -114,8 +105,8 @@ def _need_full_model(q, ev: Evidence) -> str | None:
             f"are a large part of its peak{share}, so a memory ratio does not carry over to GPT-2 on a GPU")
 
 
-NEEDS = {"gpu": _need_gpu, "full_model": _need_full_model, "timed_steps": _need_timed_steps, "batch_sweep": _need_batch_sweep,
-         "layers": _need_layers, "same_micro_batch": _need_same_micro_batch}
+NEEDS = {"gpu": _need_gpu, "full_model": _need_full_model, "timed_steps": _need_timed_steps,
+         "batch_sweep": _need_batch_sweep, "layers": _need_layers, "same_micro_batch": _need_same_micro_batch}
 SPEED_NEEDS = ("gpu", "timed_steps")
 
 
@@ -186,8 +177,9 @@ class Quantity:
 
     def requirement(self) -> str:
         """What a run needs before this quantity is judged, in words (shown with the claim's expectations)."""
-        words = {"gpu": "a GPU", "full_model": "a full-mode run (not the tiny smoke model)", "timed_steps": f">= {MIN_TIMED_STEPS} timed steps", "batch_sweep":
-                 "a batch sweep", "layers": f">= {MIN_LAYERS} layers", "same_micro_batch": "equal micro-batches"}
+        words = {"gpu": "a GPU", "full_model": "a full-mode run (not the tiny smoke model)",
+                 "timed_steps": f">= {MIN_TIMED_STEPS} timed steps", "batch_sweep": "a batch sweep",
+                 "layers": f">= {MIN_LAYERS} layers", "same_micro_batch": "equal micro-batches"}
         return ", ".join(words[n] for n in self.all_needs())
 
     def unmet(self, ev: Evidence) -> str | None:
@@ -203,13 +195,6 @@ class Quantity:
                     f"even a technique that removed everything else could save at most {1 - ev.state_share:.0%}, "
                     f"below the {self.fmt(self.partly_at)} that 'partly' needs: this run could not show the claim")
         return None
-
-    def effect(self, v: float) -> float:
-        """How far ``v`` is from "no change" in its own units (0 % or 1x): compared with the noise."""
-        return abs(v - 1) if self.unit == "x" else abs(v)
-
-    def fmt_spread(self, s: float) -> str:
-        return f"+-{100 * s:.0f} %" if self.unit in ("%", "x") else f"+-{s:.3g}"
 
     def fmt(self, v: float | None) -> str:
         if v is None:
@@ -273,9 +258,10 @@ def judge_quantity(q: Quantity, v, ev: Evidence | None) -> tuple[str, str]:
                 f"on {ev.hardware}" if ev.hardware and q.kind == "speed" else "")
             return NOT_JUDGED, (f"{q.label} not judged: {why}; this run measured {q.fmt(v)}"
                                 + (f" {where}" if where else "") + " (shown, not judged)")
-        if ev.spread is not None and ev.spread >= q.effect(v):
-            return NOT_DECIDED, (f"{q.label} {q.fmt(v)}: not decided (noise {q.fmt_spread(ev.spread)} is as large "
-                                 f"as the effect)")
+        effect = abs(v - 1) if q.unit == "x" else abs(v)  # how far from "no change" (0 % or 1x)
+        if ev.spread is not None and ev.spread >= effect:
+            noise = f"+-{100 * ev.spread:.0f} %" if q.unit in ("%", "x") else f"+-{ev.spread:.3g}"
+            return NOT_DECIDED, f"{q.label} {q.fmt(v)}: not decided (noise {noise} is as large as the effect)"
         if ev.spread and q.judge(v - ev.spread) != q.judge(v + ev.spread):  # the noise range crosses a bound
             return NOT_DECIDED, (f"{q.label} {q.fmt(v)}: not decided (its noise range, {q.fmt(v - ev.spread)} to "
                                  f"{q.fmt(v + ev.spread)}, crosses a bound of the claim: {q.rule()})")
