@@ -3,7 +3,7 @@
     python -m labutils regenerate                       # full run on a GPU: results/ and README.md
     python -m labutils regenerate --smoke --only 03     # does lab 03 still run? results in a temp folder
     python -m labutils regenerate --gpu-memory-gb 0     # no cap: use the whole card
-    python -m labutils regenerate --rehearse --bench 1  # make gpu-results' whole path at smoke sizes, into a temp folder
+    python -m labutils regenerate --rehearse --bench 1  # make gpu-results' whole path at smoke sizes, in a temp dir
 
 Each notebook runs top to bottom in its own fresh kernel (so one lab's CUDA memory never leaks into the next,
 and ``LAB_GPU_MEMORY_GB`` is applied to a clean process), with the notebook's own folder as working directory and
@@ -14,9 +14,10 @@ whose notebook fell back to smoke (no GPU after all) never lands smoke numbers i
 
 Executed copies (with outputs and tracebacks) go to ``<out>/executed/``, a lab's traces and snapshots to
 ``<out>/artifacts/<lab>/`` (``LAB_ARTIFACTS_DIR``); the repository's notebooks are only read, and a smoke run with
-``--out`` outside the repository leaves its working tree, ignored files included, as it was. Running one notebook (fresh kernel, signals, timeouts) is :mod:`labutils.notebook_runner`; rendering the
-results into ``README-results.md`` and the README's marked sections is :mod:`labutils.report`. This module runs
-the labs in turn, keeps what they record, and is the command line.
+``--out`` outside the repository leaves its working tree, ignored files included, as it was. Running one notebook
+(fresh kernel, signals, timeouts) is :mod:`labutils.notebook_runner`; rendering the results into
+``README-results.md`` and the README's marked sections is :mod:`labutils.report`. This module runs the labs in
+turn, keeps what they record, and is the command line.
 
 Nothing a user types loses work: bad options, an --out that cannot be written, a corrupt results file or broken
 README markers are refused (exit 2, one line) before any notebook runs. Results are keyed by the notebook that
@@ -52,7 +53,8 @@ def find_notebooks(folder: str | os.PathLike, only: str | list[str] | None = Non
     labs = {lab_id(nb.stem): nb for nb in notebooks}
     if len(labs) < len(notebooks):
         ids = [lab_id(nb.stem) for nb in notebooks]
-        raise ValueError(f"{folder}: several notebooks for lab {', '.join(sorted({i for i in ids if ids.count(i) > 1}))}"
+        twice = ", ".join(sorted({i for i in ids if ids.count(i) > 1}))
+        raise ValueError(f"{folder}: several notebooks for lab {twice}"
                          "; results are keyed by lab number, so keep one notebook per NN-")
     if only is None:
         return notebooks
@@ -291,7 +293,9 @@ def run_doctor_first(out: Path, gpu_memory_gb: float | None, smoke_sizes: bool =
     cap): a real finding, printed here again, but the labs do not need the fast path. Any other failure, or a
     doctor without a readable report, stops them."""
     out.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k != "LAB_GPU_MEMORY_GB"} | ({"LAB_SMOKE": "1"} if smoke_sizes else {})
+    env = {k: v for k, v in os.environ.items() if k != "LAB_GPU_MEMORY_GB"}
+    if smoke_sizes:
+        env["LAB_SMOKE"] = "1"
     if gpu_memory_gb:
         env["LAB_GPU_MEMORY_GB"] = f"{gpu_memory_gb:g}"
     print("regenerate: checking this machine first (python -m labutils doctor)", flush=True)
@@ -323,7 +327,7 @@ def run_bench(out: Path, repeats: int, env: dict | None = None, overrides: list[
     """``python -m labutils bench configs/fast_config.yaml --repeats N --json <out>/bench.json`` (``--bench N``): the
     fast path and the reference side by side on this card, after the labs (a command stopped at its time limit
     loses the bench, not the labs). Its verdict is printed, never a gate. Returns seconds. A rehearsal passes
-    ``train.compile=false`` in ``overrides`` (it checks the path, not the compiler: compiling on a CPU takes minutes)."""
+    ``train.compile=false`` in ``overrides`` (it checks the path, not the compiler: a CPU compiles for minutes)."""
     t0 = time.perf_counter()
     cmd = ["bench", "configs/fast_config.yaml", "--repeats", str(repeats), "--json", str(out / "bench.json")]
     cmd += ["--set", *overrides] if overrides else []

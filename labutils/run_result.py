@@ -19,10 +19,10 @@ RUN_LOG: list[dict] = []
 
 
 def log_run(result: "RunResult", cfg: Config, desc: str | None) -> None:
-    t, steps = cfg.train, len(result.losses)
+    t, steps, per_step = cfg.train, len(result.losses), result.executed_flops_per_step
     RUN_LOG.append({"desc": desc, "model": cfg.model.name, "precision": t.precision, "micro_batch_size":
                     t.micro_batch_size, "accumulation_steps": t.accumulation_steps, "steps": steps,
-                    "executed_flops": result.executed_flops_per_step * steps if result.executed_flops_per_step else None,
+                    "executed_flops": steps * per_step if per_step else None,
                     "seconds": sum(result.step_times) + result.untimed_seconds,
                     "config": {f"{s}.{k}": v for s, d in cfg.to_dict().items() for k, v in d.items()}})
 

@@ -37,16 +37,17 @@ GOAL_S = 8 * 60            # the whole course (doctor + four labs) within one de
 COMMAND_S = 10 * 60        # one command on a lent GPU (regenerate, then bench) stops here
 
 
-def run_cost(cfg, gpu_name: str | None, device: str = "cuda", loads: bool = True, card_bytes: int | None = None) -> dict:
+def run_cost(cfg, gpu_name: str | None, device: str = "cuda", loads: bool = True, card_bytes: int | None = None):
     """FLOPs and predicted seconds of ``lu.run(cfg)`` on ``gpu_name`` (``device="cpu"``: the FLOPs a CPU run counts,
     no fused attention, for checking against a smoke run's own counts; its seconds mean nothing). ``loads``: the run
-    builds its model (``lu.run``); False for a run on a model already loaded (lab 03's scans and sweeps). ``card_bytes``:
+    builds its model (``lu.run``); False for a run on a model already loaded (lab 03's scans, sweeps). ``card_bytes``:
     the memory cap the run is under; one the estimator says does not fit stops in its first step (an "oom" row)."""
     t, m, d = cfg.train, cfg.model, cfg.data
     fused = device == "cuda" and m.attn_implementation in ("sdpa", "sdpa_causal")
     per_token = flops_per_token(m.name, d.seq_length, recompute=t.gradient_checkpointing,
                                 every_n_layers=t.checkpoint_every_n_layers, dropout=m.dropout is None or m.dropout > 0,
-                                fused_attention=fused, causal_skip=fused and (d.pack or m.attn_implementation == "sdpa_causal"),
+                                fused_attention=fused,
+                                causal_skip=fused and (d.pack or m.attn_implementation == "sdpa_causal"),
                                 vocab=padded_vocab_size(vocab_size(m.name), m.pad_vocab_to))
     step_flops = per_token * t.micro_batch_size * t.accumulation_steps * d.seq_length
     precision = t.precision
@@ -105,7 +106,8 @@ def _lab02(mode: str, device: str) -> list:
     cfg = cfg.override({"train.precision": amp})
     check = {"train.micro_batch_size": 2, "train.accumulation_steps": 4, "model.dropout": 0.0,
              "train.steps": min(cfg.train.steps, 2)}
-    runs = [(f"train_step check {p}", cfg.override({**check, "train.precision": p})) for p in dict.fromkeys([amp, "fp16"])]
+    runs = [(f"train_step check {p}", cfg.override({**check, "train.precision": p}))
+            for p in dict.fromkeys([amp, "fp16"])]
     runs += [(f"2 x {k}", cfg.override({"train.micro_batch_size": 2, "train.accumulation_steps": k}))
              for k in (1, 4, 8, 16)]
     runs += [(f"{m} x {32 // m}", cfg.override({"train.micro_batch_size": m, "train.accumulation_steps": 32 // m}))
@@ -133,7 +135,8 @@ def _lab03(mode: str, device: str) -> list:
     B, L = cfg.train.micro_batch_size, PRESETS[cfg.model.name][0]
     pair_steps = max(cfg.train.steps, cfg.train.timing_warmup_steps + 10) if device == "cuda" else cfg.train.steps
     ck = {"train.gradient_checkpointing": True}
-    runs = [(f"pair {b} {on}", cfg.override({"train.micro_batch_size": b, "train.steps": pair_steps, **(ck if on else {})}))
+    runs = [(f"pair {b} {on}", cfg.override({"train.micro_batch_size": b, "train.steps": pair_steps,
+                                              **(ck if on else {})}))
             for b in sorted({1, B}) for on in (False, True)]
     runs += [(f"scale model {i}", cfg.override(o)) for i, o in enumerate(
         [{"train.micro_batch_size": 1}, {"train.micro_batch_size": B}, {"train.micro_batch_size": B, **ck}])]
@@ -152,7 +155,8 @@ def _lab03(mode: str, device: str) -> list:
     runs += [(name, cfg.override(o)) for name, o in (
         ("mixed", {"train.precision": mixed}), ("mixed + ckpt", {"train.precision": mixed, **ck}),
         ("accumulation", {"train.micro_batch_size": 1, "train.accumulation_steps": B}),
-        ("all", {"train.precision": mixed, **ck, "train.micro_batch_size": half, "train.accumulation_steps": B // half}))]
+        ("all", {"train.precision": mixed, **ck, "train.micro_batch_size": half,
+                 "train.accumulation_steps": B // half}))]
     return runs
 
 
@@ -163,7 +167,8 @@ def _lab04(mode: str, device: str) -> list:
     amp = "bf16" if device == "cuda" else "fp16"  # lab 04's choice: BF16 where native, else FP16
     mp, ck = {"train.precision": amp}, {"train.gradient_checkpointing": True}
     acc = {"train.micro_batch_size": tech.train.micro_batch_size // 2, "train.accumulation_steps": 2}
-    runs = [(f"sweep {b}", cfg.override({"train.micro_batch_size": b, "train.steps": 2, "train.timing_warmup_steps": 1}))
+    sweep = {"train.steps": 2, "train.timing_warmup_steps": 1}
+    runs = [(f"sweep {b}", cfg.override({"train.micro_batch_size": b, **sweep}))
             for b in (1, 2, 4, 8, 16)]
     runs += [(name, tech.override(o)) for name, o in (("baseline", {}), ("mp", mp), ("ckpt", ck), ("acc", acc),
                                                       ("mp+ckpt", {**mp, **ck}), ("all", {**mp, **ck, **acc}))]
@@ -227,7 +232,8 @@ def plan_lines(plan: dict) -> list[str]:
     if plan.get("bench"):
         b = plan["bench"]
         both = total + b["seconds"]
-        lines.append(f"  then bench          {b['seconds']:6.0f} s  ({b['runs']} runs, a compiled one {RECOMPILE_S:.0f} s more): "
+        lines.append(f"  then bench          {b['seconds']:6.0f} s  ({b['runs']} runs, a compiled one "
+                     f"{RECOMPILE_S:.0f} s more): "
                      f"{both / 60:.1f} min in all, {'within' if both <= COMMAND_S else 'OVER'} one "
                      f"{COMMAND_S / 60:.0f}-minute command")
     return lines
