@@ -391,7 +391,7 @@ def cli_regenerate(args) -> int:
     out = (Path(args.out).expanduser().resolve() if args.out else None if smoke or rehearse or args.plan
            else results_default / card_folder(gpu) if gpu else results_default)
     if (smoke or rehearse) and out and (out == results_default or results_default in out.parents):
-        return _refuse(f"--{'smoke' if smoke else 'rehearse'} --out {args.out}: smoke-sized results never go into "
+        return _refuse(f"--{'smoke' if smoke else 'rehearse'} --out {args.out}: smoke results never go into "
                        f"{RESULTS_DIR}/ (use a temporary folder, or leave --out out)")
     if out == REPO_ROOT:
         return _refuse(f"--out {args.out}: not the repository root (the results would litter it); use "

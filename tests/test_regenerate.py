@@ -276,11 +276,16 @@ def test_full_run_updates_readme_between_markers(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ CLI guards
+@pytest.mark.parametrize("kind", ["--smoke", "--rehearse"])
 @pytest.mark.parametrize("out", ["results", "results/sub", str(REPO / "results")])
-def test_smoke_never_writes_results(out, capsys, monkeypatch):
+def test_smoke_never_writes_results(out, kind, capsys, monkeypatch):
+    """Neither a smoke run nor a rehearsal (the GPU command at smoke sizes) writes into results/; a rehearsal with
+    --smoke is refused too. Breaks if smoke-sized numbers could land beside a GPU's."""
     monkeypatch.chdir(REPO)
-    assert cli.main(["regenerate", "--smoke", "--out", out]) == 2
+    assert cli.main(["regenerate", kind, "--out", out]) == 2
     assert "smoke results never go into results/" in capsys.readouterr().err
+    assert cli.main(["regenerate", "--smoke", "--rehearse", "--out", out]) == 2
+    assert "--rehearse already runs smoke sizes" in capsys.readouterr().err
 
 
 def test_cli_usage_errors(capsys, monkeypatch):
