@@ -87,16 +87,8 @@ def compiled_bytes(step) -> tuple[int, list[int]]:
         torch._dynamo.reset()
 
 
-@INDUCTOR  # on one worker with the other compiling tests (tests/conftest.py)
-@TORCH_INTERNAL
-def test_compiled_traffic_of_the_fast_model_equals_the_reference():
-    """One compiled BF16-autocast forward + backward of the fast model (transformers' GPT-2 with the fast keys)
-    and of the reference with its weights, B4 x T512 on the tiny model: inductor's byte counts within 1 %.
-    Breaks if the padded vocabulary went back to an in-place write into the logits (a forward hook: measured
-    +2.3 % here, a full copy of the logits forward and of their gradient backward), or anything else made the
-    course's compiled step move more than the nanoGPT-style one."""
-    hf = load_model(tiny().model).model
-    ref = R.from_hf(hf)
+def compiled_steps(hf, ref):
+    """One compiled BF16-autocast forward + backward, B4 x T512, of the course's model and of the reference."""
     ids = torch.randint(0, 257, (4, 512), generator=torch.Generator().manual_seed(1))
     targets = R.shift_labels(ids)
 
@@ -109,6 +101,19 @@ def test_compiled_traffic_of_the_fast_model_equals_the_reference():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             _, loss = torch.compile(ref)(ids, targets)
         loss.backward()
+    return course, reference
+
+
+@INDUCTOR  # on one worker with the other compiling tests (tests/conftest.py)
+@TORCH_INTERNAL
+def test_compiled_traffic_of_the_fast_model_equals_the_reference():
+    """One compiled BF16-autocast forward + backward of the fast model (transformers' GPT-2 with the fast keys)
+    and of the reference with its weights, B4 x T512 on the tiny model: inductor's byte counts within 1 %.
+    Breaks if the padded vocabulary went back to an in-place write into the logits (a forward hook: measured
+    +2.3 % here, a full copy of the logits forward and of their gradient backward), or anything else made the
+    course's compiled step move more than the nanoGPT-style one."""
+    hf = load_model(tiny().model).model
+    course, reference = compiled_steps(hf, R.from_hf(hf))
     ours, ours_graphs = compiled_bytes(course)
     theirs, their_graphs = compiled_bytes(reference)
     print(f"\ncompiled traffic, forward / backward (MB): fast model "
@@ -148,18 +153,7 @@ def test_compiled_chunked_loss_saves_no_logits_and_moves_the_references_bytes(mo
     hf = load_model(tiny(**{"model.loss": "chunked", "model.loss_chunk_size": 1024}).model).model
     ref = R.from_hf(hf)
     vocab = ref.lm_head.weight.shape[0]
-    ids = torch.randint(0, 257, (4, 512), generator=torch.Generator().manual_seed(1))
-    targets = R.shift_labels(ids)
-
-    def course():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = torch.compile(hf)(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-
-    def reference():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            _, loss = torch.compile(ref)(ids, targets)
-        loss.backward()
+    course, reference = compiled_steps(hf, ref)
     ours, ours_graphs = compiled_bytes(course)
     ours_saved = [shape for graph in saved for shape in graph]
     saved.clear()
