@@ -24,3 +24,16 @@ def step_axis(ax, label: str = "optimizer step"):
 def legend_outside(ax, **kwargs):
     """A legend to the right of the axes, where it covers no curve (for panels with no free corner)."""
     return ax.legend(bbox_to_anchor=(1.01, 1), loc="upper left", borderaxespad=0.0, **kwargs)
+
+
+def overlapping_legends(fig) -> list[str]:
+    """What a reader could not see on ``fig`` as drawn: a legend over another legend, or over a panel other than its
+    own (two legends side by side under the panels, or one set outside its panel onto the next)."""
+    fig.canvas.draw()
+    legends = [(ax, ax.get_legend()) for ax in fig.axes if ax.get_legend()] + [(None, lg) for lg in fig.legends]
+    boxes = [(own, lg.get_window_extent()) for own, lg in legends]
+    found = [f"legends {i + 1} and {j + 1} overlap" for i, (_, a) in enumerate(boxes)
+             for j, (_, b) in enumerate(boxes) if i < j and a.overlaps(b)]
+    return found + [f"legend {i + 1} covers panel {k + 1}" for i, (own, box) in enumerate(boxes)
+                    for k, ax in enumerate(fig.axes) if ax is not own and box.overlaps(ax.get_window_extent())
+                    and (own is None or ax.get_position().bounds != own.get_position().bounds)]  # a twin: its own

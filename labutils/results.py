@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .figures import overlapping_legends
+
 RESULTS_DIR = Path("results")
 SMOKE_DIR = Path(tempfile.gettempdir()) / "labutils-smoke"  # not the repository: smoke runs leave it unchanged
 ARTIFACTS_ENV = "LAB_ARTIFACTS_DIR"  # regenerate sets it to <out>/artifacts
@@ -237,6 +239,8 @@ def record_results(notebook: str, tables: dict[str, list[dict]], figures: dict |
     stem = Path(notebook).stem
     fig_paths = []
     for name, fig in (figures or {}).items():
+        for problem in overlapping_legends(fig):
+            print(f"warning: figure {name!r}: {problem}", file=sys.stderr)
         path = out / "figures" / f"{stem}-{name}.png"
         write_atomic(path, functools.partial(fig.savefig, format="png", dpi=110, bbox_inches="tight"))
         fig_paths.append(str(path.relative_to(out)))

@@ -1,5 +1,4 @@
-"""How long the instructors' full run takes on a card, predicted before it starts (``regenerate --plan``), and what
-it took afterwards, side by side.
+"""How long the instructors' full run takes on a card: predicted before it starts (``regenerate --plan``).
 
 A lab's cost is its training runs (:data:`LAB_RUNS`: the configs and overrides its cells train with ``lu.run`` /
 ``lu.train``, in full mode) plus a fresh kernel's fixed cost. One run costs ``steps x max(compute, host)``:
@@ -11,10 +10,9 @@ A lab's cost is its training runs (:data:`LAB_RUNS`: the configs and overrides i
   :data:`HOST_BLOCK_S` per transformer block and micro-batch (forward + backward), more under autocast (casts) and
   with checkpointing (the recompute launches again), plus :data:`HOST_STEP_S` per optimizer step.
 
-The constants are assumptions, set from the one full GPU run so far (an H200, torch 2.11, on 2026-11-26: GPT-2
-small at 8 x 256 tokens took 48.0 ms per FP32 step, 27.2 TF32, 35.8 FP16 and 38.1 BF16, its BF16 kernels busy 43 %
-of the step; the doctor 64 s of checks and 64 s compiling the fast path). Every full ``regenerate`` prints its
-prediction first and the lab's real time beside it at the end: that is how they are checked, and corrected.
+The constants are assumptions from the one full GPU run so far (an H200, torch 2.11, 2026-11-26, GPT-2 small at
+8 x 256 tokens: its step times are quoted beside them). Every full ``regenerate`` prints the prediction first and
+each part's real time beside it at the end (and in run.json): that is how they are checked, and corrected.
 """
 from __future__ import annotations
 
@@ -24,7 +22,7 @@ from .models import PRESETS, padded_vocab_size, vocab_size
 from .peaks import peak_tflops
 
 ACHIEVED = {"fp32": 0.5, "tf32": 0.3, "fp16": 0.25, "bf16": 0.25}  # share of the dense peak a GPT-2 step reaches
-HOST_BLOCK_S = 1.6e-3      # host seconds per block and micro-batch, forward + backward, FP32 (TF32 run: 27.2 ms)
+HOST_BLOCK_S = 1.6e-3      # host s per block and micro-batch, fwd + bwd (FP32 step 48.0 ms, TF32 27.2 ms)
 AUTOCAST_HOST = 1.5        # autocast's casts: more launches per block (BF16 run: 38.1 ms, host-bound)
 CHECKPOINT_HOST = 1.4      # a checkpointed block launches its forward twice
 HOST_STEP_S = 8e-3         # clipping + AdamW + zero_grad per optimizer step
@@ -66,14 +64,10 @@ def run_cost(cfg, gpu_name: str | None, device: str = "cuda", loads: bool = True
 
 
 # ------------------------------------------------------------------------------------- what each lab trains
-def _load(path: str, mode: str):
-    return load_config(path, mode=mode)
-
-
 def _lab01(mode: str, device: str) -> list:
     """Lab 01: the two-step check of amp_step against lu.train, the precisions (TF32 and BF16 on a GPU only), the
     batch sweep's points other than the config's own micro-batch, and fp16 again with the injected overflow."""
-    cfgs = {p: _load(f"configs/{p}_config.yaml", mode) for p in ("fp32", "fp16", "bf16")}
+    cfgs = {p: load_config(f"configs/{p}_config.yaml", mode=mode) for p in ("fp32", "fp16", "bf16")}
     if mode == "smoke":
         cfgs = {p: c.override({"train.steps": 24, "train.timing_warmup_steps": 4}) for p, c in cfgs.items()}
     gpu = device == "cuda"
@@ -81,27 +75,27 @@ def _lab01(mode: str, device: str) -> list:
     runs = [("amp_step check", cfgs["fp16"].override({"train.steps": min(2, cfgs["fp16"].train.steps)}))]
     runs += [(p, cfgs["fp32"].override({"train.precision": p}) if p == "tf32" else cfgs[p])
              for p in ("fp32", "tf32", "fp16", "bf16") if gpu or p in ("fp32", "fp16")]
-    b = _load("configs/fp32_config.yaml", "full").train.micro_batch_size
+    b = load_config("configs/fp32_config.yaml", mode="full").train.micro_batch_size
     runs += [(f"{p} x {m}", cfgs[p].override({"train.micro_batch_size": m, "train.steps": 12,
                                               "train.timing_warmup_steps": min(cfgs[p].train.timing_warmup_steps, 11)}))
              for p in ("fp32", amp) for m in (1, b, 2 * b) if m != cfgs[p].train.micro_batch_size]
     return runs + [("fp16 + injected overflow", cfgs["fp16"])]
 
 
-def _largest_split(full_cfg, target: int = 32) -> int:
-    """Lab 02's largest micro-batch of the B = 32 split that fits an 8 GB card (the estimator's answer; smoke's
-    budget is a scale model of that card, so it finds the same one)."""
+def _largest_split(target: int = 32) -> int:
+    """Lab 02's largest micro-batch of the B = 32 split (BF16) that fits an 8 GB card (the estimator's answer;
+    smoke's budget is a scale model of that card, so it finds the same one)."""
     from .cards import card_total_bytes
     from .estimate import estimate_memory, fits
 
-    card = card_total_bytes(8)[0]
+    full_cfg, card = load_config("configs/lab02_accumulation.yaml", mode="full"), card_total_bytes(8)[0]
     return max(m for m in (2, 4, 8, 16, 32) if m == 2 or fits(estimate_memory(full_cfg.override(
-        {"train.micro_batch_size": m, "train.accumulation_steps": target // m})), card))
+        {"train.micro_batch_size": m, "train.accumulation_steps": target // m, "train.precision": "bf16"})), card))
 
 
 def _lab02(mode: str, device: str) -> list:
     """Lab 02: the two train_step checks, the micro-batch 2 sweep, the split of B = 32, the learning-rate runs."""
-    cfg = _load("configs/lab02_accumulation.yaml", mode)
+    cfg = load_config("configs/lab02_accumulation.yaml", mode=mode)
     amp = "bf16" if device == "cuda" else "fp32"  # CPU runs train in fp32 (emulated autocast is slow)
     cfg = cfg.override({"train.precision": amp})
     check = {"train.micro_batch_size": 2, "train.accumulation_steps": 4, "model.dropout": 0.0,
@@ -115,7 +109,7 @@ def _lab02(mode: str, device: str) -> list:
     ratio, w0, s0 = 4, cfg.train.warmup_steps, cfg.train.steps
     w1 = max(2, round(w0 / ratio))
     s1 = max(w1, s0 // ratio)
-    m_big = _largest_split(_load("configs/lab02_accumulation.yaml", "full").override({"train.precision": "bf16"}))
+    m_big = _largest_split()
     def lr(B, steps, warmup):
         m = min(m_big, B)
         return cfg.override({"train.micro_batch_size": m, "train.accumulation_steps": B // m, "train.steps": steps,
@@ -131,7 +125,7 @@ def _lab03(mode: str, device: str) -> list:
     from .cards import card_total_bytes
     from .estimate import largest_batch
 
-    cfg = _load("configs/lab03_checkpointing.yaml", mode)
+    cfg = load_config("configs/lab03_checkpointing.yaml", mode=mode)
     B, L = cfg.train.micro_batch_size, PRESETS[cfg.model.name][0]
     pair_steps = max(cfg.train.steps, cfg.train.timing_warmup_steps + 10) if device == "cuda" else cfg.train.steps
     ck = {"train.gradient_checkpointing": True}
@@ -143,7 +137,7 @@ def _lab03(mode: str, device: str) -> list:
     card = card_total_bytes(8)[0]
     probe = cfg.override({"train.steps": 2, "train.timing_warmup_steps": min(cfg.train.timing_warmup_steps, 1)})
     for on in (False, True):
-        last = min(4 * B, largest_batch(_load("configs/lab03_checkpointing.yaml", "full"), card,
+        last = min(4 * B, largest_batch(load_config("configs/lab03_checkpointing.yaml", mode="full"), card,
                                         checkpointing=on) + 1)
         runs += [(f"largest {on} {b}", probe.override({"train.micro_batch_size": b, **(ck if on else {})}), b == 1)
                  for b in range(1, last + 1)]  # one model per scan
@@ -162,8 +156,8 @@ def _lab03(mode: str, device: str) -> list:
 
 def _lab04(mode: str, device: str) -> list:
     """Lab 04: the batch sweep, the techniques of section 8, the full and chunked loss, one_loop against lu.train."""
-    cfg = _load("configs/lab04_profile.yaml", mode)
-    tech = _load("configs/lab04_techniques.yaml", mode)
+    cfg = load_config("configs/lab04_profile.yaml", mode=mode)
+    tech = load_config("configs/lab04_techniques.yaml", mode=mode)
     amp = "bf16" if device == "cuda" else "fp16"  # lab 04's choice: BF16 where native, else FP16
     mp, ck = {"train.precision": amp}, {"train.gradient_checkpointing": True}
     acc = {"train.micro_batch_size": tech.train.micro_batch_size // 2, "train.accumulation_steps": 2}

@@ -1,0 +1,71 @@
+"""Legends that hide something (the H200 run's every_k figure: two legends side by side below its panels, the right
+one over the other and off the figure). :func:`labutils.figures.overlapping_legends` measures the drawn figure
+(matplotlib's own window extents); ``record_results`` prints a warning for each problem, and no lab's figure may
+have one in the session's run."""
+import json
+
+import matplotlib
+import pytest
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+import labutils as lu  # noqa: E402
+from labutils.figures import legend_outside, overlapping_legends  # noqa: E402
+
+LABS = ("01", "02", "03", "04")
+
+
+def two_panels(labels=3):
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3))
+    for ax in axes:
+        for i in range(labels):
+            ax.plot([0, 1], [i, i + 1], label=f"a long series name {i}")
+    return fig, axes
+
+
+def test_a_legend_set_outside_onto_the_next_panel_is_found():
+    fig, (left, right) = two_panels()
+    legend_outside(left)
+    assert overlapping_legends(fig) == ["legend 1 covers panel 2"]
+    plt.close(fig)
+
+
+def test_two_figure_legends_over_each_other_are_found():
+    fig, ax = plt.subplots(figsize=(4, 3))
+    ax.plot([0, 1], [0, 1], label="x" * 40)
+    fig.legend(loc="lower left", bbox_to_anchor=(0, -0.2))
+    fig.legend(loc="lower left", bbox_to_anchor=(0.3, -0.2))
+    assert overlapping_legends(fig) == ["legends 1 and 2 overlap"]
+    plt.close(fig)
+
+
+def test_legends_in_their_own_panel_or_beside_the_last_one_pass():
+    fig, (left, right) = two_panels()
+    left.legend()
+    legend_outside(right)
+    twin = left.twinx()  # a twin axis shares its panel: a legend there is inside its own panel
+    twin.plot([0, 1], [1, 0], label="other scale")
+    twin.legend(loc="lower right")
+    assert overlapping_legends(fig) == []
+    plt.close(fig)
+
+
+def test_record_results_warns_of_a_hidden_legend(tmp_path, capsys):
+    fig, (left, right) = two_panels()
+    legend_outside(left)
+    lu.record_results("99-Layout", {"t": [{"a": 1}]}, {"bad": fig}, out_dir=tmp_path, mode="smoke")
+    assert "warning: figure 'bad': legend 1 covers panel 2" in capsys.readouterr().err
+    plt.close(fig)
+
+
+@pytest.mark.parametrize("lab", [pytest.param(lab, marks=pytest.mark.regen_labs(lab)) for lab in LABS])
+def test_no_lab_figure_hides_a_legend(lab):
+    """Every figure every lab records, drawn as saved: no warning from overlapping_legends in the executed copy."""
+    from tests import regen_once
+
+    run = regen_once.run_for([lab])
+    [executed] = (run.out / "executed").glob(f"{lab}-*.ipynb")
+    text = "".join(o.get("text", "") if isinstance(o.get("text", ""), str) else "".join(o["text"])
+                   for c in json.loads(executed.read_text())["cells"] for o in c.get("outputs", []))
+    assert "warning: figure" not in text, [line for line in text.splitlines() if "warning: figure" in line]
