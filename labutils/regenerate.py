@@ -323,15 +323,16 @@ def card_folder(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
 
 
-def run_bench(out: Path, repeats: int, env: dict | None = None, overrides: list[str] | None = None) -> float:
+def run_bench(out: Path, repeats: int, smoke_sizes: bool = False) -> float:
     """``python -m labutils bench configs/fast_config.yaml --repeats N --json <out>/bench.json`` (``--bench N``): the
     fast path and the reference side by side on this card, after the labs (a command stopped at its time limit
-    loses the bench, not the labs). Its verdict is printed, never a gate. Returns seconds. A rehearsal passes
-    ``train.compile=false`` in ``overrides`` (it checks the path, not the compiler: a CPU compiles for minutes)."""
+    loses the bench, not the labs). Its verdict is printed, never a gate. Returns seconds. A rehearsal
+    (``smoke_sizes``) runs LAB_SMOKE=1, ``train.compile=false``: the path, not the compiler (minutes on a CPU)."""
     t0 = time.perf_counter()
     cmd = ["bench", "configs/fast_config.yaml", "--repeats", str(repeats), "--json", str(out / "bench.json")]
-    cmd += ["--set", *overrides] if overrides else []
     print(f"regenerate: the fast path against the reference (python -m labutils {' '.join(cmd[:4])})", flush=True)
+    env = dict(os.environ, LAB_SMOKE="1") if smoke_sizes else None
+    cmd += ["--set", "train.compile=false"] if smoke_sizes else []
     code = subprocess.run([sys.executable, "-m", "labutils", *cmd], cwd=REPO_ROOT, env=env).returncode
     if code:
         print(f"regenerate: bench exited {code} (its output is above)", flush=True)
@@ -467,8 +468,7 @@ def cli_regenerate(args) -> int:
         return exc.exit_code
     actual.update({lab_id(o.stem): o.seconds for o in outcomes})
     if getattr(args, "bench", None):
-        actual["bench"] = run_bench(out, args.bench, *([dict(os.environ, LAB_SMOKE="1"), ["train.compile=false"]]
-                                                       if rehearse else []))
+        actual["bench"] = run_bench(out, args.bench, smoke_sizes=rehearse)
     if plan is not None and not rehearse:
         from .timeplan import against_actual
 
