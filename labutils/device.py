@@ -27,7 +27,7 @@ import torch
 
 from . import cards
 from .device_facts import (bf16_support, capability, compile_support, cuda_available, default_device,  # noqa: F401
-                           is_cuda, name, pin_memory_default, resolve, tf32_support)
+                           fp16_support, is_cuda, name, pin_memory_default, resolve, tf32_support)
 
 GiB = 2**30
 # Memory outside the caching allocator (CUDA context, cuBLAS/cuDNN handles and kernels) when it cannot be

@@ -58,6 +58,20 @@ def bf16_support(device=None) -> tuple[bool, str]:
                         f"{card} has no native BF16 (needs Ampere, 8.0, or newer)")
 
 
+def fp16_support(device=None) -> tuple[bool, str]:
+    """Whether ``device`` computes FP16 in hardware, and why. Every CUDA GPU does; a CPU only with AVX512-FP16 or
+    AMX-FP16 (oneDNN's own check). Elsewhere autocast's FP16 matmuls are emulated."""
+    if (torch.device(device) if device is not None else default_device()).type == "cuda":
+        return True, "CUDA GPUs compute FP16 in hardware (tensor cores from Volta, sm_70)"
+    native = False
+    with contextlib.suppress(Exception):  # absent from builds without oneDNN
+        native = bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    if native:
+        return True, "this CPU has native FP16 instructions (AVX512-FP16 / AMX-FP16)"
+    return False, ("this CPU has no FP16 arithmetic (no AVX512-FP16 / AMX-FP16): autocast's FP16 is emulated, each "
+                   "matmul converting to FP32 inside, far slower than FP32 itself")
+
+
 def tf32_support(device=None) -> tuple[bool, str]:
     device = resolve(device)
     if device.type != "cuda":

@@ -60,17 +60,6 @@ def stored(x: float, dtype: torch.dtype) -> float:
     return torch.tensor(x, dtype=torch.float64).to(dtype).item()
 
 
-def fp16_native(device) -> tuple[bool, str]:
-    """Whether ``device`` computes FP16 in hardware, and why, in words a student can read. Every CUDA GPU does; a
-    CPU only with AVX512-FP16 or AMX-FP16 (oneDNN's own check). Elsewhere autocast's FP16 matmuls are emulated."""
-    if torch.device(device).type == "cuda":
-        return True, "CUDA GPUs compute FP16 in hardware (tensor cores from Volta, sm_70)"
-    if torch.ops.mkldnn._is_mkldnn_fp16_supported():
-        return True, "this CPU has native FP16 instructions (AVX512-FP16 / AMX-FP16)"
-    return False, ("this CPU has no FP16 arithmetic (no AVX512-FP16 / AMX-FP16): autocast's FP16 is emulated, each "
-                   "matmul converting to FP32 inside, far slower than FP32 itself")
-
-
 def plot_bit_layouts(rows: list[dict]):
     """Horizontal bars: sign / exponent / mantissa bits of each format."""
     import matplotlib.pyplot as plt

@@ -7,6 +7,7 @@ import torch
 import labutils as lu
 import labutils.amp_speed_memory as am
 import labutils.claims as cl
+import labutils.device as dev
 import labutils.precision as lp
 from labutils.models import gpt2_config
 
@@ -137,10 +138,10 @@ def test_a_speed_up_inside_its_noise_is_not_decided_never_no_difference():
 def test_fp16_on_a_cpu_says_whether_it_is_emulated():
     """Issue 36: CPU FP16 ran 5x slower than FP32 and nothing said it was emulated. The oracle is oneDNN's own check
     of the CPU's FP16 instructions; breaks if the answer ignores it or the sentence under the comparison omits it."""
-    ok, why = lp.fp16_native("cpu")
+    ok, why = dev.fp16_support("cpu")
     assert ok == bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
     assert ("emulated" in why) != ok
-    assert lp.fp16_native("cuda")[0]
+    assert dev.fp16_support("cuda")[0]
     rows = [{"run": "fp32", "status": "ok", "final_loss": 3.0}, {"run": "fp16", "status": "ok", "final_loss": 3.01},
             {"run": "bf16", "status": "skipped", "final_loss": None}]
     line = am.speed_sentence(rows, "CPU timing, not a GPU result", {"fp16": "emulated here", "bf16": "emulated too"})
