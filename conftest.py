@@ -23,7 +23,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent
 LAB_NOTEBOOK = re.compile(r"^(\d\d)-.+\.ipynb$")
-ALL_LABS = ("01", "02", "03", "04")
 REGEN_GROUP = "regen-once"  # the xdist group of the tests that read the session's regenerate run
 
 
@@ -127,7 +126,7 @@ def pytest_collection_modifyitems(session, config, items):
 
     notebooks = {item.lab for item in items if isinstance(item, LabNotebookRun)}
     regen_once.want(notebooks)
-    every = os.environ.get("LAB_FULL_REGEN") == "1" or set(ALL_LABS) <= notebooks
+    every = os.environ.get("LAB_FULL_REGEN") == "1" or set(regen_once.LABS) <= notebooks
     regen_once.ALL = every
     for item in items:
         marker = item.get_closest_marker("regen_labs")
@@ -138,7 +137,7 @@ def pytest_collection_modifyitems(session, config, items):
                 item.add_marker(pytest.mark.skip(reason="all four notebooks take minutes: collect them "
                                                         "(pytest tests *.ipynb) or set LAB_FULL_REGEN=1"))
                 continue
-            regen_once.want(ALL_LABS)
+            regen_once.want(regen_once.LABS)
         else:
             regen_once.want(marker.args)
     # Under pytest-xdist (`-n auto`; pytest_configure picks --dist loadgroup): every test that reads the session's

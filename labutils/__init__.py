@@ -23,6 +23,7 @@ Core (every lab and command builds on these):
   train               the one training loop (AMP, accumulation, clipping, checkpointing); run, prepare
   figures             conventions every lab's figures follow (step axis, legends)
 Labs (the technique itself is written out in the notebook; these hold what its experiments need):
+  labs                the one list of labs: id, notebook, title, configs, the runs it trains, the claims it owns
   precision           lab 01: number formats, underflow and overflow, loss scaling
   amp_memory          lab 01: where one step's memory goes under AMP (saved tensors, dtypes, peak phase); batch sweep
   amp_speed_memory    lab 01: each precision timed once (the one speed-up), matmul speed, comparison, C1/C2

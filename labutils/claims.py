@@ -1,6 +1,7 @@
 """The seven folklore claims of the original course (C1-C7), quoted in its own words with where each comes from,
 and the entries a lab records for them: ``claims=[claim_entry(...), ...]`` with its results
-(``lu.record_results(..., claims=...)``); :func:`collect` builds the whole C1-C7 table from every lab's results.
+(``lu.record_results(..., claims=...)``); :func:`collect` builds the whole C1-C7 table from every lab's results
+(the results page, :mod:`labutils.report`).
 
 Each claim is data: the course's words and one or more :class:`~labutils.verdict_rule.Quantity`; the rule that turns
 the numbers into a verdict is :mod:`labutils.verdict_rule`, whose public names are importable from here too. In smoke
@@ -11,15 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .labs import owner
 from .verdict_rule import (DOES_NOT_HOLD, HOLDS, JUDGED, MIN_LAYERS, MIN_TIMED_STEPS, NOT_DECIDED, NOT_JUDGED,
                            NOT_MEASURED, PARTLY, VERDICTS, Evidence, Quantity, evidence_for, hardware, judge_quantity,
                            median_spread, on_cpu, run_pair_evidence, summarise, timed_ratio, timed_step_times)
 
 SMOKE_LABEL = "smoke measurement (tiny model, few steps, CPU): shows the code runs; not a GPU result"
 PREDICTION_LABEL = "prediction of labutils.estimate (arithmetic, not a measurement)"
-OWNER = {"C1": "01-Mixed_Precision", "C2": "01-Mixed_Precision", "C3": "02-Gradient_Accumulation",
-         "C4": "03-Gradient_Checkpointing", "C5": "03-Gradient_Checkpointing", "C6": "04-Memory_Profiling",
-         "C7": "04-Memory_Profiling"}
 FULL = ("full_model",)
 
 
@@ -150,7 +149,7 @@ def claim_entry(claim_id: str, values: dict | None, cond: dict, *, reason: str |
              "parts": parts if values else {},
              "compares": {k: " vs ".join(e.pair) for k, e in evs.items() if e.pair and k in values},
              "evidence": {k: e.record() for k, e in evs.items() if k in values},
-             "lab": lab or OWNER[claim_id]}
+             "lab": lab or owner(claim_id).stem}
     if prediction:
         entry["prediction"] = {"label": PREDICTION_LABEL, "for": prediction_for, **_measured(claim, prediction)}
     if extra:
@@ -170,27 +169,22 @@ def not_measured(claim_id: str, why: str, cond: dict, *, prediction: dict | None
 _RANK = {HOLDS: 0, PARTLY: 0, DOES_NOT_HOLD: 0, NOT_DECIDED: 1, NOT_JUDGED: 2, NOT_MEASURED: 3}
 
 
-def collect(results: dict[str, dict], fallback: list[dict] | None = None) -> list[dict]:
-    """C1-C7, one entry each from ``results`` ({anything: results JSON}): the best-judged entry (judged, then not
-    decided, not judged, not measured) of the lab that owns the claim, else ``fallback`` (e.g. lab 04's), else any
-    other lab; else a ``not measured`` entry saying no lab recorded it."""
+def collect(results: dict[str, dict]) -> list[dict]:
+    """C1-C7, one entry each from ``results`` ({anything: results JSON}), each with the lab and the time of the
+    results file it came from ("recorded"): the best-judged entry (judged, then not decided, not judged, not
+    measured), the owning lab's (:mod:`labutils.labs`) first; else a ``not measured`` entry saying no lab has it."""
     by_lab: dict[str, dict[str, dict]] = {}
     for data in results.values():
         for e in data.get("claims") or []:
-            by_lab.setdefault(data.get("notebook") or e.get("lab"), {})[e["id"]] = e
-    fb = {e["id"]: e for e in fallback or []}
+            lab = data.get("notebook") or e.get("lab")
+            by_lab.setdefault(lab, {})[e["id"]] = {**e, "lab": lab, "recorded": (data.get("env") or {}).get("date")}
     table = []
     for cid in CLAIMS:
-        own = by_lab.get(OWNER[cid], {}).get(cid)
-        others = [lab_claims[cid] for lab, lab_claims in sorted(by_lab.items())
-                  if lab != OWNER[cid] and cid in lab_claims]
-        candidates = [e for e in (own, fb.get(cid), *others) if e]
-        pick = min(candidates, key=lambda e: _RANK.get(e["verdict"], 3)) if candidates else None
-        if pick is None:
-            pick = not_measured(cid, f"no lab recorded it (it belongs to {OWNER[cid]}, whose results are not here)",
-                                conditions(model=None, batch=None, sequence=None, precision=None, hardware=None,
-                                           mode="-"))
-        table.append(pick)
+        stem = owner(cid).stem
+        candidates = [e for _, got in sorted(by_lab.items(), key=lambda kv: kv[0] != stem) if (e := got.get(cid))]
+        table.append(min(candidates, key=lambda e: _RANK.get(e["verdict"], 3)) if candidates else not_measured(
+            cid, f"no lab recorded it (it belongs to {stem}, whose results are not here)",
+            conditions(model=None, batch=None, sequence=None, precision=None, hardware=None, mode="-")))
     return table
 
 
@@ -218,5 +212,6 @@ def table_rows(entries: list[dict]) -> list[dict]:
                                                                                         "precision", "hardware")))
                          if x)
         rows.append({"claim": e["id"], "design says": e["claim"], "verdict": e["verdict"], "measured": measured,
-                     "compares": compares, "why": e["why"], "conditions": cond or "-", "lab": e.get("lab")})
+                     "compares": compares, "why": e["why"], "conditions": cond or "-", "lab": e.get("lab"),
+                     "recorded": e.get("recorded") or "-"})
     return rows

@@ -38,6 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from .labs import mismatch
 from .notebook_runner import (FULL_CELL_TIMEOUT, REPO_ROOT, SMOKE_CELL_TIMEOUT, Interrupted, Outcome, SignalGuard,
                               execute_notebook, read_notebook)
 from .report import (ResultsError, lab_id, load_results, marker_spans, read_readme, readme_blocks,
@@ -181,7 +182,7 @@ def regenerate(notebooks: list[Path], out: Path, *, smoke: bool, gpu_memory_gb: 
                 staging = None
                 try:
                     staging = Path(tempfile.mkdtemp(dir=out, prefix=f".staging-{nb.stem}-"))
-                    # LAB_RESULTS_READ_DIR: where a lab finds the labs before it (lab 04's C1-C7 table reads them)
+                    # LAB_RESULTS_READ_DIR: where a lab finds the labs before it (lab 04's `estimate`: lab 01's speeds)
                     env = kernel_env(staging, smoke, gpu_memory_gb) | {
                         "LAB_RESULTS_READ_DIR": str(out), FINAL_ENV: str(out), ARTIFACTS_ENV: str(out / "artifacts")}
                     o = execute_notebook(nb, env, timeout=timeout, executed_dir=out / "executed", on_cell=progress,
@@ -409,6 +410,8 @@ def cli_regenerate(args) -> int:
         return _refuse(f"--notebooks {args.notebooks}: not a folder")
     try:
         every = find_notebooks(folder)
+        if folder == REPO_ROOT and (why := mismatch(nb.stem for nb in every)):  # the course's: the registry's labs
+            raise ValueError(f"{folder}: {why}")
         notebooks = find_notebooks(folder, args.only)
         if out is not None:
             check_output_dir(out, "--out")

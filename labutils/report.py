@@ -9,6 +9,7 @@ import os
 import re
 from pathlib import Path
 
+from .labs import LABS
 from .results import RESULTS_DIR, format_table
 
 
@@ -22,18 +23,10 @@ class ResultsError(ValueError):
 
 
 def load_results(out: str | os.PathLike, stems: list[str] | None = None) -> dict[str, dict]:
-    """{lab id: recorded JSON} of ``<stem>.json`` for each notebook stem (a stale ``NN-Old_Name.json`` never stands in
-    for the current lab); without ``stems``, every ``NN-*.json`` in ``out``, one per lab id. ResultsError (one line)
-    for a file that is not a results file."""
-    out = Path(out)
-    if stems is None:
-        files = sorted(out.glob("[0-9][0-9]-*.json"))
-        ids = [lab_id(js.stem) for js in files]
-        twice = sorted({i for i in ids if ids.count(i) > 1})
-        if twice:
-            raise ResultsError(f"{out}: several results files for lab {', '.join(twice)}; name the notebooks")
-    else:
-        files = [out / f"{stem}.json" for stem in stems if (out / f"{stem}.json").is_file()]
+    """{lab id: recorded JSON} of ``<stem>.json`` for each notebook stem (default: the registry's labs; a stale
+    ``NN-Old_Name.json`` never stands in for the current lab). ResultsError (one line) for a file that is not a results
+    file."""
+    files = [Path(out) / f"{s}.json" for s in stems or [lb.stem for lb in LABS] if (Path(out) / f"{s}.json").is_file()]
     results = {}
     for js in files:
         try:
@@ -151,19 +144,20 @@ def render_lab(data: dict, figure_prefix: str = "", *, readme: bool = False) -> 
     return "\n".join(lines).rstrip() + "\n"
 
 
-def render_claims(entries: list[dict], title: str = "Claims of the course design: verdicts from this run") -> list[str]:
+def render_claims(entries: list[dict], title: str = "Claims of the course design: verdicts from this run",
+                  columns=("claim", "verdict", "measured", "compares", "why", "conditions", "lab")) -> list[str]:
     """The claims table (C1-C7 verdicts, labs' ``claims`` entries) as Markdown lines; nothing when there are none.
     Each row shows the pair of runs it compares; a value that was not judged is labelled so in "measured"."""
     if not entries:
         return []
     from .claims import table_rows
 
-    return [f"*{title}*", "", format_table(table_rows(entries), ["claim", "verdict", "measured", "compares", "why",
-                                                                  "conditions", "lab"]), ""]
+    return [f"*{title}*", "", format_table(table_rows(entries), list(columns)), ""]
 
 
 def render_results(results: dict[str, dict]) -> str:
-    """``README-results.md``: every lab's block, under a banner saying which kind of run this was."""
+    """``README-results.md``: the C1-C7 table from every lab's recorded claims (each row: the lab and the time of
+    the results file it came from), then every lab's block, under a banner saying which kind of run this was."""
     modes = {d.get("mode") for d in results.values()}
     lines = ["# Lab results", ""]
     if modes - {"full"}:
@@ -173,7 +167,9 @@ def render_results(results: dict[str, dict]) -> str:
         lines += ["No lab recorded results.", ""]
     elif any(d.get("claims") for d in results.values()):
         from .claims import collect
-        lines += ["## Claims C1-C7 across the labs", ""] + render_claims(collect(results), "Every claim, one verdict")
+        lines += ["## Claims C1-C7 across the labs", ""] + render_claims(
+            collect(results), "Every claim, one verdict", ("claim", "verdict", "measured", "compares", "why",
+                                                            "conditions", "lab", "recorded"))
     for lab, data in sorted(results.items()):
         lines += [f"## {data.get('notebook') or lab}", "", render_lab(data)]
     return "\n".join(lines).rstrip() + "\n"

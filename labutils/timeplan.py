@@ -1,7 +1,7 @@
 """How long the instructors' full run takes on a card: predicted before it starts (``regenerate --plan``).
 
-A lab's cost is its training runs (:data:`LAB_RUNS`: the configs and overrides its cells train with ``lu.run`` /
-``lu.train``, in full mode) plus a fresh kernel's fixed cost. One run costs ``steps x max(compute, host)``:
+A lab's cost is its training runs (the ``runs`` of its entry in :mod:`labutils.labs`, in full mode) plus a fresh
+kernel's fixed cost. One run costs ``steps x max(compute, host)``:
 
 * compute: the step's executed FLOPs (:func:`labutils.flops.flops_per_token`, checkpointing's recompute and the
   fused attention's included) over the card's dense peak in that precision (:mod:`labutils.peaks`) times
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from .config import load_config
 from .flops import flops_per_token
+from .labs import IDS, lab as registry_lab
 from .models import PRESETS, padded_vocab_size, vocab_size
 from .peaks import peak_tflops
 
@@ -63,122 +64,12 @@ def run_cost(cfg, gpu_name: str | None, device: str = "cuda", loads: bool = True
             "bound": "host" if host >= (compute or 0.0) else "compute", "seconds": steps * step + LOAD_S * loads}
 
 
-# ------------------------------------------------------------------------------------- what each lab trains
-def _lab01(mode: str, device: str) -> list:
-    """Lab 01: the two-step check of amp_step against lu.train, the precisions (TF32 and BF16 on a GPU only), the
-    batch sweep's points other than the config's own micro-batch, and fp16 again with the injected overflow."""
-    cfgs = {p: load_config(f"configs/{p}_config.yaml", mode=mode) for p in ("fp32", "fp16", "bf16")}
-    if mode == "smoke":
-        cfgs = {p: c.override({"train.steps": 24, "train.timing_warmup_steps": 4}) for p, c in cfgs.items()}
-    gpu = device == "cuda"
-    amp = "bf16" if gpu else "fp16"  # BF16 where native (every GPU since Ampere), else FP16: lab 01's choice
-    runs = [("amp_step check", cfgs["fp16"].override({"train.steps": min(2, cfgs["fp16"].train.steps)}))]
-    runs += [(p, cfgs["fp32"].override({"train.precision": p}) if p == "tf32" else cfgs[p])
-             for p in ("fp32", "tf32", "fp16", "bf16") if gpu or p in ("fp32", "fp16")]
-    b = load_config("configs/fp32_config.yaml", mode="full").train.micro_batch_size
-    runs += [(f"{p} x {m}", cfgs[p].override({"train.micro_batch_size": m, "train.steps": 12,
-                                              "train.timing_warmup_steps": min(cfgs[p].train.timing_warmup_steps, 11)}))
-             for p in ("fp32", amp) for m in (1, b, 2 * b) if m != cfgs[p].train.micro_batch_size]
-    return runs + [("fp16 + injected overflow", cfgs["fp16"])]
-
-
-def _largest_split(target: int = 32) -> int:
-    """Lab 02's largest micro-batch of the B = 32 split (BF16) that fits an 8 GB card (the estimator's answer;
-    smoke's budget is a scale model of that card, so it finds the same one)."""
-    from .cards import card_total_bytes
-    from .estimate import estimate_memory, fits
-
-    full_cfg, card = load_config("configs/lab02_accumulation.yaml", mode="full"), card_total_bytes(8)[0]
-    return max(m for m in (2, 4, 8, 16, 32) if m == 2 or fits(estimate_memory(full_cfg.override(
-        {"train.micro_batch_size": m, "train.accumulation_steps": target // m, "train.precision": "bf16"})), card))
-
-
-def _lab02(mode: str, device: str) -> list:
-    """Lab 02: the two train_step checks, the micro-batch 2 sweep, the split of B = 32, the learning-rate runs."""
-    cfg = load_config("configs/lab02_accumulation.yaml", mode=mode)
-    amp = "bf16" if device == "cuda" else "fp32"  # CPU runs train in fp32 (emulated autocast is slow)
-    cfg = cfg.override({"train.precision": amp})
-    check = {"train.micro_batch_size": 2, "train.accumulation_steps": 4, "model.dropout": 0.0,
-             "train.steps": min(cfg.train.steps, 2)}
-    runs = [(f"train_step check {p}", cfg.override({**check, "train.precision": p}))
-            for p in dict.fromkeys([amp, "fp16"])]
-    runs += [(f"2 x {k}", cfg.override({"train.micro_batch_size": 2, "train.accumulation_steps": k}))
-             for k in (1, 4, 8, 16)]
-    runs += [(f"{m} x {32 // m}", cfg.override({"train.micro_batch_size": m, "train.accumulation_steps": 32 // m}))
-             for m in (4, 8, 16, 32)]
-    ratio, w0, s0 = 4, cfg.train.warmup_steps, cfg.train.steps
-    w1 = max(2, round(w0 / ratio))
-    s1 = max(w1, s0 // ratio)
-    m_big = _largest_split()
-    def lr(B, steps, warmup):
-        m = min(m_big, B)
-        return cfg.override({"train.micro_batch_size": m, "train.accumulation_steps": B // m, "train.steps": steps,
-                             "train.warmup_steps": warmup})
-    runs += [("lr baseline", lr(8, s1 * ratio, w1 * ratio))] + [(f"lr B=32 #{i}", lr(32, s1, w1 if i < 3 else 0))
-                                                               for i in range(4)]
-    return runs
-
-
-def _lab03(mode: str, device: str) -> list:
-    """Lab 03: the on/off pairs, the scale model's rows, the largest-batch scans (as far as the estimator says they
-    go on an 8 GB card), every k, the variants beyond, the combinations."""
-    from .cards import card_total_bytes
-    from .estimate import largest_batch
-
-    cfg = load_config("configs/lab03_checkpointing.yaml", mode=mode)
-    B, L = cfg.train.micro_batch_size, PRESETS[cfg.model.name][0]
-    pair_steps = max(cfg.train.steps, cfg.train.timing_warmup_steps + 10) if device == "cuda" else cfg.train.steps
-    ck = {"train.gradient_checkpointing": True}
-    runs = [(f"pair {b} {on}", cfg.override({"train.micro_batch_size": b, "train.steps": pair_steps,
-                                              **(ck if on else {})}))
-            for b in sorted({1, B}) for on in (False, True)]
-    runs += [(f"scale model {i}", cfg.override(o)) for i, o in enumerate(
-        [{"train.micro_batch_size": 1}, {"train.micro_batch_size": B}, {"train.micro_batch_size": B, **ck}])]
-    card = card_total_bytes(8)[0]
-    probe = cfg.override({"train.steps": 2, "train.timing_warmup_steps": min(cfg.train.timing_warmup_steps, 1)})
-    for on in (False, True):
-        last = min(4 * B, largest_batch(load_config("configs/lab03_checkpointing.yaml", mode="full"), card,
-                                        checkpointing=on) + 1)
-        runs += [(f"largest {on} {b}", probe.override({"train.micro_batch_size": b, **(ck if on else {})}), b == 1)
-                 for b in range(1, last + 1)]  # one model per scan
-    ks = [k for k in range(2, L + 1) if L % k == 0]
-    runs += [(f"every/segments {k}", cfg.override(ck), i == 0) for i, k in enumerate(ks + ks)]  # one model (cm.measure)
-    runs += [(f"beyond {i}", cfg.override(ck), i == 0) for i in range(3)]
-    half = max(1, B // 2)
-    mixed = "bf16" if device == "cuda" else "fp16"  # lab 03's choice: BF16 where native, else FP16
-    runs += [(name, cfg.override(o)) for name, o in (
-        ("mixed", {"train.precision": mixed}), ("mixed + ckpt", {"train.precision": mixed, **ck}),
-        ("accumulation", {"train.micro_batch_size": 1, "train.accumulation_steps": B}),
-        ("all", {"train.precision": mixed, **ck, "train.micro_batch_size": half,
-                 "train.accumulation_steps": B // half}))]
-    return runs
-
-
-def _lab04(mode: str, device: str) -> list:
-    """Lab 04: the batch sweep, the techniques of section 8, the full and chunked loss, one_loop against lu.train."""
-    cfg = load_config("configs/lab04_profile.yaml", mode=mode)
-    tech = load_config("configs/lab04_techniques.yaml", mode=mode)
-    amp = "bf16" if device == "cuda" else "fp16"  # lab 04's choice: BF16 where native, else FP16
-    mp, ck = {"train.precision": amp}, {"train.gradient_checkpointing": True}
-    acc = {"train.micro_batch_size": tech.train.micro_batch_size // 2, "train.accumulation_steps": 2}
-    sweep = {"train.steps": 2, "train.timing_warmup_steps": 1}
-    runs = [(f"sweep {b}", cfg.override({"train.micro_batch_size": b, **sweep}))
-            for b in (1, 2, 4, 8, 16)]
-    runs += [(name, tech.override(o)) for name, o in (("baseline", {}), ("mp", mp), ("ckpt", ck), ("acc", acc),
-                                                      ("mp+ckpt", {**mp, **ck}), ("all", {**mp, **ck, **acc}))]
-    runs += [(f"loss {loss}", tech.override({**mp, **ck, "model.loss": loss})) for loss in ("full", "chunked")]
-    return runs + [("lu.train vs one_loop", tech.override({**mp, **ck, **acc, "train.steps": 3}))]
-
-
-LAB_RUNS = {"01": _lab01, "02": _lab02, "03": _lab03, "04": _lab04}
-
-
 def lab_plan(lab: str, gpu_name: str | None, mode: str = "full", device: str = "cuda",
              card_bytes: int | None = None) -> dict:
-    """A lab's predicted cost: its runs (:data:`LAB_RUNS`: ``(label, config[, loads a model])``), each
+    """A lab's predicted cost: its runs (its registry entry's ``runs``: ``(label, config[, loads a model])``), each
     :func:`run_cost`, and the fresh kernel's fixed cost."""
     runs = [{"run": r[0], **run_cost(r[1], gpu_name, device, *r[2:], card_bytes=card_bytes)}
-            for r in LAB_RUNS[lab](mode, device)]
+            for r in registry_lab(lab).runs(mode, device)]
     return {"lab": lab, "runs": runs, "steps": sum(r["steps"] for r in runs), "flops": sum(r["flops"] for r in runs),
             "seconds": KERNEL_S + sum(r["seconds"] for r in runs)}
 
@@ -195,7 +86,7 @@ def bench_plan(gpu_name: str, repeats: int) -> dict:
     return {"repeats": repeats, "runs": 2 * repeats * len(sections), "seconds": seconds}
 
 
-def course_plan(gpu_name: str, labs=("01", "02", "03", "04"), doctor: bool = True, card_gb: float | None = 8,
+def course_plan(gpu_name: str, labs=IDS, doctor: bool = True, card_gb: float | None = 8,
                 bench_repeats: int | None = None) -> dict:
     """The whole regeneration on ``gpu_name``: the doctor (checks, then compiling the fast path) and each lab, under
     regenerate's memory cap (``card_gb``: a card of that size, as ``--gpu-memory-gb``; None: no cap); with

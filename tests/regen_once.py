@@ -26,8 +26,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from labutils.labs import IDS
+
 REPO = Path(__file__).resolve().parent.parent
-LABS = ("01", "02", "03", "04")
+LABS = IDS  # every lab of the registry (labutils.labs)
 REHEARSAL_GPU = "h100"  # the card the rehearsal pretends to be (tests/fake_cuda.py's PROFILES)
 
 ALL = False  # the session runs all four labs (conftest.py: all four notebooks collected, or LAB_FULL_REGEN=1)
@@ -62,7 +64,7 @@ class Run:
 
 
 def want(labs) -> None:
-    """Collection says this session will need these labs (numbers "01".."04")."""
+    """Collection says this session will need these labs (the registry's ids, labutils.labs)."""
     _wanted.update(labs)
 
 
@@ -119,7 +121,7 @@ def _run(labs: list[str]) -> Run:
            if k not in ("LAB_SMOKE", "LAB_RESULTS_DIR", "LAB_RESULTS_READ_DIR", "LAB_ARTIFACTS_DIR")}
     env["PYTHONDONTWRITEBYTECODE"] = "1"  # the interpreter's .pyc caches are not the labs' output
     before, status = tree_state(REPO), git_status()
-    if set(labs) == set(LABS):  # all four: the one command for a lent GPU, rehearsed (see the module docstring)
+    if set(labs) == set(LABS):  # all of them: the one command for a lent GPU, rehearsed (see the module docstring)
         cmd = ["make", "--no-print-directory", "gpu-results", "REHEARSE=1", f"OUT={out}", "BENCH_REPEATS=1",
                f"PYTHON={sys.executable} tests/pretend_gpu.py {REHEARSAL_GPU}", "WHEELS="]  # this machine's packages (.whl/ holds another Python's)
     else:

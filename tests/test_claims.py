@@ -156,22 +156,25 @@ def test_not_measured_says_why_and_labels_the_prediction():
     assert e["prediction"]["memory_saving"]["value"] == pytest.approx(pred["memory_saving"])
 
 
-def test_collect_prefers_the_owning_lab_then_fallback():
-    lab01 = {"notebook": "01-Mixed_Precision",
+def test_collect_prefers_the_owning_lab_then_any_other():
+    lab01 = {"notebook": "01-Mixed_Precision", "env": {"date": "2026-11-28T10:00:00+00:00"},
              "claims": [cl.claim_entry("C1", {"memory_saving": 0.5}, FULL, evidence=cl.Evidence(sweep={2: 0.45, 8: 0.5}))]}
     lab04_c1 = cl.claim_entry("C1", {"memory_saving": 0.1}, FULL, lab="04-Memory_Profiling")  # one batch: not judged
     lab04_c6 = cl.claim_entry("C6", {"memory_saving": 0.7, "slowdown": 0.1}, FULL, evidence=GPU_TIMED)
-    table = cl.collect({"01": lab01}, fallback=[lab04_c1, lab04_c6])
+    lab04 = {"notebook": "04-Memory_Profiling", "env": {"date": "2026-11-28T11:00:00+00:00"},
+             "claims": [lab04_c1, lab04_c6]}
+    table = cl.collect({"01": lab01, "04": lab04})
     assert [e["id"] for e in table] == [f"C{i}" for i in range(1, 8)]
     by = {e["id"]: e for e in table}
     assert by["C1"]["lab"] == "01-Mixed_Precision" and by["C1"]["verdict"] == "holds"
-    assert by["C6"]["verdict"] == "holds"
+    assert by["C1"]["recorded"] == "2026-11-28T10:00:00+00:00" and by["C6"]["recorded"].startswith("2026-11-28T11")
+    assert by["C6"]["verdict"] == "holds" and by["C6"]["lab"] == "04-Memory_Profiling"
     assert by["C5"]["verdict"] == "not measured" and "03-Gradient_Checkpointing" in by["C5"]["why"]
-    # the owning lab's entry is not measured: a measured fallback wins
+    # the owning lab's entry is not measured: another lab's measured entry wins, named with its own lab
     lab01_nm = {"notebook": "01-Mixed_Precision", "claims": [cl.not_measured("C1", "OOM", FULL)]}
-    assert cl.collect({"01": lab01_nm}, fallback=[lab04_c1])[0]["lab"] == "04-Memory_Profiling"
+    assert cl.collect({"01": lab01_nm, "04": lab04})[0]["lab"] == "04-Memory_Profiling"
     rows = cl.table_rows(table)
-    assert rows[0]["claim"] == "C1" and "50 %" in rows[0]["measured"]
+    assert rows[0]["claim"] == "C1" and "50 %" in rows[0]["measured"] and rows[0]["recorded"].startswith("2026")
 
 
 def test_rendered_claims_tables(tmp_path, monkeypatch):
@@ -182,7 +185,8 @@ def test_rendered_claims_tables(tmp_path, monkeypatch):
     c7 = cl.not_measured("C7", "needs DeepSpeed on a CUDA GPU", SMOKE, prediction={"memory_saving": 0.41})
     monkeypatch.setenv("LAB_RESULTS_DIR", str(tmp_path / "staging"))
     monkeypatch.setenv("LAB_RESULTS_READ_DIR", str(tmp_path))
-    record_results("01-Mixed_Precision", tables={"t": [{"a": 1}]}, env={"device": "cpu", "weights": "random"},
+    record_results("01-Mixed_Precision", tables={"t": [{"a": 1}]}, env={"device": "cpu", "weights": "random",
+                                                             "date": "2026-11-28T10:00:00+00:00"},
                    mode="smoke", claims=[c1], out_dir=tmp_path)
     lab01 = read_results("01-Mixed_Precision", "smoke")  # found through LAB_RESULTS_READ_DIR
     assert lab01["claims"][0]["verdict"] == "not judged"   # smoke: a memory ratio of the tiny model
@@ -191,8 +195,13 @@ def test_rendered_claims_tables(tmp_path, monkeypatch):
     assert "| claim | verdict | measured | compares | why | conditions | lab |" in md
     assert "| C1 | not judged | peak-memory saving 12 % (not judged) (smoke) | fp32 vs fp16 |" in md
     page = rp.render_results({"01": lab01, "04": {"notebook": "04-Memory_Profiling", "mode": "smoke",
-                                                  "claims": [c7], "env": {}}})
+                                                  "claims": [c7], "env": {"date": "2026-11-28T11:00:00+00:00"}}})
     assert "## Claims C1-C7 across the labs" in page
+    assert "| conditions | lab | recorded |" in page  # each row: the lab and the time of the file it came from
+    c1_row = next(line for line in page.splitlines() if line.startswith("| C1 |") and "| recorded |" not in line
+                  and line.count("|") == 9)
+    assert c1_row.endswith(f"| 01-Mixed_Precision | {lab01['env']['date']} |"), c1_row
+    assert "| 04-Memory_Profiling | 2026-11-28T11:00:00+00:00 |" in page
     assert "| C7 | not measured | prediction: peak-memory saving 41 % | - |" in page.replace("GPU peak", "peak")
     assert "| C5 | not measured | - | - |" in page
 

@@ -12,8 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 import labutils as lu  # noqa: E402
 from labutils.figures import legend_outside, overlapping_legends  # noqa: E402
-
-LABS = ("01", "02", "03", "04")
+from labutils.labs import IDS as LABS  # noqa: E402
 
 
 def two_panels(labels=3):

@@ -242,7 +242,7 @@ def regenerated() -> Path:
         return Path(os.environ["LAB_REGEN_OUT"])
     from tests import regen_once
 
-    run = regen_once.run_for(["01", "02", "03", "04"])
+    run = regen_once.run_for(regen_once.LABS)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return run.out
 

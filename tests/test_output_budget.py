@@ -20,10 +20,12 @@ from pathlib import Path
 
 import pytest
 
+from labutils.labs import IDS
+
 REPO = Path(__file__).resolve().parent.parent
-LABS = ("01", "02", "03", "04")
+LABS = IDS
 MAX_LAB_LINES, MAX_CELL_LINES, MAX_CELL_CHARS, MAX_CODE_LINES = 100, 15, 2000, 500
-LABS_WITH_BUDGET = ("01", "02", "03", "04")  # each runs rows under a memory budget that an 8 GB card sets
+LABS_WITH_BUDGET = IDS  # every lab runs rows under a memory budget that an 8 GB card sets
 TABLE_SEPARATOR = re.compile(r"^\s*\|?\s*:?-{3,}:?\s*(\|\s*:?-{3,}:?\s*)*\|?\s*$")
 
 

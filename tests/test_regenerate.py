@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 
 from labutils import cli, regenerate as rg, report as rp
+from labutils.labs import IDS
 
 REPO = Path(__file__).resolve().parent.parent
 FIX = Path(__file__).resolve().parent / "fixtures"
-LABS = ["01", "02", "03", "04"]
+LABS = list(IDS)
 
 
 # Tiny notebooks, written into a temporary folder by the tests (stored as .ipynb under tests/ they would be
@@ -420,8 +421,8 @@ def test_the_one_gpu_command_rehearsed_under_the_pretend_h100():
     record = json.loads((out / "run.json").read_text())
     assert record["gpu"] == "NVIDIA H100 80GB HBM3" and record["mode"] == "rehearsal"
     assert record["torch"] == torch.__version__ and record["date"][:4].isdigit()
-    assert set(record["labs"].values()) == {"ok"} and len(record["labs"]) == 4
-    parts = {"doctor", "01", "02", "03", "04", "bench"}
+    assert set(record["labs"].values()) == {"ok"} and len(record["labs"]) == len(LABS)
+    parts = {"doctor", *LABS, "bench"}
     assert set(record["seconds"]) == parts == set(record["predicted_seconds"])
     assert all(v > 0 for v in record["seconds"].values())
     assert (out / "README.md").read_text() == (REPO / "README.md").read_text()  # smoke results never fill it

@@ -15,10 +15,11 @@ import pytest
 import labutils as lu
 from labutils import cli, timeplan
 from labutils import regenerate as rg
+from labutils.labs import IDS, lab as registry_lab
 from tests import fake_cuda
 
 H100 = "NVIDIA H100 80GB HBM3"
-LABS = ("01", "02", "03", "04")
+LABS = IDS
 
 
 def test_the_whole_course_is_planned_within_eight_minutes_on_an_h100(capsys):
@@ -79,7 +80,7 @@ def test_plan_arithmetic_is_the_runs_own(lab):
     ledger = data["runs"]
     assert ledger and data["elapsed_seconds"] > 0
     shapes = {(r[1].train.micro_batch_size, r[1].train.accumulation_steps, r[1].train.precision)
-              for r in timeplan.LAB_RUNS[lab]("smoke", "cpu")}
+              for r in registry_lab(lab).runs("smoke", "cpu")}
     for row in ledger:
         cfg = lu.load_config(None, overrides=row["config"], mode="smoke")
         assert (row["micro_batch_size"], row["accumulation_steps"], row["precision"]) in shapes, (row["desc"], shapes)

@@ -1,0 +1,160 @@
+"""The one list of labs: each :class:`Lab`'s id ("01"), notebook stem, title, the configs it reads, the runs it
+trains (``runs(mode, device)`` -> ``[(label, config[, loads a model])]``: what its cells train with ``lu.run`` /
+``lu.train``, priced by :mod:`labutils.timeplan`) and the claims it owns (:mod:`labutils.claims`). The tests,
+``regenerate`` (the repository's notebooks must be exactly these), the results page and the plan iterate over
+:data:`LABS`. A fifth lab: its notebook, its entry here (with its runs), its config, its claims.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .config import load_config
+from .models import PRESETS
+
+
+def _lab01(mode: str, device: str) -> list:
+    """Lab 01: the two-step check of amp_step against lu.train, the precisions (TF32 and BF16 on a GPU only), the
+    batch sweep's points other than the config's own micro-batch, and fp16 again with the injected overflow."""
+    cfgs = {p: load_config(f"configs/{p}_config.yaml", mode=mode) for p in ("fp32", "fp16", "bf16")}
+    if mode == "smoke":
+        cfgs = {p: c.override({"train.steps": 24, "train.timing_warmup_steps": 4}) for p, c in cfgs.items()}
+    gpu = device == "cuda"
+    amp = "bf16" if gpu else "fp16"  # BF16 where native (every GPU since Ampere), else FP16: lab 01's choice
+    runs = [("amp_step check", cfgs["fp16"].override({"train.steps": min(2, cfgs["fp16"].train.steps)}))]
+    runs += [(p, cfgs["fp32"].override({"train.precision": p}) if p == "tf32" else cfgs[p])
+             for p in ("fp32", "tf32", "fp16", "bf16") if gpu or p in ("fp32", "fp16")]
+    b = load_config("configs/fp32_config.yaml", mode="full").train.micro_batch_size
+    runs += [(f"{p} x {m}", cfgs[p].override({"train.micro_batch_size": m, "train.steps": 12,
+                                              "train.timing_warmup_steps": min(cfgs[p].train.timing_warmup_steps, 11)}))
+             for p in ("fp32", amp) for m in (1, b, 2 * b) if m != cfgs[p].train.micro_batch_size]
+    return runs + [("fp16 + injected overflow", cfgs["fp16"])]
+
+
+def _largest_split(target: int = 32) -> int:
+    """Lab 02's largest micro-batch of the B = 32 split (BF16) that fits an 8 GB card (the estimator's answer;
+    smoke's budget is a scale model of that card, so it finds the same one)."""
+    from .cards import card_total_bytes
+    from .estimate import estimate_memory, fits
+
+    full_cfg, card = load_config("configs/lab02_accumulation.yaml", mode="full"), card_total_bytes(8)[0]
+    return max(m for m in (2, 4, 8, 16, 32) if m == 2 or fits(estimate_memory(full_cfg.override(
+        {"train.micro_batch_size": m, "train.accumulation_steps": target // m, "train.precision": "bf16"})), card))
+
+
+def _lab02(mode: str, device: str) -> list:
+    """Lab 02: the two train_step checks, the micro-batch 2 sweep, the split of B = 32, the learning-rate runs."""
+    cfg = load_config("configs/lab02_accumulation.yaml", mode=mode)
+    amp = "bf16" if device == "cuda" else "fp32"  # CPU runs train in fp32 (emulated autocast is slow)
+    cfg = cfg.override({"train.precision": amp})
+    check = {"train.micro_batch_size": 2, "train.accumulation_steps": 4, "model.dropout": 0.0,
+             "train.steps": min(cfg.train.steps, 2)}
+    runs = [(f"train_step check {p}", cfg.override({**check, "train.precision": p}))
+            for p in dict.fromkeys([amp, "fp16"])]
+    runs += [(f"2 x {k}", cfg.override({"train.micro_batch_size": 2, "train.accumulation_steps": k}))
+             for k in (1, 4, 8, 16)]
+    runs += [(f"{m} x {32 // m}", cfg.override({"train.micro_batch_size": m, "train.accumulation_steps": 32 // m}))
+             for m in (4, 8, 16, 32)]
+    ratio, w0, s0 = 4, cfg.train.warmup_steps, cfg.train.steps
+    w1 = max(2, round(w0 / ratio))
+    s1 = max(w1, s0 // ratio)
+    m_big = _largest_split()
+    def lr(B, steps, warmup):
+        m = min(m_big, B)
+        return cfg.override({"train.micro_batch_size": m, "train.accumulation_steps": B // m, "train.steps": steps,
+                             "train.warmup_steps": warmup})
+    runs += [("lr baseline", lr(8, s1 * ratio, w1 * ratio))] + [(f"lr B=32 #{i}", lr(32, s1, w1 if i < 3 else 0))
+                                                               for i in range(4)]
+    return runs
+
+
+def _lab03(mode: str, device: str) -> list:
+    """Lab 03: the on/off pairs, the scale model's rows, the largest-batch scans (as far as the estimator says they
+    go on an 8 GB card), every k, the variants beyond, the combinations."""
+    from .cards import card_total_bytes
+    from .estimate import largest_batch
+
+    cfg = load_config("configs/lab03_checkpointing.yaml", mode=mode)
+    B, L = cfg.train.micro_batch_size, PRESETS[cfg.model.name][0]
+    pair_steps = max(cfg.train.steps, cfg.train.timing_warmup_steps + 10) if device == "cuda" else cfg.train.steps
+    ck = {"train.gradient_checkpointing": True}
+    runs = [(f"pair {b} {on}", cfg.override({"train.micro_batch_size": b, "train.steps": pair_steps,
+                                              **(ck if on else {})}))
+            for b in sorted({1, B}) for on in (False, True)]
+    runs += [(f"scale model {i}", cfg.override(o)) for i, o in enumerate(
+        [{"train.micro_batch_size": 1}, {"train.micro_batch_size": B}, {"train.micro_batch_size": B, **ck}])]
+    card = card_total_bytes(8)[0]
+    probe = cfg.override({"train.steps": 2, "train.timing_warmup_steps": min(cfg.train.timing_warmup_steps, 1)})
+    for on in (False, True):
+        last = min(4 * B, largest_batch(load_config("configs/lab03_checkpointing.yaml", mode="full"), card,
+                                        checkpointing=on) + 1)
+        runs += [(f"largest {on} {b}", probe.override({"train.micro_batch_size": b, **(ck if on else {})}), b == 1)
+                 for b in range(1, last + 1)]  # one model per scan
+    ks = [k for k in range(2, L + 1) if L % k == 0]
+    runs += [(f"every/segments {k}", cfg.override(ck), i == 0) for i, k in enumerate(ks + ks)]  # one model (cm.measure)
+    runs += [(f"beyond {i}", cfg.override(ck), i == 0) for i in range(3)]
+    half = max(1, B // 2)
+    mixed = "bf16" if device == "cuda" else "fp16"  # lab 03's choice: BF16 where native, else FP16
+    runs += [(name, cfg.override(o)) for name, o in (
+        ("mixed", {"train.precision": mixed}), ("mixed + ckpt", {"train.precision": mixed, **ck}),
+        ("accumulation", {"train.micro_batch_size": 1, "train.accumulation_steps": B}),
+        ("all", {"train.precision": mixed, **ck, "train.micro_batch_size": half,
+                 "train.accumulation_steps": B // half}))]
+    return runs
+
+
+def _lab04(mode: str, device: str) -> list:
+    """Lab 04: the batch sweep, the techniques of section 8, the full and chunked loss, one_loop against lu.train."""
+    cfg = load_config("configs/lab04_profile.yaml", mode=mode)
+    tech = load_config("configs/lab04_techniques.yaml", mode=mode)
+    amp = "bf16" if device == "cuda" else "fp16"  # lab 04's choice: BF16 where native, else FP16
+    mp, ck = {"train.precision": amp}, {"train.gradient_checkpointing": True}
+    acc = {"train.micro_batch_size": tech.train.micro_batch_size // 2, "train.accumulation_steps": 2}
+    sweep = {"train.steps": 2, "train.timing_warmup_steps": 1}
+    runs = [(f"sweep {b}", cfg.override({"train.micro_batch_size": b, **sweep}))
+            for b in (1, 2, 4, 8, 16)]
+    runs += [(name, tech.override(o)) for name, o in (("baseline", {}), ("mp", mp), ("ckpt", ck), ("acc", acc),
+                                                      ("mp+ckpt", {**mp, **ck}), ("all", {**mp, **ck, **acc}))]
+    runs += [(f"loss {loss}", tech.override({**mp, **ck, "model.loss": loss})) for loss in ("full", "chunked")]
+    return runs + [("lu.train vs one_loop", tech.override({**mp, **ck, **acc, "train.steps": 3}))]
+
+
+@dataclass(frozen=True)
+class Lab:
+    id: str
+    stem: str
+    title: str
+    configs: tuple[str, ...]
+    runs: Callable[[str, str], list]
+    claims: tuple[str, ...] = ()
+
+
+LABS = (
+    Lab("01", "01-Mixed_Precision", "Mixed precision",
+        tuple(f"configs/{p}_config.yaml" for p in ("fp32", "fp16", "bf16")), _lab01, ("C1", "C2")),
+    Lab("02", "02-Gradient_Accumulation", "Gradient accumulation", ("configs/lab02_accumulation.yaml",), _lab02,
+        ("C3",)),
+    Lab("03", "03-Gradient_Checkpointing", "Gradient checkpointing", ("configs/lab03_checkpointing.yaml",), _lab03,
+        ("C4", "C5")),
+    Lab("04", "04-Memory_Profiling", "Memory profiling",
+        ("configs/lab04_profile.yaml", "configs/lab04_techniques.yaml"), _lab04, ("C6", "C7")),
+)
+IDS = tuple(lab.id for lab in LABS)
+
+
+def lab(key: str) -> Lab:
+    """The lab of an id ("03") or a notebook stem ("03-Gradient_Checkpointing"); KeyError for another."""
+    return {k: entry for entry in LABS for k in (entry.id, entry.stem)}[key]
+
+
+def owner(claim_id: str) -> Lab:
+    """The lab that owns (measures and records) a claim."""
+    return next(entry for entry in LABS if claim_id in entry.claims)
+
+
+def mismatch(stems) -> str | None:
+    """Why the notebooks found (their stems) are not the registry's labs, naming both sides; None when they are."""
+    found, known = set(stems), {entry.stem for entry in LABS}
+    return "; ".join([f"notebook {s}.ipynb is not in the registry (labutils/labs.py)" for s in sorted(found - known)]
+                     + [f"lab {s} of the registry (labutils/labs.py) has no notebook {s}.ipynb"
+                        for s in sorted(known - found)]) or None
