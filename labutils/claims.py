@@ -113,10 +113,10 @@ def conditions(*, model: str | None, batch: str | None, sequence: int | None, pr
 
 
 def claim_entry(claim_id: str, values: dict | None, cond: dict, *, reason: str | None = None,
-                not_measured: str | None = None, prediction: dict | None = None, lab: str | None = None,
-                extra: dict | None = None, prediction_for: str | None = None, evidence=None) -> dict:
+                not_measured: str | None = None, prediction: dict | None = None, extra: dict | None = None,
+                prediction_for: str | None = None, evidence=None) -> dict:
     """One ``claims`` entry: id, claim, expected, measured (values with units), verdict, why, conditions, parts
-    (each quantity's own verdict and clause), compares (each quantity's pair of runs), evidence.
+    (each quantity's own verdict and clause), compares (each quantity's pair of runs), evidence, lab (its owner).
 
     ``values``: {quantity: number}; none gives ``not measured`` (``not_measured``: why not). ``evidence``: one
     :class:`Evidence` or {quantity: Evidence} (its hardware defaults to ``cond["hardware"]``). ``reason``: a clause
@@ -149,7 +149,7 @@ def claim_entry(claim_id: str, values: dict | None, cond: dict, *, reason: str |
              "parts": parts if values else {},
              "compares": {k: " vs ".join(e.pair) for k, e in evs.items() if e.pair and k in values},
              "evidence": {k: e.record() for k, e in evs.items() if k in values},
-             "lab": lab or owner(claim_id).stem}
+             "lab": owner(claim_id).stem}
     if prediction:
         entry["prediction"] = {"label": PREDICTION_LABEL, "for": prediction_for, **_measured(claim, prediction)}
     if extra:
@@ -157,12 +157,11 @@ def claim_entry(claim_id: str, values: dict | None, cond: dict, *, reason: str |
     return entry
 
 
-def not_measured(claim_id: str, why: str, cond: dict, *, prediction: dict | None = None, lab: str | None = None,
+def not_measured(claim_id: str, why: str, cond: dict, *, prediction: dict | None = None,
                  prediction_for: str | None = None) -> dict:
     """A ``not measured`` entry: always says why; ``prediction`` (from the estimator, for the setup named in
     ``prediction_for``) is labelled as one."""
-    return claim_entry(claim_id, None, cond, not_measured=why, prediction=prediction, lab=lab,
-                       prediction_for=prediction_for)
+    return claim_entry(claim_id, None, cond, not_measured=why, prediction=prediction, prediction_for=prediction_for)
 
 
 # ------------------------------------------------------------------------------------------ the whole C1-C7 table

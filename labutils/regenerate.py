@@ -49,8 +49,11 @@ NOTEBOOK_GLOB = "[0-9][0-9]-*.ipynb"
 
 
 def find_notebooks(folder: str | os.PathLike, only: str | list[str] | None = None) -> list[Path]:
-    """The lab notebooks in ``folder`` (``NN-Name.ipynb``), optionally only the labs listed ("01,3" or [...])."""
+    """The lab notebooks in ``folder`` (``NN-Name.ipynb``; the repository's: exactly the registry's labs), optionally
+    only the labs listed ("01,3" or [...])."""
     notebooks = sorted(Path(folder).glob(NOTEBOOK_GLOB))
+    if Path(folder).resolve() == REPO_ROOT and (why := mismatch(nb.stem for nb in notebooks)):
+        raise ValueError(f"{folder}: {why}")
     labs = {lab_id(nb.stem): nb for nb in notebooks}
     if len(labs) < len(notebooks):
         ids = [lab_id(nb.stem) for nb in notebooks]
@@ -152,7 +155,6 @@ def promote(staging: Path, out: Path, stem: str, expected_mode: str) -> tuple[Pa
         os.replace(staging / fig, out / fig)
     os.replace(js, out / js.name)  # the JSON last: it is what says the lab's results are complete
     return out / f"{stem}.json", None
-
 
 
 # ---------------------------------------------------------------------------------------------------- the command
@@ -410,8 +412,6 @@ def cli_regenerate(args) -> int:
         return _refuse(f"--notebooks {args.notebooks}: not a folder")
     try:
         every = find_notebooks(folder)
-        if folder == REPO_ROOT and (why := mismatch(nb.stem for nb in every)):  # the course's: the registry's labs
-            raise ValueError(f"{folder}: {why}")
         notebooks = find_notebooks(folder, args.only)
         if out is not None:
             check_output_dir(out, "--out")

@@ -144,15 +144,17 @@ def render_lab(data: dict, figure_prefix: str = "", *, readme: bool = False) -> 
     return "\n".join(lines).rstrip() + "\n"
 
 
-def render_claims(entries: list[dict], title: str = "Claims of the course design: verdicts from this run",
-                  columns=("claim", "verdict", "measured", "compares", "why", "conditions", "lab")) -> list[str]:
+def render_claims(entries: list[dict], title: str = "Claims of the course design: verdicts from this run") -> list[str]:
     """The claims table (C1-C7 verdicts, labs' ``claims`` entries) as Markdown lines; nothing when there are none.
-    Each row shows the pair of runs it compares; a value that was not judged is labelled so in "measured"."""
+    Each row shows the pair of runs it compares, and (collected across labs) when its results file was recorded; a
+    value that was not judged is labelled so in "measured"."""
     if not entries:
         return []
     from .claims import table_rows
 
-    return [f"*{title}*", "", format_table(table_rows(entries), list(columns)), ""]
+    return [f"*{title}*", "", format_table(table_rows(entries), ["claim", "verdict", "measured", "compares", "why",
+                                                                  "conditions", "lab"]
+                                           + ["recorded"] * any("recorded" in e for e in entries)), ""]
 
 
 def render_results(results: dict[str, dict]) -> str:
@@ -167,9 +169,7 @@ def render_results(results: dict[str, dict]) -> str:
         lines += ["No lab recorded results.", ""]
     elif any(d.get("claims") for d in results.values()):
         from .claims import collect
-        lines += ["## Claims C1-C7 across the labs", ""] + render_claims(
-            collect(results), "Every claim, one verdict", ("claim", "verdict", "measured", "compares", "why",
-                                                            "conditions", "lab", "recorded"))
+        lines += ["## Claims C1-C7 across the labs", ""] + render_claims(collect(results), "Every claim, one verdict")
     for lab, data in sorted(results.items()):
         lines += [f"## {data.get('notebook') or lab}", "", render_lab(data)]
     return "\n".join(lines).rstrip() + "\n"

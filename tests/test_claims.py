@@ -159,7 +159,7 @@ def test_not_measured_says_why_and_labels_the_prediction():
 def test_collect_prefers_the_owning_lab_then_any_other():
     lab01 = {"notebook": "01-Mixed_Precision", "env": {"date": "2026-11-28T10:00:00+00:00"},
              "claims": [cl.claim_entry("C1", {"memory_saving": 0.5}, FULL, evidence=cl.Evidence(sweep={2: 0.45, 8: 0.5}))]}
-    lab04_c1 = cl.claim_entry("C1", {"memory_saving": 0.1}, FULL, lab="04-Memory_Profiling")  # one batch: not judged
+    lab04_c1 = cl.claim_entry("C1", {"memory_saving": 0.1}, FULL)  # one batch: not judged
     lab04_c6 = cl.claim_entry("C6", {"memory_saving": 0.7, "slowdown": 0.1}, FULL, evidence=GPU_TIMED)
     lab04 = {"notebook": "04-Memory_Profiling", "env": {"date": "2026-11-28T11:00:00+00:00"},
              "claims": [lab04_c1, lab04_c6]}
