@@ -246,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_doctor)
     p = sub.add_parser("regenerate", help="re-execute the lab notebooks and regenerate results tables and figures")
     p.add_argument("--smoke", action="store_true", help="smoke mode (tiny model, CPU is fine); never writes results/")
-    p.add_argument("--only", metavar="01,03", help="comma-separated lab numbers (default: all four)")
+    p.add_argument("--only", metavar="01,03", help="comma-separated lab numbers (default: every lab)")
     p.add_argument("--out", metavar="DIR", help="output folder (default: results/<this GPU>/, or a temp folder with "
                                                 "--smoke)")
     p.add_argument("--notebooks", metavar="DIR", help="folder of the NN-*.ipynb notebooks to run, in that folder with "

@@ -1,8 +1,5 @@
-"""The one list of labs: each :class:`Lab`'s id ("01"), notebook stem, title, the configs it reads, the runs it
-trains (``runs(mode, device)`` -> ``[(label, config[, loads a model])]``: what its cells train with ``lu.run`` /
-``lu.train``, priced by :mod:`labutils.timeplan`) and the claims it owns (:mod:`labutils.claims`). The tests,
-``regenerate`` (the repository's notebooks must be exactly these), the results page and the plan iterate over
-:data:`LABS`. A fifth lab: its notebook, its entry here (with its runs), its config, its claims.
+"""The one list of labs, :data:`LABS`: the tests, ``regenerate`` (the repository's notebooks are exactly these), the
+results page and the time plan iterate over it. A fifth lab: its notebook, its entry here, its config, its claims.
 """
 from __future__ import annotations
 
@@ -121,12 +118,12 @@ def _lab04(mode: str, device: str) -> list:
 
 @dataclass(frozen=True)
 class Lab:
-    id: str
-    stem: str
+    id: str                           # "01"
+    stem: str                         # its notebook's name: "01-Mixed_Precision"
     title: str
-    configs: tuple[str, ...]
-    runs: Callable[[str, str], list]
-    claims: tuple[str, ...] = ()
+    configs: tuple[str, ...]          # the configs it reads
+    runs: Callable[[str, str], list]  # (mode, device) -> [(label, config[, loads a model])]: what its cells train
+    claims: tuple[str, ...] = ()      # the claims it owns (labutils.claims): it measures and records them
 
 
 LABS = (

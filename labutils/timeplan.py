@@ -64,16 +64,6 @@ def run_cost(cfg, gpu_name: str | None, device: str = "cuda", loads: bool = True
             "bound": "host" if host >= (compute or 0.0) else "compute", "seconds": steps * step + LOAD_S * loads}
 
 
-def lab_plan(lab: str, gpu_name: str | None, mode: str = "full", device: str = "cuda",
-             card_bytes: int | None = None) -> dict:
-    """A lab's predicted cost: its runs (its registry entry's ``runs``: ``(label, config[, loads a model])``), each
-    :func:`run_cost`, and the fresh kernel's fixed cost."""
-    runs = [{"run": r[0], **run_cost(r[1], gpu_name, device, *r[2:], card_bytes=card_bytes)}
-            for r in registry_lab(lab).runs(mode, device)]
-    return {"lab": lab, "runs": runs, "steps": sum(r["steps"] for r in runs), "flops": sum(r["flops"] for r in runs),
-            "seconds": KERNEL_S + sum(r["seconds"] for r in runs)}
-
-
 def bench_plan(gpu_name: str, repeats: int) -> dict:
     """``bench configs/fast_config.yaml --repeats N`` on the whole card: each section (the config's own; the other
     loss; eager when the config compiles) runs each side ``repeats`` times, each run loading its model and, when
@@ -94,7 +84,12 @@ def course_plan(gpu_name: str, labs=IDS, doctor: bool = True, card_gb: float | N
     from .cards import card_total_bytes
 
     card = card_total_bytes(card_gb)[0] if card_gb else None
-    plans = [lab_plan(lab, gpu_name, card_bytes=card) for lab in labs]
+    plans = []
+    for lab in labs:  # its runs (its entry in labutils.labs), each priced, and a fresh kernel's fixed cost
+        runs = [{"run": r[0], **run_cost(r[1], gpu_name, "cuda", *r[2:], card_bytes=card)}
+                for r in registry_lab(lab).runs("full", "cuda")]
+        plans.append({"lab": lab, "runs": runs, "steps": sum(r["steps"] for r in runs),
+                      "flops": sum(r["flops"] for r in runs), "seconds": KERNEL_S + sum(r["seconds"] for r in runs)})
     doc = DOCTOR_S + COMPILE_S if doctor else 0.0
     return {"gpu": gpu_name, "doctor_seconds": doc, "labs": plans,
             "seconds": doc + sum(p["seconds"] for p in plans), "goal_seconds": GOAL_S,
