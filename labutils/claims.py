@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .labs import owner
+from .labs import LABS
 from .verdict_rule import (DOES_NOT_HOLD, HOLDS, JUDGED, MIN_LAYERS, MIN_TIMED_STEPS, NOT_DECIDED, NOT_JUDGED,
                            NOT_MEASURED, PARTLY, VERDICTS, Evidence, Quantity, evidence_for, hardware, judge_quantity,
                            median_spread, on_cpu, run_pair_evidence, summarise, timed_ratio, timed_step_times)
 
 SMOKE_LABEL = "smoke measurement (tiny model, few steps, CPU): shows the code runs; not a GPU result"
 PREDICTION_LABEL = "prediction of labutils.estimate (arithmetic, not a measurement)"
+OWNER = {c: lab.stem for lab in LABS for c in lab.claims}  # the lab that measures and records each (labutils.labs)
 FULL = ("full_model",)
 
 
@@ -149,7 +150,7 @@ def claim_entry(claim_id: str, values: dict | None, cond: dict, *, reason: str |
              "parts": parts if values else {},
              "compares": {k: " vs ".join(e.pair) for k, e in evs.items() if e.pair and k in values},
              "evidence": {k: e.record() for k, e in evs.items() if k in values},
-             "lab": owner(claim_id).stem}
+             "lab": OWNER[claim_id]}
     if prediction:
         entry["prediction"] = {"label": PREDICTION_LABEL, "for": prediction_for, **_measured(claim, prediction)}
     if extra:
@@ -179,7 +180,7 @@ def collect(results: dict[str, dict]) -> list[dict]:
             by_lab.setdefault(lab, {})[e["id"]] = {**e, "lab": lab, "recorded": (data.get("env") or {}).get("date")}
     table = []
     for cid in CLAIMS:
-        stem = owner(cid).stem
+        stem = OWNER[cid]
         candidates = [e for _, got in sorted(by_lab.items(), key=lambda kv: kv[0] != stem) if (e := got.get(cid))]
         table.append(min(candidates, key=lambda e: _RANK.get(e["verdict"], 3)) if candidates else not_measured(
             cid, f"no lab recorded it (it belongs to {stem}, whose results are not here)",

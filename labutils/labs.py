@@ -144,11 +144,6 @@ def lab(key: str) -> Lab:
     return {k: entry for entry in LABS for k in (entry.id, entry.stem)}[key]
 
 
-def owner(claim_id: str) -> Lab:
-    """The lab that owns (measures and records) a claim."""
-    return next(entry for entry in LABS if claim_id in entry.claims)
-
-
 def mismatch(stems) -> str | None:
     """Why the notebooks found (their stems) are not the registry's labs, naming both sides; None when they are."""
     found, known = set(stems), {entry.stem for entry in LABS}

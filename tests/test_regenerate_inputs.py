@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from labutils import cli, regenerate as rg, report as rp
+from labutils.labs import IDS
 from tests.test_regenerate import write_notebooks
 
 REPO = Path(__file__).resolve().parent.parent
@@ -121,7 +122,7 @@ def test_a_notebook_unreadable_at_run_time_fails_that_lab_only(tmp_path):
 @pytest.mark.parametrize("only", ["", ",", " ", "01-Nonsense.ipynb", "01-Nonsense", "1x"])
 def test_only_must_name_a_lab(capsys, no_lab_runs, only, tmp_path):
     err = refused(capsys, ["--smoke", "--only", only, "--out", str(tmp_path / "out")])
-    assert "--only" in err and "01, 02, 03, 04" in err, err  # the allowed values
+    assert "--only" in err and ", ".join(IDS) in err, err  # the allowed values
     assert "01-Mixed_Precision" in err, err  # ... and the names that are allowed too
 
 
