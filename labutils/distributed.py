@@ -107,6 +107,16 @@ def maybe_accelerator(cfg: Config):
     return acc
 
 
+def wrap_blocks(acc, model) -> None:
+    """FSDP's wrap unit: the model's own block class, from its spec (GPT2Block, LlamaDecoderLayer, ...), whatever
+    the launch config said; set before ``acc.prepare`` wraps the model. No FSDP: nothing to do."""
+    from .model_spec import spec_of
+
+    fsdp = getattr(acc.state, "fsdp_plugin", None)
+    if fsdp is not None:
+        fsdp.transformer_cls_names_to_wrap = [spec_of(model).block_class]
+
+
 def uses_engine_optimizer(acc) -> bool:
     """DeepSpeed configs that name their own optimizer (CPU offload needs DeepSpeed's CPU Adam)."""
     ds = getattr(acc.state, "deepspeed_plugin", None) if acc else None
