@@ -17,6 +17,7 @@ import importlib.util
 import os
 
 from .config import Config, ConfigError
+from .model_spec import spec_of
 
 MIXED = {"fp32": "no", "tf32": "no", "fp16": "fp16", "bf16": "bf16"}
 
@@ -108,13 +109,9 @@ def maybe_accelerator(cfg: Config):
 
 
 def wrap_blocks(acc, model) -> None:
-    """FSDP's wrap unit: the model's own block class, from its spec (GPT2Block, LlamaDecoderLayer, ...), whatever
-    the launch config said; set before ``acc.prepare`` wraps the model. No FSDP: nothing to do."""
-    from .model_spec import spec_of
-
-    fsdp = getattr(acc.state, "fsdp_plugin", None)
-    if fsdp is not None:
-        fsdp.transformer_cls_names_to_wrap = [spec_of(model).block_class]
+    """FSDP's wrap unit: the model's own block class (its spec's: GPT2Block, LlamaDecoderLayer), before prepare."""
+    if getattr(acc.state, "fsdp_plugin", None) is not None:
+        acc.state.fsdp_plugin.transformer_cls_names_to_wrap = [spec_of(model).block_class]
 
 
 def uses_engine_optimizer(acc) -> bool:

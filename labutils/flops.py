@@ -24,16 +24,14 @@ from .peaks import peak_tflops
 
 
 def model_flops_per_token(model, seq_length: int, vocab: int | None = None) -> float:
-    """Model FLOPs per token of one training step (forward + backward), no recompute: the numerator of MFU.
+    """Model FLOPs per token of one training step (forward + backward), no recompute: the numerator of MFU, for
+    ``model`` (a preset's name, a config or a model: :func:`labutils.model_spec.spec_of`).
 
-PaLM's definition (Chowdhery et al. 2022, appendix B): 6N + 12 * L * T * d, where N counts the weights that
-    take part in matmuls (each block's Q, K, V, output and MLP matrices: GPT-2's 4d^2 + 8d^2; fewer K/V columns
-    with grouped-query attention, three MLP matrices when gated; and the LM head's d x vocab, tied or not) and
-    12 * L * T * d is the two attention matmuls (Q K^T and A V, full T x T as eager attention computes them; d: the
-    heads' width), forward 4 * T * d per layer and token, backward twice that. ``model``: a preset's name, a
-    config or a model (:func:`labutils.model_spec.spec_of`). Biases, LayerNorms,
-    GELU, softmax and the position table are not matmuls and are left out, as torch's FLOP counter does.
-    ``vocab``: the LM head's rows (default: the real vocabulary; a padded one, e.g. 50304, is what the GPU runs).
+    PaLM's definition (Chowdhery et al. 2022, appendix B): 6N + 12 * L * T * d, where N counts the weights that
+    take part in matmuls (each block's Q, K, V, output and MLP matrices, GPT-2's 12d^2, and the LM head's
+    d x vocab) and 12 * L * T * d is the two attention matmuls (Q K^T and A V, full T x T as eager attention
+    computes them; d: the heads' width). Biases, norms, activations, softmax and embeddings are not matmuls and
+    are left out, as torch's FLOP counter does. ``vocab``: the LM head's rows (default: the real vocabulary).
     """
     s = spec_of(model)
     blocks = s.n_layer * (s.block_matmul_weights + 2 * seq_length * s.attn_width)  # one forward's multiply-adds

@@ -129,9 +129,8 @@ def gpt2_config(name: str, dropout: float | None = None, attn_implementation: st
     if attn_implementation == CAUSAL_SDPA:
         register_attention()
     p = PRESETS[name]
-    vocab = p.vocab
-    kw = dict(n_layer=p.n_layer, n_embd=p.d_model, n_head=p.n_head, vocab_size=vocab, n_positions=p.n_positions,
-              bos_token_id=vocab - 1, eos_token_id=vocab - 1, use_cache=False, activation_function=activation)
+    kw = dict(n_layer=p.n_layer, n_embd=p.d_model, n_head=p.n_head, vocab_size=p.vocab, n_positions=p.n_positions,
+              bos_token_id=p.vocab - 1, eos_token_id=p.vocab - 1, use_cache=False, activation_function=activation)
     if dropout is not None:
         kw.update(resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
     cfg = GPT2Config(**kw)

@@ -106,8 +106,7 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
 
 
 def config_of(hf_model, dropout: float | None = None) -> GPTConfig:
-    """The reference's shape for a transformers GPT-2 (its padded vocabulary, if any, included); another model is
-    refused in one line."""
+    """The reference's shape for a transformers GPT-2 (padded vocabulary included); another model: refused."""
     gpt2_only("labutils.reference (bench's nanoGPT)", hf_model)
     c = hf_model.config
     vocab = hf_model.get_input_embeddings().weight.shape[0]
