@@ -13,7 +13,6 @@ from dataclasses import dataclass, replace
 from .cards import CUDA_CONTEXT_BYTES, card_total_bytes
 from .config import validate
 from .model_spec import gpt2_only
-from .models import padded_vocab_size
 from . import device as dev
 from .replay import CUBLAS_WORKSPACE_BYTES, Replay, cublas_workspace_bytes
 from .replay_ledger import KINDS
@@ -81,11 +80,9 @@ def gpu_workspace_bytes(device: str = "cuda") -> int:
 
 
 def parameter_count(model, pad_vocab_to: int | None = None) -> int:
-    """Parameters of a GPT-2 preset (LM head tied to the token embedding), from its shape alone; with
-    ``pad_vocab_to`` the embedding has the padded vocabulary's rows."""
-    s = gpt2_only("labutils.estimate", model)
-    h, vocab = s.d_model, padded_vocab_size(s.vocab, pad_vocab_to)
-    return vocab * h + s.n_positions * h + s.n_layer * (12 * h * h + 13 * h) + 2 * h
+    """Parameters of a GPT-2 preset (LM head tied to the token embedding), from its shape alone: the replay's AdamW
+    groups; with ``pad_vocab_to`` the embedding has the padded vocabulary's rows."""
+    return sum(map(sum, Replay(Plan(model=model, pad_vocab_to=pad_vocab_to)).param_groups()))
 
 
 # ----------------------------------------------------------------------------------------------------------

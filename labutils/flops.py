@@ -1,15 +1,14 @@
-"""FLOPs of a training step of any transformers causal LM (its :class:`labutils.model_spec.ModelSpec`), the
+"""FLOPs of a training step of any transformers causal LM (from its :class:`labutils.model_spec.ModelSpec`), the
 attention kernel that runs it, and the MFU / HFU of a run.
 
 * :func:`model_flops_per_token`: the model's FLOPs (PaLM's 6N + 12LTd), the numerator of MFU;
 * :func:`flops_per_token`: what the GPU really executes, with checkpointing's recompute and fused attention's
   score recompute (HFU); :func:`recomputed_flops_per_token` is the recompute alone;
-* :func:`attention_kernel`: which SDPA kernel a model's attention gets (flash, memory-efficient, math, ...), as
-  torch would choose it; :class:`AttentionProbe`: which one really ran (read from the profiler's aten ops, so
-  it is also right under torch.compile);
+* :func:`attention_kernel`: the SDPA kernel torch would choose; :class:`AttentionProbe`: the one that really ran
+  (from the profiler's aten ops: right under torch.compile too);
 * :func:`account_flops`: fills a finished run's achieved TFLOP/s, MFU and HFU (``lu.train`` calls it).
 
-All counts are checked against ``torch.utils.flop_counter.FlopCounterMode`` in tests/test_flops.py.
+Counts are checked against ``torch.utils.flop_counter.FlopCounterMode`` (tests/test_flops.py, test_other_models.py).
 """
 from __future__ import annotations
 
@@ -43,10 +42,9 @@ def recomputed_flops_per_token(model, seq_length: int, every_n_layers: int = 1, 
     """FLOPs per token that non-reentrant activation checkpointing re-runs in backward (0 with none).
 
     Each checkpointed block (0, k, 2k, ... for ``every_n_layers=k``) re-runs its forward, but non-reentrant
-    checkpointing stops early: once every tensor the backward needs is back, it stops. The last matmul of a
-    block, the MLP's output projection (GPT-2's c_proj, 8d^2 per token), produces nothing backward needs, unless
-    a dropout follows it: dropout's mask is saved for backward and is drawn *after* c_proj runs, so with
-    ``dropout`` (GPT-2's own 0.1) the whole forward is re-run, and without it c_proj is skipped.
+    checkpointing stops once every tensor the backward needs is back. A block's last matmul, the MLP's output
+    projection (GPT-2's c_proj), produces nothing backward needs unless a dropout follows it (its mask is drawn
+    after c_proj): with ``dropout`` (GPT-2's own 0.1) the whole forward is re-run, without it c_proj is skipped.
     """
     s = spec_of(model)
     checkpointed = len(range(0, s.n_layer, every_n_layers))
