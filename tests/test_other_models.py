@@ -129,3 +129,41 @@ def test_what_stays_gpt2_only_refuses_in_one_line():
         line = str(err.value)
         assert "\n" not in line and "GPT-2 only (gpt2, gpt2-medium, gpt2-large, gpt2-xl, tiny)" in line, line
         assert line.endswith(("got LlamaForCausalLM", "got llama")), line
+
+
+def test_lab04_one_loop_trains_another_family_as_lu_train_does(root):
+    """Notebook 04's capstone cell, run as written on a Llama: the same losses as ``lu.train`` (checkpointing and
+    accumulation on, as in the lab's "all together" row)."""
+    import json
+    import math
+    import time
+
+    cells = json.loads((root / "04-Memory_Profiling.ipynb").read_text(encoding="utf-8"))["cells"]
+    source = next("".join(c["source"]) for c in cells if "".join(c["source"]).startswith("def one_loop("))
+    ns = {"lu": lu, "torch": torch, "math": math, "time": time}
+    exec(compile(source, "lab04 one_loop", "exec"), ns)
+    cfg = tiny_config(train__steps=2, train__micro_batch_size=2, train__accumulation_steps=2,
+                      train__gradient_checkpointing=True, data__seq_length=16, data__num_samples=8)
+    ds = build_dataset(cfg.data, gpt2_tokenizer("tiny"))
+    mine = ns["one_loop"](cfg, llama(), ds, torch.device("cpu"))["losses"]
+    ref = lu.train(cfg, llama(), ds, "cpu", progress=False, track_memory=False).losses
+    assert mine == pytest.approx(ref, rel=1e-5)
+
+
+def test_fsdp_wraps_the_model_s_own_block_class():
+    """The launch config named GPT2Block (configs/accelerate/fsdp.yaml did): accelerate then refuses a Llama; the
+    loop sets the class from the model's spec before ``prepare``. The plugin is accelerate's own."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from labutils.distributed import wrap_blocks
+
+    model = llama()
+    with pytest.raises(ValueError, match="GPT2Block"):
+        FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                       transformer_cls_names_to_wrap=["GPT2Block"]).set_auto_wrap_policy(model)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["GPT2Block"])
+    wrap_blocks(SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin)), model)  # an Accelerator's .state
+    plugin.set_auto_wrap_policy(model)
+    assert {c.__name__ for c in plugin.auto_wrap_policy.keywords["transformer_layer_cls"]} == {"LlamaDecoderLayer"}
