@@ -10,7 +10,6 @@ import torch
 
 from .env import matmul_precision, seed_everything
 from .memory import MemoryTracker, cpu_budget_kwargs, is_weight_copy, state_bytes
-from .model_spec import spec_of
 from .precision import AMP_DTYPES, COLORS, DTYPE_NAMES
 from .results import byte_unit
 
@@ -75,8 +74,8 @@ def measure_step_memory(cfg, precision: str, step_fn, device) -> dict:
             seen[name] = DTYPE_NAMES[output.dtype]
         return hook
 
-    hooks = [spec_of(model).blocks_of(model)[0].attn.c_attn.register_forward_hook(record_dtype("matmul output")),
-             model.get_output_embeddings().register_forward_hook(record_dtype("logits (lm_head output)"))]
+    hooks = [model.transformer.h[0].attn.c_attn.register_forward_hook(record_dtype("matmul output")),
+             model.lm_head.register_forward_hook(record_dtype("logits (lm_head output)"))]
 
     def mark(label):
         marks[label] = mt.mark(label)

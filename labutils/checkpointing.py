@@ -82,13 +82,12 @@ class Segment(nn.Module):
 def segments(k: int) -> Variant:
     """Group the model's blocks into segments of ``k`` (the last may be shorter), each one checkpoint."""
     def apply(model):
-        parent, _, name = spec_of(model).blocks.rpartition(".")  # the blocks' ModuleList, from the model's spec
-        parent = model.get_submodule(parent)
-        blocks = getattr(parent, name)
-        setattr(parent, name, nn.ModuleList(Segment(blocks[i:i + k]) for i in range(0, len(blocks), k)))
+        path = spec_of(model).blocks  # where the model keeps its blocks ("transformer.h", "model.layers")
+        blocks = model.get_submodule(path)
+        model.set_submodule(path, nn.ModuleList(Segment(blocks[i:i + k]) for i in range(0, len(blocks), k)))
 
         def undo():
-            setattr(parent, name, blocks)
+            model.set_submodule(path, blocks)
         return undo
     return Variant(f"segments of {k}", "segments", apply, k)
 

@@ -2,7 +2,6 @@
 :func:`spec_of`; :data:`PRESETS`: GPT-2's sizes plus ``tiny``. What stays GPT-2 only refuses: :func:`gpt2_only`."""
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +37,7 @@ class ModelSpec:
         return d * (2 * self.attn_width + 2 * kv) + (3 if self.gated_mlp else 2) * d * self.d_ff
 
     def blocks_of(self, model: torch.nn.Module) -> torch.nn.ModuleList:
-        return operator.attrgetter(self.blocks)(model)
+        return model.get_submodule(self.blocks)
 
 
 PRESETS = {name: ModelSpec("gpt2", n, d, a, a, d // a, 4 * d, False, vocab_size(name), True, 1024, "transformer.h",

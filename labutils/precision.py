@@ -11,7 +11,6 @@ import torch
 
 from .env import seed_everything
 from .figures import legend_outside, step_axis, step_numbers
-from .model_spec import spec_of
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}  # autocast dtype per precision; fp32/tf32: no autocast
@@ -174,7 +173,7 @@ def activation_overflow_demo(cfg, device, first_nonfinite, precisions=("fp32", "
     loaded, dataset = prepare(cfg, device, verbose=False)
     model = loaded.model.eval()
     batch = next(dataset.to(device).windows(cfg.train.micro_batch_size, 1, cfg.train.seed)).micro_batches[0]
-    layer = spec_of(model).blocks_of(model)[0].mlp.c_fc
+    layer = model.transformer.h[0].mlp.c_fc
     peak = []
     hook = layer.register_forward_hook(lambda m, i, o: peak.append(o.abs().max().item()))
     with torch.no_grad():

@@ -334,7 +334,6 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
     if scheduler is None:
         from accelerate.utils import DummyScheduler
         scheduler = DummyScheduler(optimizer, total_num_steps=t.steps, warmup_num_steps=t.warmup_steps)
-    raw = model  # its FLOPs are counted from its spec (what prepare wraps or shards keeps its config)
     wrap_blocks(acc, model)
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
     tracker = MemoryTracker(device) if device.type == "cuda" else None
@@ -384,6 +383,6 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
         peak = torch.tensor(tracker.peak_bytes, device=device)
         result.peak_memory_bytes = int(acc.reduce(peak, reduction="max"))  # the busiest rank
     finish_timing(result, cfg, dataset.seq_length, device,
-                   first_timed_step(t.steps, t.timing_warmup_steps), (), real_positions, model=raw)
+                   first_timed_step(t.steps, t.timing_warmup_steps), (), real_positions, model=acc.unwrap_model(model))
     acc.free_memory()
     return result
