@@ -13,7 +13,7 @@ Core (every lab and command builds on these):
   data                the offline corpus, tokenised into fixed-length samples; the accumulation-exact sampler
   hub                 where weights and tokenizers come from: the hub probe, the local cache, GPT-2's BPE
   model_spec          a model's shape as data (ModelSpec), read from any causal LM's config; PRESETS: GPT-2 + tiny
-  models              GPT-2 sizes plus tiny: the architecture, pretrained or random weights, checkpointing switch
+  models              GPT-2 (sizes: model_spec): pretrained or random weights, the course's changes, checkpointing
   precisions          every precision as data (autocast dtype, scaler, native support) and which one a device gets
   peaks               dense peak TFLOP/s of NVIDIA GPUs per precision (the denominator of MFU)
   flops               FLOPs of a training step (model and executed), the SDPA kernel, MFU and HFU of a run
