@@ -12,7 +12,8 @@ Core (every lab and command builds on these):
   env                 where we run: the setup cell, device and version facts, seeds, TF32 switch, budget
   data                the offline corpus, tokenised into fixed-length samples; the accumulation-exact sampler
   hub                 where weights and tokenizers come from: the hub probe, the local cache, GPT-2's BPE
-  models              GPT-2 sizes plus tiny: the architecture, pretrained or random weights, checkpointing switch
+  model_spec          a model's shape as data (ModelSpec), read from any causal LM's config; PRESETS: GPT-2 + tiny
+  models              GPT-2 (sizes: model_spec): pretrained or random weights, the course's changes, checkpointing
   precisions          every precision as data (autocast dtype, scaler, native support) and which one a device gets
   peaks               dense peak TFLOP/s of NVIDIA GPUs per precision (the denominator of MFU)
   flops               FLOPs of a training step (model and executed), the SDPA kernel, MFU and HFU of a run
@@ -77,6 +78,7 @@ from .device import card_allocator_bytes
 from .env import (bf16_supported, environment, matmul_precision, seed_everything, set_memory_budget, setup,
                   tf32_supported)
 from .memory import MemoryTracker, fmt_bytes, release, state_bytes
+from .model_spec import spec_of
 from .models import enable_checkpointing, load_model
 from .peaks import peak_info, peak_tflops
 from .results import mode_banner, read_results, record_results, show_table

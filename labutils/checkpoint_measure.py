@@ -15,6 +15,7 @@ from . import env as _env
 from .checkpointing import Variant
 from .config import Config
 from .memory import LiveStorages, oom_caught, release
+from .model_spec import spec_of
 from .train import RunResult, prepare, train
 from .verdict_rule import median_spread, timed_step_times
 
@@ -243,7 +244,7 @@ def forward_calls(model, batch: dict, variant: Variant | None = None) -> int:
     ``block.mlp``: transformers checkpoints a block's ``forward``, so a hook on the block misses the recompute)."""
     calls = [0]
     handles = [block.mlp.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-               for block in model.transformer.h]
+               for block in spec_of(model).blocks_of(model)]
     try:
         with _one_step(model, batch, variant):
             return calls[0]

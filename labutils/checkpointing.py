@@ -25,6 +25,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from . import device as dev
 from .memory import oom_text
+from .model_spec import spec_of
 from .models import disable_checkpointing, enable_checkpointing
 
 
@@ -59,7 +60,7 @@ def full(**checkpoint_kwargs) -> Variant:
 
 
 class Segment(nn.Module):
-    """``len(blocks)`` consecutive GPT-2 blocks run inside one non-reentrant checkpoint (Chen et al. 2016).
+    """``len(blocks)`` consecutive blocks run inside one non-reentrant checkpoint (Chen et al. 2016).
 
     Forward keeps only the segment's input; backward re-runs the whole segment to get what it needs.
     """
@@ -81,11 +82,12 @@ class Segment(nn.Module):
 def segments(k: int) -> Variant:
     """Group the model's blocks into segments of ``k`` (the last may be shorter), each one checkpoint."""
     def apply(model):
-        blocks = model.transformer.h
-        model.transformer.h = nn.ModuleList(Segment(blocks[i:i + k]) for i in range(0, len(blocks), k))
+        path = spec_of(model).blocks  # where the model keeps its blocks ("transformer.h", "model.layers")
+        blocks = model.get_submodule(path)
+        model.set_submodule(path, nn.ModuleList(Segment(blocks[i:i + k]) for i in range(0, len(blocks), k)))
 
         def undo():
-            model.transformer.h = blocks
+            model.set_submodule(path, blocks)
         return undo
     return Variant(f"segments of {k}", "segments", apply, k)
 

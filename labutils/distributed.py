@@ -17,6 +17,7 @@ import importlib.util
 import os
 
 from .config import Config, ConfigError
+from .model_spec import spec_of
 
 MIXED = {"fp32": "no", "tf32": "no", "fp16": "fp16", "bf16": "bf16"}
 
@@ -105,6 +106,12 @@ def maybe_accelerator(cfg: Config):
         if cfg.train.max_grad_norm is not None and ds.is_auto("gradient_clipping"):
             ds.deepspeed_config["gradient_clipping"] = cfg.train.max_grad_norm
     return acc
+
+
+def wrap_blocks(acc, model) -> None:
+    """FSDP's wrap unit: the model's own block class (its spec's: GPT2Block, LlamaDecoderLayer), before prepare."""
+    if getattr(acc.state, "fsdp_plugin", None) is not None:
+        acc.state.fsdp_plugin.transformer_cls_names_to_wrap = [spec_of(model).block_class]
 
 
 def uses_engine_optimizer(acc) -> bool:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from .cards import CUDA_CONTEXT_BYTES, card_total_bytes
 from .config import validate
-from .models import N_POSITIONS, PRESETS, padded_vocab_size, vocab_size
+from .model_spec import gpt2_only
 from . import device as dev
 from .replay import CUBLAS_WORKSPACE_BYTES, Replay, cublas_workspace_bytes
 from .replay_ledger import KINDS
@@ -31,7 +31,7 @@ COMPILE_BASIS = ("torch.compile assumed to hold what the eager step holds (induc
 @dataclass(frozen=True)
 class Plan:
     """Everything the estimate depends on. Built from a labutils Config by :func:`plan_from_config`."""
-    model: str = "gpt2"
+    model: str = "gpt2"         # a GPT-2 preset (another model, its spec or config: refused in one line)
     seq: int = 128
     micro: int = 4
     accum: int = 1
@@ -79,12 +79,10 @@ def gpu_workspace_bytes(device: str = "cuda") -> int:
     return 2 * cublas_workspace_bytes(cap[0] if cap else None)
 
 
-def parameter_count(model: str, pad_vocab_to: int | None = None) -> int:
-    """Parameters of a GPT-2 preset (LM head tied to the token embedding), from its shape alone; with
-    ``pad_vocab_to`` the embedding has the padded vocabulary's rows."""
-    n_layer, h, _ = PRESETS[model]
-    vocab = padded_vocab_size(vocab_size(model), pad_vocab_to)
-    return vocab * h + N_POSITIONS * h + n_layer * (12 * h * h + 13 * h) + 2 * h
+def parameter_count(model, pad_vocab_to: int | None = None) -> int:
+    """Parameters of a GPT-2 preset (LM head tied to the token embedding), from its shape alone: the replay's AdamW
+    groups; with ``pad_vocab_to`` the embedding has the padded vocabulary's rows."""
+    return sum(map(sum, Replay(Plan(model=model, pad_vocab_to=pad_vocab_to)).param_groups()))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -152,9 +150,10 @@ def activation_table(cfg=None, device: str = "cuda", **overrides) -> list[dict]:
     return rows
 
 
-def korthikanti_bytes_per_layer(model: str, seq: int, micro: int, flash: bool = True) -> int:
+def korthikanti_bytes_per_layer(model, seq: int, micro: int, flash: bool = True) -> int:
     """Korthikanti et al. 2022, eq. (1): s*b*h*(34 + 5*a*s/h) bytes per layer (16-bit activations)."""
-    _, h, a = PRESETS[model]
+    s = gpt2_only("labutils.estimate", model)
+    h, a = s.d_model, s.n_head
     return int(seq * micro * h * (34 + (0 if flash else 5 * a * seq / h)))
 
 

@@ -1,14 +1,14 @@
-"""FLOPs of a GPT-2 training step, the attention kernel that runs it, and the MFU / HFU of a run.
+"""FLOPs of a training step of any transformers causal LM (from its :class:`labutils.model_spec.ModelSpec`), the
+attention kernel that runs it, and the MFU / HFU of a run.
 
 * :func:`model_flops_per_token`: the model's FLOPs (PaLM's 6N + 12LTd), the numerator of MFU;
 * :func:`flops_per_token`: what the GPU really executes, with checkpointing's recompute and fused attention's
   score recompute (HFU); :func:`recomputed_flops_per_token` is the recompute alone;
-* :func:`attention_kernel`: which SDPA kernel a model's attention gets (flash, memory-efficient, math, ...), as
-  torch would choose it; :class:`AttentionProbe`: which one really ran (read from the profiler's aten ops, so
-  it is also right under torch.compile);
+* :func:`attention_kernel`: the SDPA kernel torch would choose; :class:`AttentionProbe`: the one that really ran
+  (from the profiler's aten ops: right under torch.compile too);
 * :func:`account_flops`: fills a finished run's achieved TFLOP/s, MFU and HFU (``lu.train`` calls it).
 
-All counts are checked against ``torch.utils.flop_counter.FlopCounterMode`` in tests/test_flops.py.
+Counts are checked against ``torch.utils.flop_counter.FlopCounterMode`` (tests/test_flops.py, test_other_models.py).
 """
 from __future__ import annotations
 
@@ -17,39 +17,39 @@ import os
 import torch
 
 from . import device as dev
-from .models import CAUSAL_SDPA, PRESETS, padded_vocab_size, vocab_size
+from .model_spec import spec_of
+from .models import CAUSAL_SDPA, padded_vocab_size
 from .peaks import peak_tflops
 
 
-def model_flops_per_token(name: str, seq_length: int, vocab: int | None = None) -> float:
-    """Model FLOPs per token of one training step (forward + backward), no recompute: the numerator of MFU.
+def model_flops_per_token(model, seq_length: int, vocab: int | None = None) -> float:
+    """Model FLOPs per token of one training step (forward + backward), no recompute: the numerator of MFU, for
+    ``model`` (a preset's name, a config or a model: :func:`labutils.model_spec.spec_of`).
 
     PaLM's definition (Chowdhery et al. 2022, appendix B): 6N + 12 * L * T * d, where N counts the weights that
-    take part in matmuls (each block's 4d^2 attention + 8d^2 MLP, and the LM head's d x vocab, tied to the
-    token embedding) and 12 * L * T * d is the two attention matmuls (Q K^T and A V, full T x T as eager
-    attention computes them), forward 4 * T * d per layer and token, backward twice that. Biases, LayerNorms,
-    GELU, softmax and the position table are not matmuls and are left out, as torch's FLOP counter does.
-    ``vocab``: the LM head's rows (default: the real vocabulary; a padded one, e.g. 50304, is what the GPU runs).
+    take part in matmuls (each block's Q, K, V, output and MLP matrices, GPT-2's 12d^2, and the LM head's
+    d x vocab) and 12 * L * T * d is the two attention matmuls (Q K^T and A V, full T x T as eager attention
+    computes them; d: the heads' width). Biases, norms, activations, softmax and embeddings are not matmuls and
+    are left out, as torch's FLOP counter does. ``vocab``: the LM head's rows (default: the real vocabulary).
     """
-    n_layer, d, _ = PRESETS[name]
-    blocks = n_layer * (12 * d * d + 2 * seq_length * d)  # one forward pass's multiply-adds per token
-    head = d * (vocab or vocab_size(name))
+    s = spec_of(model)
+    blocks = s.n_layer * (s.block_matmul_weights + 2 * seq_length * s.attn_width)  # one forward's multiply-adds
+    head = s.d_model * (vocab or s.vocab)
     return 6 * (blocks + head)
 
 
-def recomputed_flops_per_token(name: str, seq_length: int, every_n_layers: int = 1, dropout: bool = True) -> float:
+def recomputed_flops_per_token(model, seq_length: int, every_n_layers: int = 1, dropout: bool = True) -> float:
     """FLOPs per token that non-reentrant activation checkpointing re-runs in backward (0 with none).
 
     Each checkpointed block (0, k, 2k, ... for ``every_n_layers=k``) re-runs its forward, but non-reentrant
-    checkpointing stops early: once every tensor the backward needs is back, it stops. The last matmul of a
-    GPT-2 block, the MLP's output projection (c_proj, 8d^2 per token), produces nothing backward needs, unless
-    a dropout follows it: dropout's mask is saved for backward and is drawn *after* c_proj runs, so with
-    ``dropout`` (GPT-2's own 0.1) the whole forward is re-run, and without it c_proj is skipped.
+    checkpointing stops once every tensor the backward needs is back. A block's last matmul, the MLP's output
+    projection (GPT-2's c_proj), produces nothing backward needs unless a dropout follows it (its mask is drawn
+    after c_proj): with ``dropout`` (GPT-2's own 0.1) the whole forward is re-run, without it c_proj is skipped.
     """
-    n_layer, d, _ = PRESETS[name]
-    checkpointed = len(range(0, n_layer, every_n_layers))
-    forward = 2 * (12 * d * d + 2 * seq_length * d)      # one block's forward: weights and attention matmuls
-    skipped = 0 if dropout else 2 * 4 * d * d             # MLP c_proj, 4d -> d: not re-run (early stop)
+    s = spec_of(model)
+    checkpointed = len(range(0, s.n_layer, every_n_layers))
+    forward = 2 * (s.block_matmul_weights + 2 * seq_length * s.attn_width)  # one block's forward matmuls
+    skipped = 0 if dropout else 2 * s.d_ff * s.d_model    # MLP output projection: not re-run (early stop)
     return checkpointed * (forward - skipped)
 
 
@@ -60,7 +60,7 @@ def causal_score_fraction(seq_length: int) -> float:
     return (seq_length + 1) / (2 * seq_length)
 
 
-def flops_per_token(name: str, seq_length: int, recompute: bool = False, *, every_n_layers: int = 1,
+def flops_per_token(model, seq_length: int, recompute: bool = False, *, every_n_layers: int = 1,
                     dropout: bool = True, fused_attention: bool = False, causal_skip: bool = False,
                     vocab: int | None = None) -> float:
     """Executed training FLOPs per position (forward + backward + recompute): what the GPU really computes.
@@ -75,14 +75,15 @@ def flops_per_token(name: str, seq_length: int, recompute: bool = False, *, ever
     loss (``model.loss: chunked``) runs the head's three matmuls once each, as the full loss does: nothing to add.
     Without recompute and with eager attention this equals :func:`model_flops_per_token`.
     """
-    n_layer, d, _ = PRESETS[name]
-    flops = model_flops_per_token(name, seq_length, vocab)
+    s = spec_of(model)
+    n_layer, d = s.n_layer, s.attn_width
+    flops = model_flops_per_token(s, seq_length, vocab)
     attention = n_layer * 12 * seq_length * d  # the attention matmuls inside model_flops_per_token
     if fused_attention:
         attention += n_layer * 2 * seq_length * d
         flops += n_layer * 2 * seq_length * d
     if recompute:
-        flops += recomputed_flops_per_token(name, seq_length, every_n_layers, dropout)
+        flops += recomputed_flops_per_token(s, seq_length, every_n_layers, dropout)
         attention += len(range(0, n_layer, every_n_layers)) * 4 * seq_length * d
     if causal_skip:
         flops -= attention * (1 - causal_score_fraction(seq_length))
@@ -99,10 +100,10 @@ def attention_kernel(model, seq_length: int, padded: bool, precision: str = "fp3
     """Which kernel ``scaled_dot_product_attention`` picks for this model's attention in a training step.
 
     Asks torch's own dispatcher (``torch._fused_sdp_choice``, what SDPA calls to choose) with tensors shaped as
-    GPT-2 hands them over: [batch, heads, seq, head_dim] in the autocast dtype; with padding, a boolean mask and
-    ``is_causal=False`` (transformers drops an all-ones mask and passes ``is_causal=True``); the model's
-    attention dropout while training. A padding mask or dropout rules kernels out: on CUDA the flash kernel takes
-    no mask; on the CPU its flash kernel takes no dropout.
+    transformers hands them over (heads, head size: the model's spec): [batch, heads, seq, head_dim] in the
+    autocast dtype; with padding, a boolean mask and ``is_causal=False`` (transformers drops an all-ones mask and
+    passes ``is_causal=True``); the model's attention dropout while training. A padding mask or dropout rules
+    kernels out: on CUDA the flash kernel takes no mask; on the CPU its flash kernel takes no dropout.
     """
     cfg = model.config
     impl = getattr(cfg, "_attn_implementation", "sdpa")
@@ -112,9 +113,11 @@ def attention_kernel(model, seq_length: int, padded: bool, precision: str = "fp3
         return f"{cfg._attn_implementation} (not SDPA)"
     device = torch.device(device)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
-    q = torch.empty(1, cfg.n_head, seq_length, cfg.n_embd // cfg.n_head, dtype=dtype, device=device)
+    s = spec_of(model)
+    q = torch.empty(1, s.n_head, seq_length, s.head_dim, dtype=dtype, device=device)
     mask = torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool, device=device) if padded else None
-    dropout = float(cfg.attn_pdrop) if model.training else 0.0
+    dropout = getattr(cfg, "attn_pdrop", getattr(cfg, "attention_dropout", 0.0))  # GPT-2's name; Llama's
+    dropout = float(dropout or 0.0) if model.training else 0.0
     kernel = _SDPA_KERNELS.get(int(torch._fused_sdp_choice(q, q, q, mask, dropout, not padded)), "unknown")
     return f"{kernel} (CPU kernel)" if device.type == "cpu" and kernel == "flash" else kernel
 
@@ -178,22 +181,25 @@ def kernel_from_ops(ops) -> str:
     return max(set(names), key=names.count)  # every layer runs the same kernel; the most common if not
 
 
-def account_flops(result, cfg, seq_length: int, device: torch.device, n_timed: int) -> None:
+def account_flops(result, cfg, seq_length: int, device: torch.device, n_timed: int, model=None) -> None:
     """Achieved TFLOP/s, MFU and HFU of a finished run (a :class:`labutils.train.RunResult`, filled in place), over
-    its last ``n_timed`` (timed) steps of ``cfg``'s model at ``seq_length``."""
+    its last ``n_timed`` (timed) steps at ``seq_length`` of ``model`` (the one trained: its spec, its LM head's rows;
+    None: ``cfg``'s preset, its vocabulary padded as the config says)."""
     t, m = cfg.train, cfg.model
+    spec = spec_of(model if model is not None else m.name)
+    rows = model.config.vocab_size if model is not None else padded_vocab_size(spec.vocab, m.pad_vocab_to)
     kernel = result.attention_kernel or "flash"
     fused = device.type == "cuda" and m.attn_implementation in ("sdpa", CAUSAL_SDPA) and \
         kernel.split()[0] in FUSED_KERNELS
     # HFU: a fused kernel with is_causal=True and no mask skips the scores above the diagonal (flash never takes a
     # mask; the others say "(masked)" when they got one, see AttentionProbe)
-    executed = flops_per_token(m.name, seq_length, recompute=t.gradient_checkpointing,
+    executed = flops_per_token(spec, seq_length, recompute=t.gradient_checkpointing,
                                every_n_layers=t.checkpoint_every_n_layers, dropout=m.dropout is None or m.dropout > 0,
                                fused_attention=fused, causal_skip=fused and "masked" not in kernel,
-                               vocab=padded_vocab_size(vocab_size(m.name), m.pad_vocab_to))
+                               vocab=rows)
     targets = result.target_tokens[-n_timed:]
     step = result.step_time_seconds  # the median timed step: the one step time every speed reads
-    result.model_flops_per_step = model_flops_per_token(m.name, seq_length) * sum(targets) / len(targets)
+    result.model_flops_per_step = model_flops_per_token(spec, seq_length) * sum(targets) / len(targets)
     result.executed_flops_per_step = executed * result.tokens_per_step
     result.achieved_tflops = executed * result.tokens_per_second / 1e12
     peak = peak_tflops(dev.name(device), t.precision) if dev.is_cuda(device) else None

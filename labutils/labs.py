@@ -72,7 +72,7 @@ def _lab03(mode: str, device: str) -> list:
     from .estimate import largest_batch
 
     cfg = load_config("configs/lab03_checkpointing.yaml", mode=mode)
-    B, L = cfg.train.micro_batch_size, PRESETS[cfg.model.name][0]
+    B, L = cfg.train.micro_batch_size, PRESETS[cfg.model.name].n_layer
     pair_steps = max(cfg.train.steps, cfg.train.timing_warmup_steps + 10) if device == "cuda" else cfg.train.steps
     ck = {"train.gradient_checkpointing": True}
     runs = [(f"pair {b} {on}", cfg.override({"train.micro_batch_size": b, "train.steps": pair_steps,

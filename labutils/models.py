@@ -1,5 +1,5 @@
-"""GPT-2 models: the four sizes plus ``tiny``, their architecture, and :func:`load_model`, which builds one with
-pretrained weights (from the local hub cache or the hub, :mod:`labutils.hub`) or random ones.
+"""GPT-2 models: the four sizes plus ``tiny`` (their shapes: :mod:`labutils.model_spec`), and :func:`load_model`,
+which builds one with pretrained weights (from the local hub cache or the hub, :mod:`labutils.hub`) or random ones.
 
 Also what the course changes in the architecture: ``sdpa_causal`` attention (and the guard that refuses a mask it
 would ignore), the vocabulary padded to a multiple of 64, the chunked loss, torch.compile, checkpointing.
@@ -15,16 +15,8 @@ from .config import ModelConfig
 from .hub import (BPE_PACKAGE, HUB_IDS, TINY_CACHE_ID, TINY_VOCAB, ByteTokenizer, CheckpointError, HubTokenizer,
                   WeightsUnavailableError, cached_file, check_cached_config, gpt2_tokenizer, hub_reachable, load_errors,
                   offline_tokenizer_problem, vocab_size, why_not_loaded)
+from .model_spec import PRESETS, real_vocab_size, spec_of  # noqa: F401 (re-exported: the sizes' one home)
 
-# Architecture of each size (n_layer, n_embd, n_head); all share the 50257-token vocabulary and 1024 positions.
-PRESETS = {
-    "gpt2": (12, 768, 12),
-    "gpt2-medium": (24, 1024, 16),
-    "gpt2-large": (36, 1280, 20),
-    "gpt2-xl": (48, 1600, 25),
-    "tiny": (2, 128, 4),  # GPT-2 architecture, for smoke runs only; no hub checkpoint
-}
-N_POSITIONS = 1024  # positions of every size
 _last: dict[str, str] = {}  # the most recent load_model's "weights" and "tokenizer"
 
 
@@ -136,10 +128,9 @@ def gpt2_config(name: str, dropout: float | None = None, attn_implementation: st
 
     if attn_implementation == CAUSAL_SDPA:
         register_attention()
-    n_layer, n_embd, n_head = PRESETS[name]
-    vocab = vocab_size(name)
-    kw = dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab, n_positions=N_POSITIONS,
-              bos_token_id=vocab - 1, eos_token_id=vocab - 1, use_cache=False, activation_function=activation)
+    p = PRESETS[name]
+    kw = dict(n_layer=p.n_layer, n_embd=p.d_model, n_head=p.n_head, vocab_size=p.vocab, n_positions=p.n_positions,
+              bos_token_id=p.vocab - 1, eos_token_id=p.vocab - 1, use_cache=False, activation_function=activation)
     if dropout is not None:
         kw.update(resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
     cfg = GPT2Config(**kw)
@@ -180,12 +171,6 @@ def pad_vocabulary(model, multiple: int | None) -> int:
     head.register_buffer("bias", bias, persistent=False)
     head.labutils_real_vocab = real
     return new
-
-
-def real_vocab_size(model) -> int:
-    """The vocabulary the tokenizer uses (the padded rows left out)."""
-    head = model.get_output_embeddings()
-    return getattr(head, "labutils_real_vocab", head.weight.shape[0])
 
 
 def compile_model(model, backend: str | None = None, **kwargs):
@@ -271,10 +256,11 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int =
                 if not reachable:
                     raise
                 model, tok = _from_cache_or_hub(cfg, repo, device, local_only=False)
-            arch = (model.config.n_layer, model.config.n_embd, model.config.n_head)
-            if arch != PRESETS[cfg.name]:  # a checkpoint of other sizes cached under the id: said, trained as it is
+            arch, want_arch = (tuple(getattr(s, k) for k in ("n_layer", "d_model", "n_head"))
+                               for s in (spec_of(model), PRESETS[cfg.name]))
+            if arch != want_arch:  # a checkpoint of other sizes cached under the id: said, trained as it is
                 notice = (f"[labutils] the cached {repo} is not {cfg.name}'s architecture: (n_layer, n_embd, n_head) "
-                          f"= {arch}, {cfg.name} is {PRESETS[cfg.name]}; its pretrained weights are used as they are")
+                          f"= {arch}, {cfg.name} is {want_arch}; its pretrained weights are used as they are")
             return _ready(model, tok, cfg, "pretrained", notice, verbose)
         except errors as exc:
             why, fix, cached = why_not_loaded(repo, exc, reachable)
@@ -344,7 +330,7 @@ def disable_checkpointing(model) -> None:
 
 def checkpointed_layers(model) -> list[int]:
     """Indices of the transformer blocks that recompute in backward."""
-    return [i for i, b in enumerate(model.transformer.h) if getattr(b, "gradient_checkpointing", False)]
+    return [i for i, b in enumerate(spec_of(model).blocks_of(model)) if getattr(b, "gradient_checkpointing", False)]
 
 
 def count_parameters(model) -> int:

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .model_spec import gpt2_only
+
 IGNORE = -100  # the course's label for a position without a target (labutils.data.IGNORE_INDEX)
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -104,7 +106,8 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
 
 
 def config_of(hf_model, dropout: float | None = None) -> GPTConfig:
-    """The reference's shape for a transformers GPT-2 (its padded vocabulary, if any, included)."""
+    """The reference's shape for a transformers GPT-2 (padded vocabulary included); another model: refused."""
+    gpt2_only("labutils.reference (bench's nanoGPT)", hf_model)
     c = hf_model.config
     vocab = hf_model.get_input_embeddings().weight.shape[0]
     if getattr(c, "activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):

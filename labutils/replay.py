@@ -24,7 +24,8 @@ tracker on a machine without a GPU; the CUDA prediction itself can only be check
 """
 from __future__ import annotations
 
-from .models import CAUSAL_SDPA, FAST_GELU, N_POSITIONS, PRESETS, padded_vocab_size, vocab_size
+from .model_spec import gpt2_only
+from .models import CAUSAL_SDPA, FAST_GELU, padded_vocab_size
 from .replay_attention import AttentionReplay
 from .replay_ledger import Ledger
 from .replay_loss import LossReplay
@@ -50,8 +51,9 @@ class Replay(AttentionReplay, LossReplay):
 
     def __init__(self, plan):
         self.p = plan
-        self.L, self.h, self.a = PRESETS[plan.model]
-        self.V_real = vocab_size(plan.model)
+        spec = gpt2_only("labutils.estimate", plan.model)  # its op-by-op replay is GPT-2's
+        self.L, self.h, self.a, self.V_real, self.n_pos = spec.n_layer, spec.d_model, spec.n_head, spec.vocab, \
+            spec.n_positions
         self.V = padded_vocab_size(self.V_real, plan.pad_vocab_to)   # the LM head's (and wte's) rows
         self.fast_gelu = plan.activation == FAST_GELU
         # a 4-D mask reaches SDPA only through transformers' sdpa path with padded batches; sdpa_causal takes none
@@ -287,7 +289,7 @@ class Replay(AttentionReplay, LossReplay):
         # a transposed view of the matmul's output in fp32 (so the sum is a new tensor); the chunked loss's is
         # its own fp32 accumulator (added into in place)
         self.accumulate("wte.buffer", "g.wte", self.inplace_accumulate and (p.amp or self.chunked))
-        self.node(params=[("wpe", N_POSITIONS * h)], free=["g.wpe_in", "g.res", "emb.pos_ids", "mask4d"],
+        self.node(params=[("wpe", self.n_pos * h)], free=["g.wpe_in", "g.res", "emb.pos_ids", "mask4d"],
                   cast=False)
         if grads_exist:
             led.free("wte.buffer")                                          # .grad += buffer
@@ -386,7 +388,7 @@ class Replay(AttentionReplay, LossReplay):
         """Parameter sizes in labutils' two AdamW groups, in model.parameters() order: matrices (decayed), then
         biases and LayerNorm weights."""
         h = self.h
-        decay, no_decay = [self.V * h, N_POSITIONS * h], []
+        decay, no_decay = [self.V * h, self.n_pos * h], []
         for _ in range(self.L):
             decay += [3 * h * h, h * h, 4 * h * h, 4 * h * h]    # c_attn, attn.c_proj, c_fc, mlp.c_proj weights
             no_decay += [h, h, 3 * h, h, h, h, 4 * h, h]        # ln_1, their biases, ln_2, theirs

@@ -142,9 +142,10 @@ def first_timed_step(steps: int, warmup: int, compile_steps=(), slow_steps: int 
 
 
 def finish_timing(result: RunResult, cfg: Config, seq_length: int, device, first: int, compile_steps,
-                   real_positions: int, compiling: CompileRun | None = None) -> None:
+                   real_positions: int, compiling: CompileRun | None = None, model=None) -> None:
     """Step time and speeds over the timed steps ``first..`` (none: they stay None), compile seconds apart;
-    ``compiling``: the run's torch.compile (graph count, graph breaks, a loud warning if nothing compiled)."""
+    ``compiling``: the run's torch.compile (graph count, graph breaks, a loud warning if nothing compiled);
+    ``model``: the one trained, whose FLOPs are counted (None: the config's preset)."""
     timed = result.step_times[first:]
     result.timed_steps = len(timed)
     # one step time, the course's one definition: the median of the timed steps (a slow outlier step, a GC pause,
@@ -165,4 +166,4 @@ def finish_timing(result: RunResult, cfg: Config, seq_length: int, device, first
     result.tokens_per_second = result.positions_per_second = result.tokens_per_step / median
     # target tokens/s: the timed steps' mean target count per median step time
     result.target_tokens_per_second = sum(result.target_tokens[steps - len(timed):]) / len(timed) / median
-    account_flops(result, cfg, seq_length, device, len(timed))
+    account_flops(result, cfg, seq_length, device, len(timed), model)

@@ -52,7 +52,7 @@ def run_cost(cfg, gpu_name: str | None, device: str = "cuda", loads: bool = True
     precision = t.precision
     peak = peak_tflops(gpu_name, precision) or peak_tflops(gpu_name, "fp32")
     compute = step_flops / (peak * 1e12 * ACHIEVED.get(precision, ACHIEVED["fp32"])) if peak else None
-    host = (t.accumulation_steps * PRESETS[m.name][0] * HOST_BLOCK_S
+    host = (t.accumulation_steps * PRESETS[m.name].n_layer * HOST_BLOCK_S
             * (AUTOCAST_HOST if precision in ("fp16", "bf16") else 1)
             * (CHECKPOINT_HOST if t.gradient_checkpointing else 1) + HOST_STEP_S)
     step = max(compute or 0.0, host)

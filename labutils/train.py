@@ -238,7 +238,7 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
         result.memory.update(tracked_steps=0, not_tracked=untracked_why)
     slow = tracked_steps if device.type != "cuda" and tracker is not None else 0
     first = first_timed_step(t.steps, t.timing_warmup_steps, compile_steps, slow)
-    finish_timing(result, cfg, dataset.seq_length, device, first, compile_steps, real_positions, compiling)
+    finish_timing(result, cfg, dataset.seq_length, device, first, compile_steps, real_positions, compiling, model)
     log_run(result, cfg, desc)
     return result
 
@@ -320,8 +320,8 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
                        on_step=None) -> RunResult:
     """The same step as :func:`train`, with the engine doing what the single-process loop does by hand."""
     t, world, rank = cfg.train, acc.num_processes, acc.process_index
+    from .distributed import compile_refusal, wrap_blocks
     if t.compile:  # maybe_accelerator refuses it before any work; a caller passing its own accelerator too
-        from .distributed import compile_refusal
         raise compile_refusal(cfg)
     device = acc.device
     result = _start(cfg, model, dataset, {**(env or {}), "world_size": world,
@@ -334,6 +334,7 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
     if scheduler is None:
         from accelerate.utils import DummyScheduler
         scheduler = DummyScheduler(optimizer, total_num_steps=t.steps, warmup_num_steps=t.warmup_steps)
+    wrap_blocks(acc, model)
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
     tracker = MemoryTracker(device) if device.type == "cuda" else None
     with (tracker or contextlib.nullcontext()), _env.matmul_precision(tf32=t.precision == "tf32"):
@@ -382,6 +383,6 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
         peak = torch.tensor(tracker.peak_bytes, device=device)
         result.peak_memory_bytes = int(acc.reduce(peak, reduction="max"))  # the busiest rank
     finish_timing(result, cfg, dataset.seq_length, device,
-                   first_timed_step(t.steps, t.timing_warmup_steps), (), real_positions)
+                   first_timed_step(t.steps, t.timing_warmup_steps), (), real_positions, model=acc.unwrap_model(model))
     acc.free_memory()
     return result

@@ -49,7 +49,7 @@ def lab02_lr_steps() -> set[int]:
 
 def test_readme_smoke_row_matches_the_caps_and_the_model():
     row = smoke_row()
-    n_layer, width = PRESETS["tiny"][:2]
+    n_layer, width = PRESETS["tiny"].n_layer, PRESETS["tiny"].d_model
     assert f"≤ {SMOKE_CAPS['train.steps']} 個 optimizer step" in row, row
     assert f"序列 ≤ {SMOKE_CAPS['data.seq_length']}" in row and f"{n_layer} 層" in row and f"寬 {width}" in row, row
 
