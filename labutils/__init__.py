@@ -29,7 +29,7 @@ Labs (the technique itself is written out in the notebook; these hold what its e
   amp_memory          lab 01: where one step's memory goes under AMP (saved tensors, dtypes, peak phase); batch sweep
   amp_speed_memory    lab 01: each precision timed once (the one speed-up), matmul speed, comparison, C1/C2
   op_profile          labs 01, 04: a training step op by op from torch.profiler: op groups, slowest ops, a fix
-  accumulation        lab 02: bookkeeping of the cells' gradient experiments (memory, OOM rows), the smoke budget
+  accumulation        lab 02: bookkeeping of the cells' gradient experiments (memory, OOM rows)
   accumulation_sweeps lab 02: the batch-split sweeps read out: fits, stability, learning rate, advice, C3
   checkpointing       lab 03: the variants (every k, segments, selective, offload) a student switches on
   checkpoint_measure  lab 03: each variant trained under a budget and checked (gradients, FLOPs, calls)
@@ -48,6 +48,7 @@ Tools (commands and what they share):
   replay_loss         the replay's LM head and loss: the full loss's logits, or the chunked loss's
   estimate            a training step's peak memory, predicted without a GPU, and what fits a budget
   advise              what to run when a config does not fit (or could run faster); `labutils estimate`
+  scale_model         "an 8 GB card" in every lab: its bytes for tensors, and in smoke one scale model for all four
   reference           a nanoGPT-style GPT-2 that loads the course model's weights: bench's reference
   bench               `python -m labutils bench`: the one loop against the reference, side by side
   distributed         the same loop under accelerate (DDP, FSDP, DeepSpeed ZeRO); ZeRO memory per GPU

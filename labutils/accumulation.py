@@ -1,6 +1,6 @@
 """Lab 02 (gradient accumulation): the bookkeeping of the gradient experiments written out in the notebook's cells
-(a model held for them, what a cell's gradient function does to memory, rows) and the lab's setup (AMP precision,
-memory budget), all releasing their memory when they end. The training runs: :mod:`labutils.accumulation_sweeps`.
+(a model held for them, what a cell's gradient function does to memory, rows) and the lab's AMP precision, all
+releasing their memory when they end (its memory budget: :mod:`labutils.scale_model`). The training runs: :mod:`labutils.accumulation_sweeps`.
 """
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ import torch
 
 from . import device as dev
 from . import env as _env
-from .config import Config, load_config
+from .config import Config
 from .data import IGNORE_INDEX, LMDataset
-from .estimate import scale_model_budget
 from .memory import MemoryTracker, fmt_bytes, memory_in_use, oom_caught, release
 from .train import autocast_for, make_optimizer, prepare, scaler_for, step_scheduler, train
 
@@ -178,31 +177,3 @@ def amp_precision(device=None) -> tuple[str, str]:
     if ok or device.type == "cuda":  # the library's one answer (labutils.env.bf16_supported), as lab 01 uses it
         return ("bf16" if ok else "fp16"), why
     return "fp32", f"{why}; FP16 is emulated too: CPU runs stay in FP32 (same loop; section 1.1 checks the fp16 path)"
-
-
-def budget_rows(micro: int, accum_steps, target: int, proof_batches) -> dict:
-    """``{label: config overrides}`` of every run measured under the memory budget: section 2's direct (E x 1) and
-    accumulated (2 x E/2) gradients, FP32 without dropout; section 4's ``micro`` x k; section 6's m x target/m."""
-    exact = {"train.precision": "fp32", "model.dropout": 0.0}
-    splits = [(f"direct {E} x 1", E, 1, exact) for E in proof_batches]
-    splits += [(f"accumulated 2 x {E // 2}", 2, E // 2, exact) for E in proof_batches]
-    splits += [(f"{micro} x {k}", micro, k, {}) for k in accum_steps]
-    splits += [(f"{m} x {target // m}", m, target // m, {})
-               for m in (2 ** i for i in range(1, int(math.log2(target)) + 1))]
-    return {label: {"train.micro_batch_size": m, "train.accumulation_steps": k, **extra}
-            for label, m, k, extra in splits}
-
-
-def memory_budget(cfg: Config, device, rows: dict) -> tuple[int | None, str, list[dict]]:
-    """(bytes the experiments must fit in, what they are, the scale model's rows): on CUDA the allocator's budget; on
-    a CPU a simulated 8 GB card (:func:`labutils.estimate.scale_model_budget` over ``rows``, :func:`budget_rows`)."""
-    if torch.device(device).type == "cuda":
-        b = _env.memory_budget_bytes(device)
-        return b, f"{b / 2**30:.1f} GiB of CUDA memory (the allocator enforces it)", []
-    sm = scale_model_budget(load_config(cfg.source, mode="full"), cfg, rows)
-    return sm["budget_bytes"], f"simulated on the CPU: {sm['why']}", sm["rows"]
-
-
-def budget_now(device, budget: int | None) -> int | None:
-    """The budget in force: on a GPU the cap now (re-measured after the first step, only lowered); else ``budget``."""
-    return _env.memory_budget_bytes(device) if torch.device(device).type == "cuda" else budget

@@ -204,7 +204,7 @@ def cli_estimate(cfg, args) -> int:
     return 0
 
 
-def fit_micro_batch(cfg, budget_bytes: int) -> tuple[object, str | None]:
+def fit_micro_batch(cfg, budget_bytes: int, where: str = "the budget") -> tuple[object, str | None]:
     """The config with the largest micro-batch predicted to fit ``budget_bytes`` (:func:`labutils.estimate.fits`),
     accumulating to the same effective batch: micro-batches are divisors of the effective batch, at most the
     config's own. Returns (config, one line saying what changed) or (cfg, None) when it fits as it is or
@@ -218,6 +218,6 @@ def fit_micro_batch(cfg, budget_bytes: int) -> tuple[object, str | None]:
         if fits(estimate_memory(cfg, micro=micro, accum=eff // micro), budget_bytes):
             new = cfg.override({"train.micro_batch_size": micro, "train.accumulation_steps": eff // micro})
             return new, (f"micro-batch {t.micro_batch_size} x {t.accumulation_steps} does not fit "
-                         f"{budget_bytes / GiB:.1f} GiB (estimate); running {micro} x {eff // micro}: the same "
-                         f"effective batch of {eff}")
+                         f"{budget_bytes / GiB:.1f} GiB ({where}; estimate); running {micro} x {eff // micro}: the "
+                         f"same effective batch of {eff}")
     return cfg, None

@@ -27,6 +27,7 @@ import torch
 from . import device as dev
 from . import env as _env
 from . import reference as ref_model
+from .advise import default_budget_bytes
 from .compiling import compile_for_training, compiled_graphs
 from .config import Config, ConfigError, source_of
 from .flops import model_flops_per_token
@@ -303,9 +304,12 @@ def bench(cfg: Config, repeats: int = 5, device=None, verbose: bool = True) -> d
               f"weights, trained by a bare loop")
         if cfg.train.gradient_checkpointing:
             print("train.gradient_checkpointing: the reference does not recompute; the ratio includes it")
+    budget = dict(zip(("bytes", "where"), default_budget_bytes())) if device.type == "cuda" else None  # fitted to
     out = {"device": where, "warmup_steps": warmup, "repeats": repeats, "order": "ABBA", "headline": headline,
            "statistic": "median of each run's per-step times (one host read per step); median over runs",
-           "goal": GOAL}
+           "goal": GOAL, "budget": budget}
+    if verbose and out["budget"]:  # what for_this_card fits the micro-batch to, as the doctor's fast path states it
+        print(f"micro-batch fitted to {out['budget']['where']} ({out['budget']['bytes'] / 2**30:.2f} GiB)")
     notes: set = set()
     for key, c in sections.items():
         out[key] = _measure(c, key, repeats, device, warmup, notes, verbose)

@@ -16,9 +16,12 @@ scaled by G / its size (``rule`` says which happened).
 """
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 
 GiB = 2**30
+MAX_GB = 2**20  # GiB (1 PiB): above any card; far beyond it a size in bytes overflows (1e308 GiB)
 CUDA_CONTEXT_BYTES = int(0.5 * GiB)   # CUDA context + kernels outside PyTorch's allocator (typical 0.3-0.6 GiB)
 
 
@@ -93,3 +96,17 @@ def card_total_bytes(gb: float) -> tuple[int, str]:
                          f"{CUDA_CONTEXT_BYTES * c.sold_as_gb / c.total_bytes:.2f} GB")
     return total, (f"no {gb:g} GB card in the table: {c.key}'s {c.torch_total_gib:.2f} GiB scaled by "
                    f"{gb:g}/{c.sold_as_gb} = {total / GiB:.2f} GiB")
+
+
+def budget_from_env() -> float | None:
+    """``LAB_GPU_MEMORY_GB``, the card every lab and command behaves like, by ``--gpu-memory-gb``'s rule: GiB from 0
+    to :data:`MAX_GB`; None (no cap: the whole card) when unset, empty or 0; else ValueError naming the variable."""
+    raw = os.environ.get("LAB_GPU_MEMORY_GB", "").strip()
+    try:
+        gb = float(raw or 0)
+    except ValueError:
+        gb = math.nan
+    if not 0 <= gb <= MAX_GB:
+        raise ValueError(f"LAB_GPU_MEMORY_GB = {raw[:40]!r}: must be a number of GiB from 0 to {MAX_GB} (the card "
+                         f"to behave like, e.g. 8; 0 or unset = no cap)")
+    return gb or None

@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 
+from .cards import MAX_GB as MAX_GPU_MEMORY_GB, budget_from_env
 from .config import ConfigError, load_config, shown
 from .results import OutputPathError, WriteError, check_output_file, write_json
 
@@ -42,9 +43,6 @@ def positive_int(text: str) -> int:
     return value
 
 
-MAX_GPU_MEMORY_GB = 2**20  # GiB (1 PiB): above any card; far beyond it a size in bytes overflows (1e308 GiB)
-
-
 def gpu_memory_gb(text: str) -> float:
     """GiB of GPU memory, from 0 to :data:`MAX_GPU_MEMORY_GB`; 0 means "no cap: the whole card" in every command.
     The one rule for ``--gpu-memory-gb`` and ``LAB_GPU_MEMORY_GB`` (:func:`env_gpu_memory_gb`)."""
@@ -56,16 +54,14 @@ def gpu_memory_gb(text: str) -> float:
 
 
 def env_gpu_memory_gb() -> float | None:
-    """``LAB_GPU_MEMORY_GB`` read by :func:`gpu_memory_gb`'s rule, in every command: None when unset, empty or 0;
-    a bad value is a :class:`ConfigError` (exit 2) before any work."""
-    raw = os.environ.get("LAB_GPU_MEMORY_GB", "").strip()
-    if not raw:
-        return None
+    """``LAB_GPU_MEMORY_GB`` by :func:`gpu_memory_gb`'s rule (:func:`labutils.cards.budget_from_env`), in every
+    command: None when unset, empty or 0; a bad value is a :class:`ConfigError` (exit 2) before any work."""
     try:
-        return gpu_memory_gb(raw) or None
-    except argparse.ArgumentTypeError:
-        raise ConfigError("environment", "LAB_GPU_MEMORY_GB", raw[:40], f"must be a number of GiB from 0 to "
-                          f"{MAX_GPU_MEMORY_GB} (the card to behave like; 0 or unset = no cap)") from None
+        return budget_from_env()
+    except ValueError:
+        raise ConfigError("environment", "LAB_GPU_MEMORY_GB", os.environ["LAB_GPU_MEMORY_GB"].strip()[:40],
+                          f"must be a number of GiB from 0 to {MAX_GPU_MEMORY_GB} (the card to behave like; 0 or "
+                          f"unset = no cap)") from None
 
 
 def _inputs(args, cfg) -> dict:
@@ -138,11 +134,7 @@ def _apply_budget(verbose: bool = True) -> None:
     from .env import apply_budget_from_env
 
     env_gpu_memory_gb()  # the --gpu-memory-gb rule (exit 2 on a bad value)
-    try:
-        budget = apply_budget_from_env()
-    except ValueError as exc:
-        raise ConfigError("environment", "LAB_GPU_MEMORY_GB", os.environ.get("LAB_GPU_MEMORY_GB", "")[:40],
-                          "must be a number of GiB >= 0 (the card to behave like; 0 or unset = no cap)") from exc
+    budget = apply_budget_from_env()
     if budget and verbose:
         from .device import budget_line
         print(budget_line(budget))

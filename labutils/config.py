@@ -1,8 +1,8 @@
 """Configuration: YAML file -> typed dataclasses, with mode defaults and ``--set`` overrides.
 
-Order of precedence (later wins): dataclass defaults < YAML file < mode defaults (smoke) < explicit
-overrides. Every problem raises :class:`ConfigError` with one line naming the file, key, value and
-what is allowed; the CLI turns it into exit code 2.
+Order of precedence (later wins): dataclass defaults < YAML file < mode defaults (smoke: the caps, then the
+file's own ``smoke:`` section of "section.name": value) < explicit overrides. Every problem raises
+:class:`ConfigError` with one line naming the file, key, value and what is allowed; the CLI turns it into exit code 2.
 """
 from __future__ import annotations
 
@@ -417,11 +417,12 @@ def load_config(path: str | os.PathLike | None = None, overrides=None, mode: str
         mode = detect_mode()[0]
     if mode not in ("full", "smoke"):
         raise ConfigError("mode", None, mode, "must be full or smoke")
-    cfg = Config(mode=mode)
+    cfg, smoke = Config(mode=mode), {}
     if path is not None:
         p = Path(path)
         cfg.source = str(path)
         raw = _read_yaml(p)
+        smoke = raw.pop("smoke", None) or {}  # the file's own smoke sizes ("section.name": value), after the caps
         for section, values in raw.items():
             if section not in SECTIONS:
                 raise ConfigError(cfg.source, str(section), _MISSING,
@@ -444,6 +445,8 @@ def load_config(path: str | os.PathLike | None = None, overrides=None, mode: str
             setattr(getattr(cfg, section), name, min(getattr(getattr(cfg, section), name), cap))
         cfg.validated = {}  # the mode's values are not code's
         cfg.origins.setdefault("model.name", "smoke mode")  # a message about the tiny model names the mode
+        for key, value in (smoke.items() if isinstance(smoke, dict) else [("smoke", smoke)]):
+            _assign(cfg, str(key), value, f"{cfg.source} (smoke:)")
     for key, value in _override_items(overrides, "--set"):
         _assign(cfg, key, value, "--set")
     return validate(cfg)

@@ -26,6 +26,7 @@ import subprocess
 import torch
 
 from . import cards
+from .cards import budget_from_env  # noqa: F401 (dev.budget_from_env: LAB_GPU_MEMORY_GB, one rule)
 from .device_facts import (bf16_support, capability, compile_support, cuda_available, default_device,  # noqa: F401
                            fp16_support, is_cuda, name, pin_memory_default, resolve, tf32_support)
 
@@ -362,23 +363,6 @@ def budget_line(info: dict) -> str:
 def current_budget() -> dict | None:
     """What the last :func:`card_budget` did in this process (None if nothing was capped)."""
     return _state.get("budget")
-
-
-def budget_from_env() -> float | None:
-    """``LAB_GPU_MEMORY_GB`` as a number of GiB; None (no cap) when unset, empty or 0, as ``--gpu-memory-gb 0``
-    means in every command. Raises ValueError with one line naming the variable when it is not a finite
-    number >= 0."""
-    raw = os.environ.get("LAB_GPU_MEMORY_GB", "").strip()
-    if not raw:
-        return None
-    try:
-        gb = float(raw)
-    except ValueError:
-        gb = float("nan")
-    if not (gb >= 0 and gb < float("inf")):
-        raise ValueError(f"environment variable LAB_GPU_MEMORY_GB = {raw[:40]!r}: must be a number of GiB >= 0 "
-                         f"(the card to behave like, e.g. 8; 0 or unset = no cap)")
-    return gb or None
 
 
 @contextlib.contextmanager

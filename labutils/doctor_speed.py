@@ -128,20 +128,18 @@ def reference_ratio(cfg, device: torch.device, repeats: int = 2) -> tuple[float 
 
 
 def fast_path_config(device: torch.device):
-    """configs/fast_config.yaml for the doctor: the config's warm-up steps (compile included) + MIN_TIMED_STEPS
-    timed ones (the claims' evidence rule, labutils.claims: the MFU verdict rests on as many timed steps as any
-    timed claim), random weights (no download: MFU does not depend on them), trained as ``python -m labutils run``
-    trains it on this card (:func:`labutils.train.for_this_card`: FP16 where the card has no BF16, the largest
-    micro-batch the estimator fits). Returns (config, one line per change)."""
+    """configs/fast_config.yaml fitted to this card as ``bench`` and ``run`` fit it (one budget, one micro-batch,
+    one compiled step: :func:`labutils.train.for_this_card`), then shortened: its warm-up steps + MIN_TIMED_STEPS
+    timed ones (labutils.claims' evidence rule), random weights (MFU does not depend on them), only the samples
+    those steps read. Returns (config, one line per change)."""
     from .config import load_config
     from .train import for_this_card
 
-    base = load_config(FAST_CONFIG, mode="full")
-    t = base.train
+    cfg, changes = for_this_card(load_config(FAST_CONFIG, mode="full"), device)
+    t = cfg.train
     steps = t.timing_warmup_steps + MIN_TIMED_STEPS
-    over = {"train.steps": steps, "model.pretrained": "false",
-            "data.num_samples": min(base.data.num_samples, steps * t.micro_batch_size * t.accumulation_steps)}
-    return for_this_card(load_config(FAST_CONFIG, overrides=over, mode="full"), device)
+    return cfg.override({"train.steps": steps, "model.pretrained": "false", "data.num_samples": min(
+        cfg.data.num_samples, steps * t.micro_batch_size * t.accumulation_steps)}), changes
 
 
 def check_fast_path(c: Checks, device: torch.device) -> None:
@@ -157,6 +155,7 @@ def check_fast_path(c: Checks, device: torch.device) -> None:
     if not FAST_CONFIG.is_file():
         c.skip(name, f"{FAST_CONFIG} not found (an installed labutils without the repository's configs/)")
         return
+    from .advise import default_budget_bytes
     from .train import run
 
     with c.check(name) as row:
@@ -167,9 +166,9 @@ def check_fast_path(c: Checks, device: torch.device) -> None:
             row["detail"] = f"the fast config compiles (train.compile: true) and {why}"
             return
         t = cfg.train
-        budget = dev.current_budget()  # set by run_doctor from LAB_GPU_MEMORY_GB, or by the fit just above
-        context = ([f"under a memory budget (behaving like a {budget['card_gib']:g} GB card)"] if budget else []) \
-            + (["at a micro-batch lowered to fit"] if "train.micro_batch_size" in cfg.origins else [])
+        b, where = default_budget_bytes()  # what for_this_card fitted the micro-batch to, as bench says too
+        context = [f"{'under a memory budget: ' if dev.current_budget() else ''}micro-batch fitted to {where} "
+                   f"({b / 2**30:.2f} GiB)"] + (["lowered to fit"] if "train.micro_batch_size" in cfg.origins else [])
         res = run(cfg, device, progress=False, verbose=False)
         ok, detail = mfu_verdict(res.mfu, dev.name(device), t.precision, res.status, res.error, context)
         row["value"] = None if res.mfu is None else 100 * res.mfu

@@ -7,10 +7,9 @@ when it does not fit: :mod:`labutils.advise`.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
-from .cards import CUDA_CONTEXT_BYTES, card_total_bytes
+from .cards import CUDA_CONTEXT_BYTES
 from .config import validate
 from .model_spec import gpt2_only
 from . import device as dev
@@ -195,55 +194,3 @@ def largest_batch(cfg, budget_bytes: int, *, device: str = "cuda", safe: bool = 
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
     return lo
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Smoke as a scale model of the 8 GB run
-# ----------------------------------------------------------------------------------------------------------
-def scale_model_budget(full_cfg, smoke_cfg, rows: dict, card_gb: float = 8.0, smoke_device: str = "cpu") -> dict:
-    """The smoke budget of a lab: the ``card_gb`` card's budget scaled by one rule, shared by every lab.
-
-    ``rows``: {label: overrides} of the lab's experiments (``{"train.micro_batch_size": 2, ...}``), applied to the
-    full-mode config and to the smoke config alike. In full mode the estimator says which rows fit the card
-    (:func:`fits`: allocator peak x 1.10 + CUDA context <= what the card gives torch). The rule: the smoke budget
-    lies halfway, on a log scale, between the smoke peaks of the largest row that fits the card and of the smallest
-    row that does not; with every row on one side, the card's usable bytes are scaled by that side's nearest row
-    (smoke peak / full peak). So the rows that run out of memory on the card also run out in smoke, and the rows
-    that fit, fit. Raises ValueError, naming the rows, when the smoke peaks are not in the full peaks' order: then
-    no budget reproduces the card and the smoke sizes must change, not the rule.
-
-    Returns {"budget_bytes", "why", "card_gb", "rows": [{"row", "overrides", "full_peak_bytes", "full_fits",
-    "smoke_peak_bytes", "smoke_fits", "full_config"}]} (``full_config``: the row's whole full-mode config, flat). A
-    lab records the rows, each with the ``status`` its smoke run measured ("ok" / "oom"), as its results table
-    ``scale_model`` (tests/test_output_budget.py checks them against the estimator's full-mode prediction).
-    """
-    total, card_rule = card_total_bytes(card_gb)
-    usable = (total - CUDA_CONTEXT_BYTES) / (1 + HEADROOM)  # the largest full-mode peak that fits the card
-    out = []
-    for label, ov in rows.items():
-        row_full = full_cfg.override(dict(ov))
-        full = estimate_memory(row_full)
-        smoke = estimate_memory(smoke_cfg.override(dict(ov)), device=smoke_device)
-        out.append({"row": label, "overrides": dict(ov), "full_peak_bytes": full["peak_bytes"],
-                    "full_fits": fits(full, total), "smoke_peak_bytes": smoke["peak_bytes"],
-                    "full_config": {f"{s}.{k}": v for s, d in row_full.to_dict().items() for k, v in d.items()}})
-    fit = [r for r in out if r["full_fits"]]
-    oom = [r for r in out if not r["full_fits"]]
-    hi_fit = max(fit, key=lambda r: r["smoke_peak_bytes"], default=None)
-    lo_oom = min(oom, key=lambda r: r["smoke_peak_bytes"], default=None)
-    if hi_fit and lo_oom and hi_fit["smoke_peak_bytes"] >= lo_oom["smoke_peak_bytes"]:
-        raise ValueError(f"no smoke budget reproduces the {card_gb:g} GB card: '{hi_fit['row']}' fits the card and "
-                         f"'{lo_oom['row']}' does not, but in smoke '{hi_fit['row']}' needs "
-                         f"{hi_fit['smoke_peak_bytes']:,} bytes and '{lo_oom['row']}' {lo_oom['smoke_peak_bytes']:,}")
-    if hi_fit and lo_oom:
-        budget = int(math.sqrt(hi_fit["smoke_peak_bytes"] * lo_oom["smoke_peak_bytes"]))
-        rule = f"halfway (log scale) between the smoke peaks of '{hi_fit['row']}' and '{lo_oom['row']}'"
-    else:
-        near = hi_fit or lo_oom
-        budget = int(usable * near["smoke_peak_bytes"] / near["full_peak_bytes"])
-        rule = f"the card's usable bytes x (smoke / full peak of '{near['row']}')"
-    for r in out:
-        r["smoke_fits"] = r["smoke_peak_bytes"] <= budget
-    why = (f"a scale model of the {card_gb:g} GB card ({card_rule}): {budget / 2**20:.2f} MiB, {rule}; "
-           f"{len(fit)} of {len(out)} rows fit the card in full mode")
-    return {"budget_bytes": budget, "why": why, "card_gb": card_gb, "rows": out}

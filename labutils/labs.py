@@ -8,6 +8,7 @@ from typing import Callable
 
 from .config import load_config
 from .models import PRESETS
+from .scale_model import course, lab_rows
 
 
 def _lab01(mode: str, device: str) -> list:
@@ -21,22 +22,11 @@ def _lab01(mode: str, device: str) -> list:
     runs = [("amp_step check", cfgs["fp16"].override({"train.steps": min(2, cfgs["fp16"].train.steps)}))]
     runs += [(p, cfgs["fp32"].override({"train.precision": p}) if p == "tf32" else cfgs[p])
              for p in ("fp32", "tf32", "fp16", "bf16") if gpu or p in ("fp32", "fp16")]
-    b = load_config("configs/fp32_config.yaml", mode="full").train.micro_batch_size
-    runs += [(f"{p} x {m}", cfgs[p].override({"train.micro_batch_size": m, "train.steps": 12,
-                                              "train.timing_warmup_steps": min(cfgs[p].train.timing_warmup_steps, 11)}))
-             for p in ("fp32", amp) for m in (1, b, 2 * b) if m != cfgs[p].train.micro_batch_size]
+    runs += [(label, c.override({**o, "train.steps": 12, "train.timing_warmup_steps": min(c.train.timing_warmup_steps,
+                                                                                          11)}))  # the batch sweep
+             for label, o in lab_rows("01", amp).items()
+             if o["train.micro_batch_size"] != (c := cfgs[o["train.precision"]]).train.micro_batch_size]
     return runs + [("fp16 + injected overflow", cfgs["fp16"])]
-
-
-def _largest_split(target: int = 32) -> int:
-    """Lab 02's largest micro-batch of the B = 32 split (BF16) that fits an 8 GB card (the estimator's answer;
-    smoke's budget is a scale model of that card, so it finds the same one)."""
-    from .cards import card_total_bytes
-    from .estimate import estimate_memory, fits
-
-    full_cfg, card = load_config("configs/lab02_accumulation.yaml", mode="full"), card_total_bytes(8)[0]
-    return max(m for m in (2, 4, 8, 16, 32) if m == 2 or fits(estimate_memory(full_cfg.override(
-        {"train.micro_batch_size": m, "train.accumulation_steps": target // m, "train.precision": "bf16"})), card))
 
 
 def _lab02(mode: str, device: str) -> list:
@@ -48,14 +38,12 @@ def _lab02(mode: str, device: str) -> list:
              "train.steps": min(cfg.train.steps, 2)}
     runs = [(f"train_step check {p}", cfg.override({**check, "train.precision": p}))
             for p in dict.fromkeys([amp, "fp16"])]
-    runs += [(f"2 x {k}", cfg.override({"train.micro_batch_size": 2, "train.accumulation_steps": k}))
-             for k in (1, 4, 8, 16)]
-    runs += [(f"{m} x {32 // m}", cfg.override({"train.micro_batch_size": m, "train.accumulation_steps": 32 // m}))
-             for m in (4, 8, 16, 32)]
+    runs += [(label, cfg.override(o)) for label, o in lab_rows("02", amp).items() if label[0].isdigit()]  # 4 and 6
     ratio, w0, s0 = 4, cfg.train.warmup_steps, cfg.train.steps
     w1 = max(2, round(w0 / ratio))
     s1 = max(w1, s0 // ratio)
-    m_big = _largest_split()
+    m_big = max(r["overrides"]["train.micro_batch_size"] for r in course("bf16", "bf16")["rows"]  # on an 8 GB card
+                if r["lab"] == "02" and r["full_fits"] and r["row"] in {f"{m} x {32 // m}" for m in (2, 4, 8, 16, 32)})
     def lr(B, steps, warmup):
         m = min(m_big, B)
         return cfg.override({"train.micro_batch_size": m, "train.accumulation_steps": B // m, "train.steps": steps,
@@ -78,8 +66,7 @@ def _lab03(mode: str, device: str) -> list:
     runs = [(f"pair {b} {on}", cfg.override({"train.micro_batch_size": b, "train.steps": pair_steps,
                                               **(ck if on else {})}))
             for b in sorted({1, B}) for on in (False, True)]
-    runs += [(f"scale model {i}", cfg.override(o)) for i, o in enumerate(
-        [{"train.micro_batch_size": 1}, {"train.micro_batch_size": B}, {"train.micro_batch_size": B, **ck}])]
+    runs += [(f"scale model {i}", cfg.override(o)) for i, o in enumerate(lab_rows("03", "bf16").values())]
     card = card_total_bytes(8)[0]
     probe = cfg.override({"train.steps": 2, "train.timing_warmup_steps": min(cfg.train.timing_warmup_steps, 1)})
     for on in (False, True):
@@ -105,13 +92,11 @@ def _lab04(mode: str, device: str) -> list:
     cfg = load_config("configs/lab04_profile.yaml", mode=mode)
     tech = load_config("configs/lab04_techniques.yaml", mode=mode)
     amp = "bf16" if device == "cuda" else "fp16"  # lab 04's choice: BF16 where native, else FP16
-    mp, ck = {"train.precision": amp}, {"train.gradient_checkpointing": True}
-    acc = {"train.micro_batch_size": tech.train.micro_batch_size // 2, "train.accumulation_steps": 2}
-    sweep = {"train.steps": 2, "train.timing_warmup_steps": 1}
-    runs = [(f"sweep {b}", cfg.override({"train.micro_batch_size": b, **sweep}))
-            for b in (1, 2, 4, 8, 16)]
-    runs += [(name, tech.override(o)) for name, o in (("baseline", {}), ("mp", mp), ("ckpt", ck), ("acc", acc),
-                                                      ("mp+ckpt", {**mp, **ck}), ("all", {**mp, **ck, **acc}))]
+    rows = lab_rows("04", amp)
+    mp, ck, acc = rows[amp], rows["checkpointing"], rows["accumulation x2"]
+    runs = [(f"sweep {label}", cfg.override({**o, "train.steps": 2, "train.timing_warmup_steps": 1}))
+            for label, o in lab_rows("04 section 5", amp).items()]
+    runs += [(name, tech.override(o)) for name, o in rows.items()]
     runs += [(f"loss {loss}", tech.override({**mp, **ck, "model.loss": loss})) for loss in ("full", "chunked")]
     return runs + [("lu.train vs one_loop", tech.override({**mp, **ck, **acc, "train.steps": 3}))]
 

@@ -57,17 +57,6 @@ def saved_tensors_by_module(model: torch.nn.Module, batch: dict, autocast=None, 
     return sorted(rows.values(), key=lambda r: order.get(r["module"], len(order)))
 
 
-@contextlib.contextmanager
-def cuda_memory_cap(gb: float | None):
-    """Inside the block this GPU behaves like a ``gb``-GiB card (the allocator capped at ``gb`` GiB minus what lives
-    outside it, never above a cap already set; restored afterwards). Yields the cap in bytes, None without CUDA."""
-    if not gb or not dev.cuda_available():
-        yield None
-        return
-    with dev.memory_cap(dev.card_allocator_bytes(gb)):
-        yield dev.cap_bytes()
-
-
 # -------------------------------------------------------------- allocator traces: CUDA snapshots, a CPU stand-in
 _BACKWARD_NODE = re.compile(r"(?:generated::|autograd::)(\w*Backward\w*)")
 _INTERNAL = ("/torch/", "/site-packages/torch", "<frozen", "/tqdm/", "/contextlib.py", "/threading.py")

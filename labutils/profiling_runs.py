@@ -17,16 +17,7 @@ from .models import padded_vocab_size, vocab_size
 from .train import autocast_for, make_optimizer, prepare, run
 
 GiB, MiB = 2**30, 2**20
-
-
-def lab_budget(device: torch.device, full_cfg, cfg, rows: dict) -> tuple[int, str, list[dict]]:
-    """The lab's one budget, an 8 GB card: ``(bytes, why, scale-model rows)``. CUDA: what torch reports on one; CPU:
-    its scale model for ``rows`` ({name: overrides} of ``full_cfg`` and ``cfg``; estimate.scale_model_budget)."""
-    if device.type == "cuda":
-        total, rule = cards.card_total_bytes(8)
-        return total, f"an 8 GB card ({rule})", []
-    sm = est.scale_model_budget(full_cfg, cfg, rows)
-    return sm["budget_bytes"], sm["why"], sm["rows"]
+SWEEP_BATCHES = (1, 2, 4, 8, 16)  # section 5's batch-size sweep (each size a row of the card's scale model)
 
 
 def as_counted(phase: str) -> str:

@@ -289,6 +289,17 @@ def _not_a_gate(row: dict, gpu_memory_gb: float | None) -> str | None:
     return None
 
 
+def command_env(gpu_memory_gb: float | None, smoke_sizes: bool = False) -> dict:
+    """The doctor's and the bench's environment: the notebooks' card (``LAB_GPU_MEMORY_GB``), so both fit the fast
+    config to one budget and compile one step (issue 43: 4 x 4 capped, 16 x 1 not); a rehearsal's smoke sizes."""
+    env = {k: v for k, v in os.environ.items() if k != "LAB_GPU_MEMORY_GB"}
+    if smoke_sizes:
+        env["LAB_SMOKE"] = "1"
+    if gpu_memory_gb:
+        env["LAB_GPU_MEMORY_GB"] = f"{gpu_memory_gb:g}"
+    return env
+
+
 def run_doctor_first(out: Path, gpu_memory_gb: float | None, smoke_sizes: bool = False) -> int:
     """``python -m labutils doctor`` in its own process, with the notebooks' memory budget; its JSON goes to
     ``<out>/doctor.json``. Returns 0 to go on, else the doctor's exit code: a failed row stops the notebooks
@@ -296,11 +307,7 @@ def run_doctor_first(out: Path, gpu_memory_gb: float | None, smoke_sizes: bool =
     cap): a real finding, printed here again, but the labs do not need the fast path. Any other failure, or a
     doctor without a readable report, stops them."""
     out.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k != "LAB_GPU_MEMORY_GB"}
-    if smoke_sizes:
-        env["LAB_SMOKE"] = "1"
-    if gpu_memory_gb:
-        env["LAB_GPU_MEMORY_GB"] = f"{gpu_memory_gb:g}"
+    env = command_env(gpu_memory_gb, smoke_sizes)
     print("regenerate: checking this machine first (python -m labutils doctor)", flush=True)
     report = out / "doctor.json"
     report.unlink(missing_ok=True)  # a crashed doctor also exits 1: never judge it by an earlier run's report
@@ -326,17 +333,18 @@ def card_folder(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
 
 
-def run_bench(out: Path, repeats: int, smoke_sizes: bool = False) -> float:
+def run_bench(out: Path, repeats: int, gpu_memory_gb: float | None = None, smoke_sizes: bool = False) -> float:
     """``python -m labutils bench configs/fast_config.yaml --repeats N --json <out>/bench.json`` (``--bench N``): the
     fast path and the reference side by side on this card, after the labs (a command stopped at its time limit
-    loses the bench, not the labs). Its verdict is printed, never a gate. Returns seconds. A rehearsal
-    (``smoke_sizes``) runs LAB_SMOKE=1, ``train.compile=false``: the path, not the compiler (minutes on a CPU)."""
+    loses the bench, not the labs), under the doctor's budget (:func:`command_env`). Its verdict is printed, never a
+    gate. Returns seconds. A rehearsal (``smoke_sizes``) runs LAB_SMOKE=1, ``train.compile=false``: the path, not the
+    compiler (minutes on a CPU)."""
     t0 = time.perf_counter()
     cmd = ["bench", "configs/fast_config.yaml", "--repeats", str(repeats), "--json", str(out / "bench.json")]
     print(f"regenerate: the fast path against the reference (python -m labutils {' '.join(cmd[:4])})", flush=True)
-    env = dict(os.environ, LAB_SMOKE="1") if smoke_sizes else None
     cmd += ["--set", "train.compile=false"] if smoke_sizes else []
-    code = subprocess.run([sys.executable, "-m", "labutils", *cmd], cwd=REPO_ROOT, env=env).returncode
+    code = subprocess.run([sys.executable, "-m", "labutils", *cmd], cwd=REPO_ROOT,
+                          env=command_env(gpu_memory_gb, smoke_sizes)).returncode
     if code:
         print(f"regenerate: bench exited {code} (its output is above)", flush=True)
     return time.perf_counter() - t0
@@ -471,7 +479,7 @@ def cli_regenerate(args) -> int:
         return exc.exit_code
     actual.update({lab_id(o.stem): o.seconds for o in outcomes})
     if getattr(args, "bench", None):
-        actual["bench"] = run_bench(out, args.bench, smoke_sizes=rehearse)
+        actual["bench"] = run_bench(out, args.bench, gb, smoke_sizes=rehearse)
     if plan is not None and not rehearse:
         from .timeplan import against_actual
 

@@ -64,11 +64,14 @@ def run_cost(cfg, gpu_name: str | None, device: str = "cuda", loads: bool = True
             "bound": "host" if host >= (compute or 0.0) else "compute", "seconds": steps * step + LOAD_S * loads}
 
 
-def bench_plan(gpu_name: str, repeats: int) -> dict:
-    """``bench configs/fast_config.yaml --repeats N`` on the whole card: each section (the config's own; the other
-    loss; eager when the config compiles) runs each side ``repeats`` times, each run loading its model and, when
-    compiled, compiling it again (:data:`RECOMPILE_S`)."""
+def bench_plan(gpu_name: str, repeats: int, card_bytes: int | None = None) -> dict:
+    """``bench configs/fast_config.yaml --repeats N``, fitted to the doctor's cap (``card_bytes``) as bench fits it:
+    each section (the config's own; the other loss; eager when the config compiles) runs each side ``repeats`` times,
+    each run loading its model and, when compiled, compiling it again (:data:`RECOMPILE_S`)."""
+    from .advise import fit_micro_batch
+
     cfg = load_config("configs/fast_config.yaml", mode="full")
+    cfg = fit_micro_batch(cfg, card_bytes)[0] if card_bytes else cfg
     other = "full" if cfg.model.loss == "chunked" else "chunked"
     sections = [cfg, cfg.override({"model.loss": other})] + ([cfg.override({"train.compile": False})]
                                                               if cfg.train.compile else [])
@@ -93,7 +96,7 @@ def course_plan(gpu_name: str, labs=IDS, doctor: bool = True, card_gb: float | N
     doc = DOCTOR_S + COMPILE_S if doctor else 0.0
     return {"gpu": gpu_name, "doctor_seconds": doc, "labs": plans,
             "seconds": doc + sum(p["seconds"] for p in plans), "goal_seconds": GOAL_S,
-            "bench": bench_plan(gpu_name, bench_repeats) if bench_repeats else None}
+            "bench": bench_plan(gpu_name, bench_repeats, card) if bench_repeats else None}
 
 
 def plan_lines(plan: dict) -> list[str]:

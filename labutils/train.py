@@ -254,7 +254,8 @@ def for_this_card(cfg: Config, device: torch.device | str | None = None) -> tupl
     """What ``run`` and ``bench`` train on this GPU, with one line per change: bf16 becomes fp16 (GradScaler) where
     the GPU has no native BF16 (:func:`labutils.device.bf16_support`, as the labs and ``doctor`` decide: on a T4
     ``torch.cuda.is_bf16_supported()`` says True, by emulation), and in full mode the micro-batch is the largest the
-    estimator fits on this card (its ``LAB_GPU_MEMORY_GB`` cap), accumulating to the same effective batch. A key set
+    estimator fits on this card (its ``LAB_GPU_MEMORY_GB`` cap: :func:`labutils.advise.default_budget_bytes`, which
+    ``doctor`` and ``bench`` name), accumulating to the same effective batch. A key set
     with ``--set`` wins. On the CPU: the config as it is."""
     device = torch.device(device or _env.default_device())
     if device.type != "cuda":
@@ -268,7 +269,7 @@ def for_this_card(cfg: Config, device: torch.device | str | None = None) -> tupl
     if cfg.mode == "full" and "train.micro_batch_size" not in cfg.origins:
         from .advise import default_budget_bytes, fit_micro_batch
 
-        cfg, line = fit_micro_batch(cfg, default_budget_bytes()[0])
+        cfg, line = fit_micro_batch(cfg, *default_budget_bytes())
         lines += [line] if line else []
     return cfg, lines
 

@@ -24,6 +24,7 @@ from labutils import checkpointing as ck
 from labutils import device as dev
 from labutils import env as lenv
 from labutils import profiling
+from labutils import scale_model
 from tests import fake_cuda
 
 
@@ -68,20 +69,22 @@ def test_torch_refuses_a_device_without_index(gpu):
 # ---------------------------------------------------------------------------------------------------- row 2
 @pytest.mark.parametrize("gpu", ["h100"], indirect=True)
 def test_lab04_cap_never_raises_a_lower_cap_and_restores_it(gpu):
-    """Row 2: cuda_memory_cap raised the same ValueError on entry and restore, and could raise a lower cap."""
-    with profiling.cuda_memory_cap(8) as cap:
-        assert cap + gpu.profile.outside == pytest.approx(int(round(7.78 * GiB)), abs=2)  # a real 8 GB card's total
+    """Row 2: lab 04's cap (once profiling.cuda_memory_cap, now the lab's one budget, the card's bytes for tensors,
+    under dev.memory_cap) raised the same ValueError on entry and restore, and could raise a lower cap."""
+    budget = scale_model.lab_budget("04", torch.device("cuda", 0))["bytes"]
+    with dev.memory_cap(budget):
+        assert dev.cap_bytes() + gpu.profile.outside == pytest.approx(int(round(7.78 * GiB)), abs=2)  # 8 GB card
     assert gpu.fraction == 1.0
     torch.cuda.set_per_process_memory_fraction(0.04, 0)  # the user's own, lower cap (3.2 GB of 80)
-    with profiling.cuda_memory_cap(8):
+    with dev.memory_cap(budget):
         assert gpu.fraction == pytest.approx(0.04)
     assert gpu.fraction == pytest.approx(0.04)
 
 
 def test_lab04_cap_is_a_no_op_on_cpu(monkeypatch):
     fake_cuda.no_gpu(monkeypatch)  # a machine without a GPU, whatever this one has (or the session pretends)
-    with profiling.cuda_memory_cap(8) as cap:
-        assert cap is None
+    with dev.memory_cap(123) as cpu_budget:
+        assert cpu_budget == 123 and dev.cap_bytes() is None  # the budget handed on to the CPU tracker
 
 
 # ---------------------------------------------------------------------------------------------------- row 3
@@ -398,7 +401,7 @@ def exercise_device_module(monkeypatch, tmp_path, profile: str) -> None:
         free, total = dev.mem_info()
         assert free < total == dev.total_memory() == gpu.profile.total
         cap_before = dev.get_cap_fraction()
-        with profiling.cuda_memory_cap(4):
+        with dev.memory_cap(dev.card_allocator_bytes(4)):
             assert dev.cap_bytes() <= 4 * GiB
             with pytest.raises(torch.OutOfMemoryError):
                 gpu.alloc(5 * GiB)

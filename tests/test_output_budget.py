@@ -109,6 +109,22 @@ def test_printed_output_budget(lab):
     assert total <= MAX_LAB_LINES, f"{stem}: {total} printed lines (at most {MAX_LAB_LINES})"
 
 
+@pytest.mark.regen_labs(*LABS_WITH_BUDGET)
+def test_every_lab_states_the_same_8gb_card():
+    """Issue 43: in smoke "an 8 GB card" was 30.91 / 29.58 / 15.04 / 13.59 MiB in labs 01-04, each lab scaling the
+    card over its own rows (and lab 01 recorded no size at all). Each lab now records the same budget and the same
+    sentence (labutils.scale_model), and prints that sentence. Breaks if a lab computes or words its own."""
+    seen = {}
+    for lab in LABS_WITH_BUDGET:
+        run, stem = _regen(lab)
+        notes = json.loads((run.out / f"{stem}.json").read_text(encoding="utf-8"))["notes"]
+        _, nb = notebook(lab, run.out / "executed")
+        printed = "\n".join(output_text(o) for c in nb["cells"] for o in c.get("outputs", []))
+        assert notes.get("card") and notes["card"] in printed, f"{stem}: the card's sentence not recorded and printed"
+        seen[lab] = (notes.get("budget_bytes"), notes["card"])
+    assert len(set(seen.values())) == 1, f"the labs state different cards: {seen}"
+
+
 @pytest.mark.parametrize("lab", [pytest.param(lab, marks=pytest.mark.regen_labs(lab)) for lab in LABS_WITH_BUDGET])
 def test_smoke_is_a_scale_model_of_8gb(lab):
     """The oracle is the estimator's full-mode prediction for the card (labutils.estimate.fits with the card table's

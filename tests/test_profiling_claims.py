@@ -76,20 +76,24 @@ def test_c6_runs_the_pair_it_is_given_and_records_an_oom_with_its_estimate():
 
 def test_lab04_rows_on_a_pretend_gpu(monkeypatch):
     """The CUDA branches of lab 04's row builders (smoke runs only the CPU ones): a real 8 GB budget (no scale
-    model), no simulated-OOM argument, the CUDA context kept out of what fits, estimates on an absolute basis."""
+    model), no simulated-OOM argument, the CUDA context kept out of what fits, estimates on an absolute basis.
+    Issue 43: the budget is what the allocator gets on the card (its total minus the CUDA context measured here, as
+    lab 03's and section 8's cap), not the card's total; its rows carry no smoke columns."""
     from types import SimpleNamespace
 
     from labutils import device as dev
-    from labutils.profiling_runs import add_stage_estimates, cpu_budget_kwargs, lab_budget, largest_batch_rows
+    from labutils.profiling_runs import add_stage_estimates, cpu_budget_kwargs, largest_batch_rows
+    from labutils.scale_model import lab_budget
     from tests import fake_cuda
 
     monkeypatch.setattr(dev, "_state", {})
     gpu = fake_cuda.install(monkeypatch, "rtx3070-8gb")
     cuda = torch.device("cuda", 0)
-    full = lu.load_config(TECHNIQUES, mode="full")
-    # an 8 GB card as torch reports it (7.78 GiB: akshitac8/OW-DETR#46), not 8 GiB, and no scale-model rows
-    budget, why, rows = lab_budget(cuda, full, full, {"baseline": {}})
-    assert budget == int(round(7.78 * GiB)) and rows == [] and "8 GB card" in why
+    # an 8 GB card as torch reports it (7.78 GiB: akshitac8/OW-DETR#46), not 8 GiB, less this GPU's CUDA context
+    got = lab_budget("04", cuda)
+    assert got["bytes"] == int(round(7.78 * GiB)) - gpu.profile.outside == dev.card_allocator_bytes(8, cuda)
+    assert "8 GB card" in got["line"] and "scale model" not in got["line"]
+    assert got["scale_rows"] and not any(k.startswith("smoke") for r in got["scale_rows"] for k in r)
     assert cpu_budget_kwargs(8 * GiB, cuda) == {}
     e = {"peak_bytes": 5 * GiB, "resident_bytes": GiB}
     assert MeasuredRuns(cuda).estimate_for(SimpleNamespace(ok=True, memory={"start_bytes": 123}), e) == 5 * GiB
