@@ -15,6 +15,7 @@ from .config import Config, load_config
 from .data import IGNORE_INDEX, LMDataset
 from .estimate import scale_model_budget
 from .memory import MemoryTracker, fmt_bytes, memory_in_use, oom_caught, release
+from .precisions import get
 from .train import autocast_for, make_optimizer, prepare, scaler_for, step_scheduler, train
 
 
@@ -156,7 +157,7 @@ def replay(cfg: Config, step_fn, device=None) -> dict:
     with held_model(cfg, device) as (model, dataset, device):
         r = train(cfg, model, dataset, device, progress=False, track_memory=False)
         out["labutils_losses"], out["labutils_grad_norms"] = r.losses, r.grad_norms
-    with held_model(cfg, device) as (model, dataset, device), _env.matmul_precision(tf32=cfg.train.precision == "tf32"):
+    with held_model(cfg, device) as (model, dataset, device), _env.matmul_precision(tf32=get(cfg.train.precision).tf32):
         optimizer, scheduler = make_optimizer(model, cfg, device)
         autocast, scaler = autocast_for(cfg.train.precision, device), scaler_for(cfg.train.precision, device)
         windows = dataset.windows(cfg.train.micro_batch_size, cfg.train.accumulation_steps, cfg.train.seed)
@@ -168,16 +169,6 @@ def replay(cfg: Config, step_fn, device=None) -> dict:
         optimizer = scheduler = scaler = None      # AdamW's state freed before held_model releases the memory
         out["notebook_losses"], out["notebook_grad_norms"] = [float(x) for x, _ in steps], [float(n) for _, n in steps]
     return out
-
-
-def amp_precision(device=None) -> tuple[str, str]:
-    """The precision to train with, and why: BF16 where native; a CUDA GPU without it FP16 (+ GradScaler); a CPU
-    without it FP32, because autocast would emulate 16-bit formats at many times FP32's cost. The same loop."""
-    device = torch.device(device or _env.default_device())
-    ok, why = _env.bf16_supported(device)
-    if ok or device.type == "cuda":  # the library's one answer (labutils.env.bf16_supported), as lab 01 uses it
-        return ("bf16" if ok else "fp16"), why
-    return "fp32", f"{why}; FP16 is emulated too: CPU runs stay in FP32 (same loop; section 1.1 checks the fp16 path)"
 
 
 def budget_rows(micro: int, accum_steps, target: int, proof_batches) -> dict:

@@ -14,6 +14,7 @@ from .cards import CUDA_CONTEXT_BYTES, card_total_bytes
 from .config import validate
 from .models import N_POSITIONS, PRESETS, padded_vocab_size, vocab_size
 from . import device as dev
+from .precisions import get
 from .replay import CUBLAS_WORKSPACE_BYTES, Replay, cublas_workspace_bytes
 from .replay_ledger import KINDS
 
@@ -52,7 +53,7 @@ class Plan:
 
     @property
     def amp(self) -> bool:
-        return self.precision in ("fp16", "bf16")
+        return get(self.precision).amp
 
     @property
     def effective_batch(self) -> int:

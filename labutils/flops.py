@@ -19,6 +19,7 @@ import torch
 from . import device as dev
 from .models import CAUSAL_SDPA, PRESETS, padded_vocab_size, vocab_size
 from .peaks import peak_tflops
+from .precisions import get
 
 
 def model_flops_per_token(name: str, seq_length: int, vocab: int | None = None) -> float:
@@ -111,7 +112,7 @@ def attention_kernel(model, seq_length: int, padded: bool, precision: str = "fp3
     elif impl != "sdpa":
         return f"{cfg._attn_implementation} (not SDPA)"
     device = torch.device(device)
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
+    dtype = get(precision).dtype
     q = torch.empty(1, cfg.n_head, seq_length, cfg.n_embd // cfg.n_head, dtype=dtype, device=device)
     mask = torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool, device=device) if padded else None
     dropout = float(cfg.attn_pdrop) if model.training else 0.0

@@ -55,6 +55,11 @@ def get(name: str) -> Precision:
         raise ValueError(f"precision {name!r}: must be one of {', '.join(NAMES)}") from None
 
 
+def dtype_name(dtype) -> str:
+    """The table's name of a tensor's dtype (torch.float32: "fp32"), or torch's name for one not in it."""
+    return next((p.name for p in PRECISIONS.values() if p.dtype == dtype and not p.tf32), str(dtype))
+
+
 def choose(native: Callable[[str], tuple[bool, str]], gpu: bool, emulated_ok: bool = True) -> tuple[str, str]:
     """The rule, given ``native(name) -> (bool, why)`` for the device (or a card by name: the time plan): BF16 where
     native (FP32's exponent range, no scaler); else FP16 + GradScaler on a GPU (tensor cores since Volta); else (a

@@ -19,9 +19,11 @@ from __future__ import annotations
 from .config import load_config
 from .flops import flops_per_token
 from .models import PRESETS, padded_vocab_size, vocab_size
-from .peaks import peak_tflops
+from .peaks import native, peak_tflops
+from .precisions import NAMES, PRECISIONS, amp_precision, choose, get
 
-ACHIEVED = {"fp32": 0.5, "tf32": 0.3, "fp16": 0.25, "bf16": 0.25}  # share of the dense peak a GPT-2 step reaches
+# share of the dense peak a GPT-2 step reaches: a mixed precision 0.25, TF32 0.3, FP32 0.5
+ACHIEVED = {p.name: 0.25 if p.amp else 0.3 if p.tf32 else 0.5 for p in PRECISIONS.values()}
 HOST_BLOCK_S = 1.6e-3      # host s per block and micro-batch, fwd + bwd (FP32 step 48.0 ms, TF32 27.2 ms)
 AUTOCAST_HOST = 1.5        # autocast's casts: more launches per block (BF16 run: 38.1 ms, host-bound)
 CHECKPOINT_HOST = 1.4      # a checkpointed block launches its forward twice
@@ -48,11 +50,11 @@ def run_cost(cfg, gpu_name: str | None, device: str = "cuda", loads: bool = True
                                 causal_skip=fused and (d.pack or m.attn_implementation == "sdpa_causal"),
                                 vocab=padded_vocab_size(vocab_size(m.name), m.pad_vocab_to))
     step_flops = per_token * t.micro_batch_size * t.accumulation_steps * d.seq_length
-    precision = t.precision
-    peak = peak_tflops(gpu_name, precision) or peak_tflops(gpu_name, "fp32")
-    compute = step_flops / (peak * 1e12 * ACHIEVED.get(precision, ACHIEVED["fp32"])) if peak else None
+    precision = get(t.precision)
+    peak = peak_tflops(gpu_name, precision.name) or peak_tflops(gpu_name, "fp32")
+    compute = step_flops / (peak * 1e12 * ACHIEVED[precision.name]) if peak else None
     host = (t.accumulation_steps * PRESETS[m.name][0] * HOST_BLOCK_S
-            * (AUTOCAST_HOST if precision in ("fp16", "bf16") else 1)
+            * (AUTOCAST_HOST if precision.amp else 1)
             * (CHECKPOINT_HOST if t.gradient_checkpointing else 1) + HOST_STEP_S)
     step = max(compute or 0.0, host)
     steps = t.steps
@@ -64,17 +66,32 @@ def run_cost(cfg, gpu_name: str | None, device: str = "cuda", loads: bool = True
 
 
 # ------------------------------------------------------------------------------------- what each lab trains
-def _lab01(mode: str, device: str) -> list:
-    """Lab 01: the two-step check of amp_step against lu.train, the precisions (TF32 and BF16 on a GPU only), the
+def _native(device: str, gpu_name: str | None):
+    """``native(precision) -> (bool, why)`` where the plan runs: this CPU (labutils.device_facts, as the labs ask
+    it), or a card by name (a format it has a peak for: labutils.peaks; a T4 has no BF16)."""
+    return (lambda p: native(gpu_name, p)) if device == "cuda" else (lambda p: get(p).native(device))
+
+
+def lab_precision(device: str, gpu_name: str | None = None, emulated_ok: bool = True) -> str:
+    """The mixed precision a lab's cells choose (``lu.amp_precision(device, emulated_ok)``) where the plan runs."""
+    if device != "cuda":
+        return amp_precision(device, emulated_ok)[0]
+    return choose(_native(device, gpu_name), True, emulated_ok)[0]
+
+
+LAB01_ALWAYS = ("fp32", "fp16")  # lab 01 runs these even where emulated: the baseline, the GradScaler's format
+
+
+def _lab01(mode: str, device: str, gpu_name: str | None = None) -> list:
+    """Lab 01: the two-step check of amp_step against lu.train, the precisions (the others where native), the
     batch sweep's points other than the config's own micro-batch, and fp16 again with the injected overflow."""
     cfgs = {p: load_config(f"configs/{p}_config.yaml", mode=mode) for p in ("fp32", "fp16", "bf16")}
     if mode == "smoke":
         cfgs = {p: c.override({"train.steps": 24, "train.timing_warmup_steps": 4}) for p, c in cfgs.items()}
-    gpu = device == "cuda"
-    amp = "bf16" if gpu else "fp16"  # BF16 where native (every GPU since Ampere), else FP16: lab 01's choice
+    amp, native_here = lab_precision(device, gpu_name), _native(device, gpu_name)  # lab 01's AMP and NATIVE
+    cfgs.update({p: cfgs["fp32"].override({"train.precision": p}) for p in NAMES if p not in cfgs})
     runs = [("amp_step check", cfgs["fp16"].override({"train.steps": min(2, cfgs["fp16"].train.steps)}))]
-    runs += [(p, cfgs["fp32"].override({"train.precision": p}) if p == "tf32" else cfgs[p])
-             for p in ("fp32", "tf32", "fp16", "bf16") if gpu or p in ("fp32", "fp16")]
+    runs += [(p, cfgs[p]) for p in NAMES if p in LAB01_ALWAYS or native_here(p)[0]]
     b = load_config("configs/fp32_config.yaml", mode="full").train.micro_batch_size
     runs += [(f"{p} x {m}", cfgs[p].override({"train.micro_batch_size": m, "train.steps": 12,
                                               "train.timing_warmup_steps": min(cfgs[p].train.timing_warmup_steps, 11)}))
@@ -93,10 +110,10 @@ def _largest_split(target: int = 32) -> int:
         {"train.micro_batch_size": m, "train.accumulation_steps": target // m, "train.precision": "bf16"})), card))
 
 
-def _lab02(mode: str, device: str) -> list:
+def _lab02(mode: str, device: str, gpu_name: str | None = None) -> list:
     """Lab 02: the two train_step checks, the micro-batch 2 sweep, the split of B = 32, the learning-rate runs."""
     cfg = load_config("configs/lab02_accumulation.yaml", mode=mode)
-    amp = "bf16" if device == "cuda" else "fp32"  # CPU runs train in fp32 (emulated autocast is slow)
+    amp = lab_precision(device, gpu_name, emulated_ok=False)  # a CPU without BF16 trains in fp32 (emulation is slow)
     cfg = cfg.override({"train.precision": amp})
     check = {"train.micro_batch_size": 2, "train.accumulation_steps": 4, "model.dropout": 0.0,
              "train.steps": min(cfg.train.steps, 2)}
@@ -119,7 +136,7 @@ def _lab02(mode: str, device: str) -> list:
     return runs
 
 
-def _lab03(mode: str, device: str) -> list:
+def _lab03(mode: str, device: str, gpu_name: str | None = None) -> list:
     """Lab 03: the on/off pairs, the scale model's rows, the largest-batch scans (as far as the estimator says they
     go on an 8 GB card), every k, the variants beyond, the combinations."""
     from .cards import card_total_bytes
@@ -145,7 +162,7 @@ def _lab03(mode: str, device: str) -> list:
     runs += [(f"every/segments {k}", cfg.override(ck), i == 0) for i, k in enumerate(ks + ks)]  # one model (cm.measure)
     runs += [(f"beyond {i}", cfg.override(ck), i == 0) for i in range(3)]
     half = max(1, B // 2)
-    mixed = "bf16" if device == "cuda" else "fp16"  # lab 03's choice: BF16 where native, else FP16
+    mixed = lab_precision(device, gpu_name)  # lab 03's MIXED
     runs += [(name, cfg.override(o)) for name, o in (
         ("mixed", {"train.precision": mixed}), ("mixed + ckpt", {"train.precision": mixed, **ck}),
         ("accumulation", {"train.micro_batch_size": 1, "train.accumulation_steps": B}),
@@ -154,11 +171,11 @@ def _lab03(mode: str, device: str) -> list:
     return runs
 
 
-def _lab04(mode: str, device: str) -> list:
+def _lab04(mode: str, device: str, gpu_name: str | None = None) -> list:
     """Lab 04: the batch sweep, the techniques of section 8, the full and chunked loss, one_loop against lu.train."""
     cfg = load_config("configs/lab04_profile.yaml", mode=mode)
     tech = load_config("configs/lab04_techniques.yaml", mode=mode)
-    amp = "bf16" if device == "cuda" else "fp16"  # lab 04's choice: BF16 where native, else FP16
+    amp = lab_precision(device, gpu_name)  # lab 04's AMP
     mp, ck = {"train.precision": amp}, {"train.gradient_checkpointing": True}
     acc = {"train.micro_batch_size": tech.train.micro_batch_size // 2, "train.accumulation_steps": 2}
     sweep = {"train.steps": 2, "train.timing_warmup_steps": 1}
@@ -178,7 +195,7 @@ def lab_plan(lab: str, gpu_name: str | None, mode: str = "full", device: str = "
     """A lab's predicted cost: its runs (:data:`LAB_RUNS`: ``(label, config[, loads a model])``), each
     :func:`run_cost`, and the fresh kernel's fixed cost."""
     runs = [{"run": r[0], **run_cost(r[1], gpu_name, device, *r[2:], card_bytes=card_bytes)}
-            for r in LAB_RUNS[lab](mode, device)]
+            for r in LAB_RUNS[lab](mode, device, gpu_name)]
     return {"lab": lab, "runs": runs, "steps": sum(r["steps"] for r in runs), "flops": sum(r["flops"] for r in runs),
             "seconds": KERNEL_S + sum(r["seconds"] for r in runs)}
 
