@@ -134,13 +134,6 @@ def peak_info(gpu_name: str | None, precision: str) -> tuple[float | None, str]:
     return None, f"{gpu_name!r} is not in labutils' peak table: no MFU rather than a guessed peak"
 
 
-def native(gpu_name: str | None, precision: str) -> tuple[bool, str]:
-    """Whether the card computes ``precision`` natively (the table has a peak for it), and why: a card's answer
-    by name, for :func:`labutils.precisions.choose` (the time plan of a card this machine is not)."""
-    value, why = peak_info(gpu_name, precision)
-    return value is not None, why
-
-
 def peak_tflops(gpu_name: str | None, precision: str) -> float | None:
     """Dense peak TFLOP/s of ``gpu_name`` (as ``torch.cuda.get_device_name`` returns it) in ``precision``;
     None on CPU, for a format the card lacks, or a card not in the table."""

@@ -33,12 +33,8 @@ class Precision:
         return self.autocast or torch.float32
 
 
-def _always(device=None) -> tuple[bool, str]:
-    return True, "FP32 runs natively everywhere"
-
-
 PRECISIONS: dict[str, Precision] = {p.name: p for p in (
-    Precision("fp32", "FP32 (TF32 off)", None, False, False, 4, "#3498db", _always),
+    Precision("fp32", "FP32 (TF32 off)", None, False, False, 4, "#3498db", lambda device=None: (True, "FP32 runs natively everywhere")),
     Precision("tf32", "TF32", None, True, False, 4, "#9b59b6", facts.tf32_support),
     Precision("fp16", "FP16 + GradScaler", torch.float16, False, True, 2, "#e74c3c", facts.fp16_support),
     Precision("bf16", "BF16", torch.bfloat16, False, False, 2, "#2ecc71", facts.bf16_support),

@@ -19,8 +19,8 @@ from __future__ import annotations
 from .config import load_config
 from .flops import flops_per_token
 from .models import PRESETS, padded_vocab_size, vocab_size
-from .peaks import native, peak_tflops
-from .precisions import NAMES, PRECISIONS, amp_precision, choose, get
+from .peaks import peak_tflops
+from .precisions import NAMES, PRECISIONS, choose, get
 
 # share of the dense peak a GPT-2 step reaches: a mixed precision 0.25, TF32 0.3, FP32 0.5
 ACHIEVED = {p.name: 0.25 if p.amp else 0.3 if p.tf32 else 0.5 for p in PRECISIONS.values()}
@@ -68,15 +68,16 @@ def run_cost(cfg, gpu_name: str | None, device: str = "cuda", loads: bool = True
 # ------------------------------------------------------------------------------------- what each lab trains
 def _native(device: str, gpu_name: str | None):
     """``native(precision) -> (bool, why)`` where the plan runs: this CPU (labutils.device_facts, as the labs ask
-    it), or a card by name (a format it has a peak for: labutils.peaks; a T4 has no BF16)."""
-    return (lambda p: native(gpu_name, p)) if device == "cuda" else (lambda p: get(p).native(device))
+    it), or a card by name (a format it has a peak for in labutils.peaks: a T4 has no BF16)."""
+    if device == "cuda":
+        return lambda p: (peak_tflops(gpu_name, p) is not None, f"{gpu_name}'s datasheet (labutils.peaks)")
+    return lambda p: get(p).native(device)
 
 
 def lab_precision(device: str, gpu_name: str | None = None, emulated_ok: bool = True) -> str:
-    """The mixed precision a lab's cells choose (``lu.amp_precision(device, emulated_ok)``) where the plan runs."""
-    if device != "cuda":
-        return amp_precision(device, emulated_ok)[0]
-    return choose(_native(device, gpu_name), True, emulated_ok)[0]
+    """The mixed precision a lab's cells choose where the plan runs: ``lu.amp_precision(device, emulated_ok)``'s
+    rule (labutils.precisions.choose) with that device's answers."""
+    return choose(_native(device, gpu_name), device == "cuda", emulated_ok)[0]
 
 
 LAB01_ALWAYS = ("fp32", "fp16")  # lab 01 runs these even where emulated: the baseline, the GradScaler's format

@@ -78,7 +78,7 @@ def test_no_notebook_decides_a_precision_itself():
 def test_a_t4_plan_trains_fp16_where_an_h100_plan_trains_bf16():
     """The plan for a card by name uses the labs' rule with that card's formats (labutils.peaks): a T4 has no
     BF16, so its labs train FP16 (and no TF32); an H100's train BF16. Failed before: every GPU planned BF16."""
-    assert not lu.peaks.native(T4, "bf16")[0] and lu.peaks.native(H100, "bf16")[0]
+    assert lu.peak_tflops(T4, "bf16") is None and lu.peak_tflops(H100, "bf16")
     assert timeplan.lab_precision("cuda", T4) == "fp16" and timeplan.lab_precision("cuda", H100) == "bf16"
     for lab in LABS:
         t4 = {r[1].train.precision for r in timeplan.LAB_RUNS[lab]("full", "cuda", T4)}
