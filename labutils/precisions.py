@@ -34,7 +34,7 @@ class Precision:
 
 
 PRECISIONS: dict[str, Precision] = {p.name: p for p in (
-    Precision("fp32", "FP32 (TF32 off)", None, False, False, 4, "#3498db", lambda device=None: (True, "FP32 runs natively everywhere")),
+    Precision("fp32", "FP32 (TF32 off)", None, False, False, 4, "#3498db", lambda device=None: (True, "everywhere")),
     Precision("tf32", "TF32", None, True, False, 4, "#9b59b6", facts.tf32_support),
     Precision("fp16", "FP16 + GradScaler", torch.float16, False, True, 2, "#e74c3c", facts.fp16_support),
     Precision("bf16", "BF16", torch.bfloat16, False, False, 2, "#2ecc71", facts.bf16_support),
@@ -85,5 +85,5 @@ def autocast(name: str, device) -> contextlib.AbstractContextManager:
 
 
 def scaler(name: str, device, **kwargs):
-    """A ``torch.amp.GradScaler`` where the precision needs one (kwargs: init_scale, growth_interval, ...), else None."""
+    """A ``torch.amp.GradScaler`` where the precision needs one (kwargs: init_scale, growth_interval...), else None."""
     return torch.amp.GradScaler(torch.device(device).type, **kwargs) if get(name).scaler else None

@@ -237,11 +237,11 @@ def prepare(cfg: Config, device: torch.device | str | None = None, verbose: bool
 
 
 def for_this_card(cfg: Config, device: torch.device | str | None = None) -> tuple[Config, list[str]]:
-    """What ``run`` and ``bench`` train on this GPU, with one line per change: bf16 becomes fp16 (GradScaler) where
-    the GPU has no native BF16 (:func:`labutils.device.bf16_support`, as the labs and ``doctor`` decide: on a T4
-    ``torch.cuda.is_bf16_supported()`` says True, by emulation), and in full mode the micro-batch is the largest the
-    estimator fits on this card (its ``LAB_GPU_MEMORY_GB`` cap), accumulating to the same effective batch. A key set
-    with ``--set`` wins. On the CPU: the config as it is."""
+    """What ``run`` and ``bench`` train on this GPU, with one line per change: a mixed precision the GPU lacks
+    becomes the labs' choice (:func:`labutils.precisions.amp_precision`: bf16 -> fp16 + GradScaler where BF16 is not
+    native; a T4's ``torch.cuda.is_bf16_supported()`` says True, by emulation), and in full mode the micro-batch is
+    the largest the estimator fits on this card (its ``LAB_GPU_MEMORY_GB`` cap), accumulating to the same effective
+    batch. A key set with ``--set`` wins. On the CPU: the config as it is."""
     device = torch.device(device or _env.default_device())
     if device.type != "cuda":
         return cfg, []
