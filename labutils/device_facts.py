@@ -40,21 +40,15 @@ def _card(device: torch.device) -> tuple[str, int]:
     return f"{torch.cuda.get_device_name(device.index)} (compute capability {major}.{minor})", major
 
 
-def _onednn(query: str) -> bool:
-    """oneDNN's own check of this CPU's instructions (``_is_mkldnn_bf16_supported``, ...); False without oneDNN."""
-    native = False
-    with contextlib.suppress(Exception):  # absent from builds without oneDNN
-        native = bool(getattr(torch.ops.mkldnn, query)())
-    return native
-
-
 def bf16_support(device=None) -> tuple[bool, str]:
     """Native BF16 (no emulation) on this device, and a reason a student can read: one answer per machine, used
     by every lab. CUDA: from Ampere (8.0) on. CPU: only with BF16 instructions; elsewhere CPU autocast still runs
     bfloat16, emulated: correct, many times slower than FP32."""
     device = resolve(device)
     if device.type != "cuda":  # native only with BF16 instructions (AVX512-BF16 / AMX): oneDNN's own check
-        native = _onednn("_is_mkldnn_bf16_supported")
+        native = False
+        with contextlib.suppress(Exception):  # absent from builds without oneDNN
+            native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
         cap = torch.backends.cpu.get_cpu_capability()
         return native, (f"this CPU ({cap}) has native BF16 instructions (oneDNN)" if native else
                         f"this CPU ({cap}) has no native BF16: autocast would emulate bfloat16 (correct, but many "
@@ -69,7 +63,10 @@ def fp16_support(device=None) -> tuple[bool, str]:
     AMX-FP16 (oneDNN's own check). Elsewhere autocast's FP16 matmuls are emulated."""
     if (torch.device(device) if device is not None else default_device()).type == "cuda":
         return True, "CUDA GPUs compute FP16 in hardware (tensor cores from Volta, sm_70)"
-    if _onednn("_is_mkldnn_fp16_supported"):
+    native = False
+    with contextlib.suppress(Exception):  # absent from builds without oneDNN
+        native = bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    if native:
         return True, "this CPU has native FP16 instructions (AVX512-FP16 / AMX-FP16)"
     return False, ("this CPU has no FP16 arithmetic (no AVX512-FP16 / AMX-FP16): autocast's FP16 is emulated, each "
                    "matmul converting to FP32 inside, far slower than FP32 itself")

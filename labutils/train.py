@@ -27,8 +27,7 @@ from tqdm.auto import tqdm
 from . import device as dev
 from . import env as _env
 from .config import Config, validate
-from .precisions import amp_precision, get
-from .precisions import autocast as autocast_for, scaler as scaler_for  # noqa: F401 (the names lu and tests use)
+from .precisions import amp_precision, autocast as autocast_for, get, scaler as scaler_for  # noqa: F401 (lu's names)
 from .data import LMDataset, build_dataset
 from .compiling import compile_for_training, compiled_graphs, cpu_compile_untracked
 from .memory import MemoryTracker, oom_text, release, state_bytes
