@@ -25,8 +25,7 @@ def format_rows() -> list[dict]:
     """One row per format: bit layout, range and precision, all read from ``torch.finfo``. TF32 is a tensor-core
     math mode, not a storage dtype: its row is FP32's exponent with FP16's mantissa, from those two finfo's."""
     rows = []
-    for p in PRECISIONS.values():  # the precision table's rows
-        name, dtype = p.name.upper(), None if p.tf32 else p.dtype
+    for name, dtype in ((p.name.upper(), None if p.tf32 else p.dtype) for p in PRECISIONS.values()):
         if dtype is None:
             f32, f16 = torch.finfo(torch.float32), torch.finfo(torch.float16)
             exp, man = _bits_from_finfo(f32)[0], _bits_from_finfo(f16)[1]
