@@ -71,17 +71,17 @@ if _sys.argv[:1] == ["-m"] and _signal.getsignal(_signal.SIGINT) is _signal.defa
     # traceback from inside torch; nothing is written yet. cli.main takes Ctrl-C over once it runs.
     _signal.signal(_signal.SIGINT, lambda *_: (print("interrupted", file=_sys.stderr, flush=True), _os._exit(130)))
 
-from . import device  # noqa: E402
+from . import device, precisions  # noqa: E402
 from .config import ConfigError, load_config
 from .data import LMDataset
 from .figures import legend_outside, step_axis, step_numbers
 from .device import card_allocator_bytes
-from .env import (bf16_supported, environment, matmul_precision, seed_everything, set_memory_budget, setup,
-                  tf32_supported)
+from .env import environment, matmul_precision, seed_everything, set_memory_budget, setup
 from .memory import MemoryTracker, fmt_bytes, release, state_bytes
 from .model_spec import spec_of
 from .models import enable_checkpointing, load_model
 from .peaks import peak_info, peak_tflops
+from .precisions import amp_precision
 from .results import mode_banner, read_results, record_results, show_table
 from .train import RunResult, autocast_for, make_optimizer, prepare, run, scaler_for, step_scheduler, train
 

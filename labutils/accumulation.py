@@ -14,6 +14,7 @@ from . import env as _env
 from .config import Config
 from .data import IGNORE_INDEX, LMDataset
 from .memory import MemoryTracker, fmt_bytes, memory_in_use, oom_caught, release
+from .precisions import get
 from .train import autocast_for, make_optimizer, prepare, scaler_for, step_scheduler, train
 
 
@@ -155,7 +156,7 @@ def replay(cfg: Config, step_fn, device=None) -> dict:
     with held_model(cfg, device) as (model, dataset, device):
         r = train(cfg, model, dataset, device, progress=False, track_memory=False)
         out["labutils_losses"], out["labutils_grad_norms"] = r.losses, r.grad_norms
-    with held_model(cfg, device) as (model, dataset, device), _env.matmul_precision(tf32=cfg.train.precision == "tf32"):
+    with held_model(cfg, device) as (model, dataset, device), _env.matmul_precision(tf32=get(cfg.train.precision).tf32):
         optimizer, scheduler = make_optimizer(model, cfg, device)
         autocast, scaler = autocast_for(cfg.train.precision, device), scaler_for(cfg.train.precision, device)
         windows = dataset.windows(cfg.train.micro_batch_size, cfg.train.accumulation_steps, cfg.train.seed)
@@ -169,11 +170,3 @@ def replay(cfg: Config, step_fn, device=None) -> dict:
     return out
 
 
-def amp_precision(device=None) -> tuple[str, str]:
-    """The precision to train with, and why: BF16 where native; a CUDA GPU without it FP16 (+ GradScaler); a CPU
-    without it FP32, because autocast would emulate 16-bit formats at many times FP32's cost. The same loop."""
-    device = torch.device(device or _env.default_device())
-    ok, why = _env.bf16_supported(device)
-    if ok or device.type == "cuda":  # the library's one answer (labutils.env.bf16_supported), as lab 01 uses it
-        return ("bf16" if ok else "fp16"), why
-    return "fp32", f"{why}; FP16 is emulated too: CPU runs stay in FP32 (same loop; section 1.1 checks the fp16 path)"

@@ -18,6 +18,7 @@ from .distributed import zero_table
 from .estimate import CUDA_CONTEXT_BYTES, HEADROOM, GiB, Plan, estimate_memory, estimate_plan, fits, plan_from_config
 from .flops import flops_per_token
 from .peaks import peak_tflops
+from .precisions import NAMES, amp_precision, get
 from .results import read_results, write_json
 
 UNKNOWN_SPEEDS = ("unknown: no measured or peak speeds for this GPU; precisions counted equal (ranked by memory, "
@@ -44,7 +45,7 @@ def peak_speeds(gpu_name: str | None) -> tuple[dict, str] | None:
     base = peak_tflops(gpu_name, "fp32") if gpu_name else None
     if not base:
         return None
-    peaks = {p: peak_tflops(gpu_name, p) for p in ("fp32", "tf32", "fp16", "bf16")}
+    peaks = {p: peak_tflops(gpu_name, p) for p in NAMES}
     return ({p: v / base for p, v in peaks.items() if v}, f"the dense peak TFLOP/s of {gpu_name} (labutils' peak "
             f"table, not a measurement: real speed-ups are smaller)")
 
@@ -69,7 +70,7 @@ def candidate_plans(base: Plan, amp_dtype: str | None = None) -> list[Plan]:
     eff = base.effective_batch
     if amp_dtype is None:
         amp_dtype = base.precision if base.amp else "bf16"
-    full = "tf32" if base.precision == "tf32" else "fp32"
+    full = "fp32" if base.amp else base.precision  # fp32, or tf32 where the config has it
     micros = [m for m in range(eff, 0, -1) if eff % m == 0]
     return [replace(base, precision=precision, checkpointing=ckpt, every_n=1, micro=m, accum=eff // m)
             for precision in dict.fromkeys([full, amp_dtype]) for ckpt in (False, True) for m in micros]
@@ -99,11 +100,11 @@ def recommend(cfg, budget_bytes: int, *, device: str = "cuda", amp_dtype: str | 
 
 
 def _amp_dtype(cfg) -> tuple[str, str | None]:
-    """The mixed-precision dtype to advise: the config's own, else bf16 where this GPU has it, else fp16."""
-    if cfg.train.precision in ("fp16", "bf16"):
+    """The mixed-precision dtype to advise: the config's own, else this GPU's (labutils.precisions.amp_precision)."""
+    if get(cfg.train.precision).amp:
         return cfg.train.precision, None
     if dev.cuda_available():
-        return ("bf16", None) if dev.bf16_support()[0] else ("fp16", "this GPU has no native bf16")
+        return amp_precision()
     return "bf16", "no GPU here; use fp16 on GPUs before Ampere: same memory"
 
 
@@ -183,7 +184,7 @@ def cli_estimate(cfg, args) -> int:
               f"{'on' if smallest['checkpointing'] else 'off'}, micro-batch {smallest['micro_batch']}). "
               f"Shorter sequences, a smaller model, LoRA, an 8-bit optimizer or ZeRO offload are the next steps.")
     # beyond one GPU: what ZeRO sharding leaves on each GPU
-    mixed = t.precision in ("fp16", "bf16")
+    mixed = get(t.precision).amp
     zero = zero_table(est["parameters"], est["activations_bytes"], getattr(args, "gpus", 8), mixed_precision=mixed)
     print(f"per GPU with data parallelism / ZeRO (model state {'2P+2P+12P' if mixed else '4P+4P+8P'} sharded + all "
           "of one micro-batch's activations: a sum, not the replayed peak):")

@@ -10,10 +10,10 @@ import torch
 
 from .env import matmul_precision, seed_everything
 from .memory import MemoryTracker, cpu_budget_kwargs, is_weight_copy, state_bytes
-from .precision import AMP_DTYPES, COLORS, DTYPE_NAMES
+from .precisions import PRECISIONS, dtype_name, get, scaler
 from .results import byte_unit
 
-HALF_DTYPES = (torch.float16, torch.bfloat16)
+HALF_DTYPES = tuple(p.autocast for p in PRECISIONS.values() if p.amp)
 PHASES = {"after forward": "forward", "after backward": "backward", "after optimizer step": "optimizer step"}
 
 
@@ -34,7 +34,7 @@ class SavedTensorCensus:
             return t
         key = st.data_ptr()
         if t.grad_fn is not None and type(t.grad_fn).__name__ == "LogSoftmaxBackward0":
-            self.log_softmax_dtypes.add(DTYPE_NAMES.get(t.dtype, str(t.dtype)))
+            self.log_softmax_dtypes.add(dtype_name(t.dtype))
         if key in self._seen or st.nbytes() == 0:
             return t
         self._seen.add(key)
@@ -65,13 +65,13 @@ def measure_step_memory(cfg, precision: str, step_fn, device) -> dict:
     loaded, dataset = prepare(cfg, device, verbose=False)
     model = loaded.model.train()
     optimizer, _ = make_optimizer(model, cfg, device)
-    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+    grad_scaler = scaler(precision, device)
     windows = dataset.to(device).windows(cfg.train.micro_batch_size, cfg.train.accumulation_steps, cfg.train.seed)
     seen, marks = {}, {}
 
     def record_dtype(name):
         def hook(module, inputs, output):  # a forward hook must return None, or it replaces the output
-            seen[name] = DTYPE_NAMES[output.dtype]
+            seen[name] = dtype_name(output.dtype)
         return hook
 
     hooks = [model.transformer.h[0].attn.c_attn.register_forward_hook(record_dtype("matmul output")),
@@ -85,21 +85,21 @@ def measure_step_memory(cfg, precision: str, step_fn, device) -> dict:
             held = {"weights": params, "gradients": [p.grad for p in params if p.grad is not None],
                     "optimizer state": [v for s in optimizer.state.values() for v in s.values()
                                         if isinstance(v, torch.Tensor) and v.dim() > 0]}
-            seen.update({k: ", ".join(sorted({DTYPE_NAMES.get(t.dtype, str(t.dtype)) for t in ts})) or "-"
+            seen.update({k: ", ".join(sorted({dtype_name(t.dtype) for t in ts})) or "-"
                          for k, ts in held.items()})
 
-    amp_dtype, args = AMP_DTYPES.get(precision), (cfg.train.max_grad_norm,)
+    amp_dtype, args = get(precision).autocast, (cfg.train.max_grad_norm,)
     with matmul_precision(tf32=False):
-        step_fn(model, next(windows), optimizer, scaler, amp_dtype, *args)  # step 1: AdamW's state
+        step_fn(model, next(windows), optimizer, grad_scaler, amp_dtype, *args)  # step 1: AdamW's state
         with MemoryTracker(device) as mt, saved_tensor_census(model) as saved:
             mark("step start")
-            loss = step_fn(model, next(windows), optimizer, scaler, amp_dtype, *args, mark)
+            loss = step_fn(model, next(windows), optimizer, grad_scaler, amp_dtype, *args, mark)
     for h in hooks:
         h.remove()
     # transformers' loss upcasts the logits (ForCausalLMLoss: logits.float()) before cross-entropy: the log-softmax
     # output autograd keeps shows the dtype the loss really reads
     seen["logits as the loss reads them"] = ", ".join(sorted(saved.log_softmax_dtypes)) or "-"
-    seen["loss"] = DTYPE_NAMES[loss.dtype]
+    seen["loss"] = dtype_name(loss.dtype)
     phase = next((PHASES.get(lb, lb) for lb, _, pk in mt.timeline if pk >= mt.peak_bytes), "end of the step")
     state = state_bytes(model, optimizer)
     return {"precision": precision, "micro_batch": cfg.train.micro_batch_size, "weights": state["params"],
@@ -206,16 +206,16 @@ def plot_batch_sweep(rows: list[dict], amp: str, budget_bytes: int | None, timed
         ok = [r for r in rows if r[f"{p}_status"] == "ok"]
         oom = [r["micro_batch"] for r in rows if r[f"{p}_status"] == "oom"]
         axes[0].plot([r["micro_batch"] for r in ok], [r[f"{p}_peak_bytes"] / size for r in ok], "o-",
-                     color=COLORS[p], label=p)
+                     color=get(p).color, label=p)
         if oom and budget_bytes:  # x and + stay apart where both precisions ran out at one micro-batch
             axes[0].scatter(oom, [budget_bytes / size] * len(oom), marker="x" if p == "fp32" else "+", s=120,
-                            color=COLORS[p], label=f"{p}: out of memory")
+                            color=get(p).color, label=f"{p}: out of memory")
         axes[2].plot([r["micro_batch"] for r in ok], [r[f"{p}_target_tokens_per_s"] for r in ok], "o-",
-                     color=COLORS[p], label=p)
+                     color=get(p).color, label=p)
     if budget_bytes:
         axes[0].axhline(budget_bytes / size, color="red", ls=":", label="memory budget")
     both = [r for r in rows if r["memory_saving"] is not None]
-    axes[1].plot([r["micro_batch"] for r in both], [100 * r["memory_saving"] for r in both], "o-", color=COLORS[amp])
+    axes[1].plot([r["micro_batch"] for r in both], [100 * r["memory_saving"] for r in both], "o-", color=get(amp).color)
     axes[1].axhline(50, color="gray", ls=":", label='"halves memory"')
     axes[0].set(title="Peak memory vs batch", ylabel=f"peak memory [{unit}]")
     axes[1].set(title=f"Peak memory saved by {amp} vs FP32", ylabel="saving [%]")

@@ -17,8 +17,8 @@ from .memory import fmt_bytes
 from .op_profile import (OpProfile, gpu_busy, op_group, op_group_rows, op_profile, plot_op_groups,  # noqa: F401
                          profile_reading, step_time_rows, top_op_rows)
 from .peaks import peak_info
+from .precisions import get
 
-PRECISION_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SPEED_TABLE = "precision_comparison"   # the results table that holds the one speed-up per precision (rows keyed
 SPEEDUP = "speedup_vs_fp32"            # by "run" = the precision), in this column; labutils.advise reads it too
 
@@ -132,11 +132,11 @@ def matmul_tflops(m: int, k: int, n: int, precision: str, device: torch.device, 
     ``torch.utils.benchmark`` (which synchronises CUDA)."""
     from torch.utils import benchmark
 
-    dtype = PRECISION_DTYPES[precision]
+    dtype = get(precision).dtype
     g = torch.Generator(device="cpu").manual_seed(0)
     a = torch.randn(m, k, generator=g).to(device=device, dtype=dtype)
     b = torch.randn(k, n, generator=g).to(device=device, dtype=dtype)
-    with matmul_precision(tf32=precision == "tf32"):
+    with matmul_precision(tf32=get(precision).tf32):
         t = benchmark.Timer("a @ b", globals={"a": a, "b": b}).blocked_autorange(min_run_time=min_run_time)
     del a, b
     return 2 * m * k * n / t.median / 1e12
@@ -197,7 +197,7 @@ def course_rows(runs: dict, speed_rows: list[dict], expected: dict, baseline: st
         elif p == baseline:
             verdict = "baseline"
         else:
-            ev = speed_evidence(base, r, (baseline, p), gpu_busy if p in ("fp16", "bf16") else None)[1]
+            ev = speed_evidence(base, r, (baseline, p), gpu_busy if get(p).amp else None)[1]
             verdict = cl.verdict("C2", {"speedup": speedup}, ev)[0]
         rows.append({"precision": p, "course_peak_GB": gb, "measured_peak_GB": r.peak_memory_bytes / 1e9 if r.ok
                      else None, "course_saving": 1 - gb / expected[baseline][0],

@@ -34,6 +34,7 @@ from .flops import model_flops_per_token
 from .memory import oom_caught, release
 from .models import padded_vocab_size, vocab_size
 from .peaks import peak_info
+from .precisions import get
 from .run_result import first_timed_step
 from .train import autocast_for, for_this_card, prepare, scaler_for, train
 
@@ -59,7 +60,7 @@ def reference_loop(cfg: Config, model, dataset, device, warmup: int) -> dict:
     targets = ref_model.shift_labels(dataset.labels[idx]).to(device)
     retries = lambda: dev.memory_stats(device).get("num_alloc_retries")  # noqa: E731  (None on the CPU)
     times, compile_steps, graphs, start_retries = [], [], compiled_graphs(), retries()
-    with _env.matmul_precision(tf32=t.precision == "tf32"):
+    with _env.matmul_precision(tf32=get(t.precision).tf32):
         mark = time.perf_counter()
         for s in range(t.steps):
             for i in range(s * accum, (s + 1) * accum):

@@ -20,8 +20,9 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
+from .precisions import NAMES
+
 MODEL_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "tiny")
-PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 PRETRAINED = ("auto", "true", "false")
 ATTENTION = ("sdpa", "eager", "sdpa_causal")  # sdpa_causal: causal SDPA without a mask (labutils.models.CAUSAL_SDPA)
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # the same tanh GELU: ~9 elementwise ops, or one fused kernel
@@ -310,7 +311,7 @@ def validate(cfg: Config) -> Config:
     rng("train.micro_batch_size", t.micro_batch_size, 1, MAX_EFFECTIVE_BATCH)
     rng("train.accumulation_steps", t.accumulation_steps, 1, MAX_EFFECTIVE_BATCH // t.micro_batch_size,
         other="train.micro_batch_size")
-    choice("train.precision", t.precision, PRECISIONS)
+    choice("train.precision", t.precision, NAMES)  # the precision table's rows
     rng("train.checkpoint_every_n_layers", t.checkpoint_every_n_layers, 1)
     rng("train.lr", t.lr, 0.0, lo_open=True)
     rng("train.weight_decay", t.weight_decay, 0.0)

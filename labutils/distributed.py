@@ -18,9 +18,7 @@ import os
 
 from .config import Config, ConfigError
 from .model_spec import spec_of
-
-MIXED = {"fp32": "no", "tf32": "no", "fp16": "fp16", "bf16": "bf16"}
-
+from .precisions import get
 
 LAUNCHER_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
@@ -93,7 +91,8 @@ def maybe_accelerator(cfg: Config):
     from . import device as dev
     from accelerate import Accelerator
 
-    acc = Accelerator(mixed_precision=MIXED[cfg.train.precision], cpu=not dev.cuda_available(),
+    mixed = cfg.train.precision if get(cfg.train.precision).amp else "no"  # accelerate's names for fp16 / bf16
+    acc = Accelerator(mixed_precision=mixed, cpu=not dev.cuda_available(),
                       gradient_accumulation_steps=cfg.train.accumulation_steps)
     for name, asked in wanted.items():
         if asked and acc.distributed_type.name != name:  # never run something else silently

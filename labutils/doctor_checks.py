@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from . import device as dev
+from .precisions import PRECISIONS, get
 
 MiB, GiB = 2**20, 2**30
 ESTIMATOR_TOLERANCE_PCT = 10.0   # the estimator's goal: within 10 % of the measured CUDA peak
@@ -185,7 +186,7 @@ def train_verdict(precision: str, res, steps: int) -> tuple[bool, str]:
     skipped at most half of the steps (its first steps may overflow at the initial scale of 65536)."""
     ok = res.ok and len(res.losses) == steps and all(math.isfinite(x) for x in res.losses)
     detail = "status " + res.status + ", losses " + ", ".join(f"{x:.3f}" for x in res.losses)
-    if precision == "fp16":
+    if get(precision).scaler:
         scaled = len(res.loss_scales) == steps
         few_skips = 2 * len(res.skipped) <= steps
         ok = ok and scaled and few_skips
@@ -200,15 +201,16 @@ def check_training(c: Checks, device: torch.device, only: tuple[str, ...] | None
     from .train import run
 
     name = "gpt2" if device.type == "cuda" else "tiny"
-    precisions = ["fp32", "fp16", "bf16"] + (["tf32"] if dev.tf32_support(device)[0] else [])
-    if device.type == "cuda" and not dev.bf16_support(device)[0]:
-        precisions.remove("bf16")
-        c.skip("train step bf16", dev.bf16_support(device)[1])
-    if device.type != "cuda":
-        c.skip("train step tf32", dev.tf32_support(device)[1])
+    precisions = []
+    for p in PRECISIONS.values():  # each this device has; a CPU trains FP16 / BF16 emulated, TF32 needs the GPU
+        ok, why = p.native(device)
+        if ok or (p.amp and device.type != "cuda"):
+            precisions.append(p.name)
+        else:
+            c.skip(f"train step {p.name}", why)
     for precision in [p for p in precisions if only is None or p in only]:
         with c.check(f"train step {precision}") as row:
-            steps = FP16_STEPS if precision == "fp16" else 3
+            steps = FP16_STEPS if get(precision).scaler else 3
             res = run(small_config(name, **{"train.precision": precision, "train.steps": steps}), device,
                       progress=False, verbose=False)
             ok, detail = train_verdict(precision, res, steps)

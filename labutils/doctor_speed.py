@@ -11,6 +11,7 @@ import torch
 from . import device as dev
 from .claims import MIN_TIMED_STEPS
 from .doctor_checks import Checks, expect
+from .precisions import PRECISIONS, get
 
 
 def _matmul_speed_floor(label: str, gpu_name: str, capability: tuple[int, int]) -> tuple[float | None, str]:
@@ -24,7 +25,7 @@ def _matmul_speed_floor(label: str, gpu_name: str, capability: tuple[int, int]) 
     if fp32 and other:
         ratio = other / fp32
         return (1.5 if ratio >= 1.9 else 0.9), f"datasheet {label}/fp32 = {ratio:.1f}x"
-    if label in ("fp16", "bf16") and capability[0] >= (8 if label == "bf16" else 7):
+    if get(label).amp and capability[0] >= 7:  # tensor cores from Volta on (BF16 runs only where native: Ampere)
         return 1.5, f"{label} tensor cores (compute capability {capability[0]}.{capability[1]})"
     return None, "card not in the peaks table: speed not judged"
 
@@ -36,7 +37,7 @@ def matmul_verdict(label: str, tflops: float, rel_error: float, fp32_tflops: flo
     limit = {"fp32": 1e-5, "tf32": 5e-3, "fp16": 5e-3, "bf16": 3e-2}[label]
     ok = tflops > 0 and rel_error <= limit
     detail = f"relative error vs float64 {rel_error:.1e} (limit {limit:g})"
-    if label == "tf32" and rel_error <= 1e-5:
+    if get(label).tf32 and rel_error <= 1e-5:
         ok, detail = False, detail + "; an FP32-sized error: TF32 not engaged"
     if not cuda:
         return ok, detail + "; CPU timing: speed not judged"
@@ -52,10 +53,9 @@ def matmul_verdict(label: str, tflops: float, rel_error: float, fp32_tflops: flo
 def check_matmul(c: Checks, device: torch.device) -> None:
     cuda = device.type == "cuda"
     n = 4096 if cuda else 512
-    runs = {"fp32": True, "tf32": cuda and dev.tf32_support(device)[0], "fp16": cuda,
-            "bf16": not cuda or dev.bf16_support(device)[0]}
-    formats = [f for f in (("fp32", torch.float32, False), ("tf32", torch.float32, True),
-                           ("fp16", torch.float16, False), ("bf16", torch.bfloat16, False)) if runs[f[0]]]
+    # a GPU: each format it has; a CPU: FP32 and BF16 (no TF32 tensor cores; FP16 without a scaler's use here)
+    formats = [(p.name, p.dtype, p.tf32) for p in PRECISIONS.values()
+               if (p.native(device)[0] if cuda else not (p.tf32 or p.scaler))]
     fp32_tflops = None
     for label, dtype, tf32 in formats:
         with c.check(f"matmul TFLOP/s {label} ({n}x{n})") as row:

@@ -40,11 +40,8 @@ def quiet_false_profiler_warning(version: str = torch.__version__) -> bool:
 quiet_false_profiler_warning()
 
 
-# the device module's answers under the names the labs use (``lu.bf16_supported(device)``: (bool, a reason a student
-# can read)); every CUDA/CPU difference stays in labutils.device
+# the device module's answers under the names the labs use; every CUDA/CPU difference stays in labutils.device
 default_device = device.default_device
-bf16_supported = device.bf16_support
-tf32_supported = device.tf32_support
 set_memory_budget = device.card_budget       # make this GPU behave like a ``gb`` GB card; None on CPU or gb None
 memory_budget_bytes = device.cap_bytes       # what the allocator may hold: the cap if set, else the card's total
 

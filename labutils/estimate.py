@@ -13,6 +13,7 @@ from .cards import CUDA_CONTEXT_BYTES
 from .config import validate
 from .model_spec import gpt2_only
 from . import device as dev
+from .precisions import get
 from .replay import CUBLAS_WORKSPACE_BYTES, Replay, cublas_workspace_bytes
 from .replay_ledger import KINDS
 
@@ -51,7 +52,7 @@ class Plan:
 
     @property
     def amp(self) -> bool:
-        return self.precision in ("fp16", "bf16")
+        return get(self.precision).amp
 
     @property
     def effective_batch(self) -> int:

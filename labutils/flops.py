@@ -20,6 +20,7 @@ from . import device as dev
 from .model_spec import spec_of
 from .models import CAUSAL_SDPA, padded_vocab_size
 from .peaks import peak_tflops
+from .precisions import get
 
 
 def model_flops_per_token(model, seq_length: int, vocab: int | None = None) -> float:
@@ -112,7 +113,7 @@ def attention_kernel(model, seq_length: int, padded: bool, precision: str = "fp3
     elif impl != "sdpa":
         return f"{cfg._attn_implementation} (not SDPA)"
     device = torch.device(device)
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
+    dtype = get(precision).dtype
     s = spec_of(model)
     q = torch.empty(1, s.n_head, seq_length, s.head_dim, dtype=dtype, device=device)
     mask = torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool, device=device) if padded else None

@@ -8,20 +8,37 @@ from typing import Callable
 
 from .config import load_config
 from .models import PRESETS
+from .peaks import peak_tflops
+from .precisions import NAMES, choose, get
 from .scale_model import course, lab_rows
 
+LAB01_ALWAYS = ("fp32", "fp16")  # lab 01 runs these even where emulated: the baseline, the GradScaler's format
 
-def _lab01(mode: str, device: str) -> list:
-    """Lab 01: the two-step check of amp_step against lu.train, the precisions (TF32 and BF16 on a GPU only), the
+
+def native_where(device: str, gpu_name: str | None):
+    """``native(precision) -> (bool, why)`` where a plan runs: this CPU (labutils.device_facts, as the labs ask it),
+    or a card by name (a format it has a peak for in labutils.peaks: a T4 has no BF16)."""
+    if device == "cuda":
+        return lambda p: (peak_tflops(gpu_name, p) is not None, f"{gpu_name}'s datasheet (labutils.peaks)")
+    return lambda p: get(p).native(device)
+
+
+def lab_precision(device: str, gpu_name: str | None = None, emulated_ok: bool = True) -> str:
+    """The mixed precision a lab's cells choose where the plan runs: ``lu.amp_precision(device, emulated_ok)``'s
+    rule (labutils.precisions.choose) with that device's answers."""
+    return choose(native_where(device, gpu_name), device == "cuda", emulated_ok)[0]
+
+
+def _lab01(mode: str, device: str, gpu_name: str | None = None) -> list:
+    """Lab 01: the two-step check of amp_step against lu.train, the precisions (the others where native), the
     batch sweep's points other than the config's own micro-batch, and fp16 again with the injected overflow."""
     cfgs = {p: load_config(f"configs/{p}_config.yaml", mode=mode) for p in ("fp32", "fp16", "bf16")}
     if mode == "smoke":
         cfgs = {p: c.override({"train.steps": 24, "train.timing_warmup_steps": 4}) for p, c in cfgs.items()}
-    gpu = device == "cuda"
-    amp = "bf16" if gpu else "fp16"  # BF16 where native (every GPU since Ampere), else FP16: lab 01's choice
+    amp, native_here = lab_precision(device, gpu_name), native_where(device, gpu_name)  # lab 01's AMP and NATIVE
+    cfgs.update({p: cfgs["fp32"].override({"train.precision": p}) for p in NAMES if p not in cfgs})
     runs = [("amp_step check", cfgs["fp16"].override({"train.steps": min(2, cfgs["fp16"].train.steps)}))]
-    runs += [(p, cfgs["fp32"].override({"train.precision": p}) if p == "tf32" else cfgs[p])
-             for p in ("fp32", "tf32", "fp16", "bf16") if gpu or p in ("fp32", "fp16")]
+    runs += [(p, cfgs[p]) for p in NAMES if p in LAB01_ALWAYS or native_here(p)[0]]
     runs += [(label, c.override({**o, "train.steps": 12, "train.timing_warmup_steps": min(c.train.timing_warmup_steps,
                                                                                           11)}))  # the batch sweep
              for label, o in lab_rows("01", amp).items()
@@ -29,10 +46,10 @@ def _lab01(mode: str, device: str) -> list:
     return runs + [("fp16 + injected overflow", cfgs["fp16"])]
 
 
-def _lab02(mode: str, device: str) -> list:
+def _lab02(mode: str, device: str, gpu_name: str | None = None) -> list:
     """Lab 02: the two train_step checks, the micro-batch 2 sweep, the split of B = 32, the learning-rate runs."""
     cfg = load_config("configs/lab02_accumulation.yaml", mode=mode)
-    amp = "bf16" if device == "cuda" else "fp32"  # CPU runs train in fp32 (emulated autocast is slow)
+    amp = lab_precision(device, gpu_name, emulated_ok=False)  # a CPU without BF16 trains in fp32 (emulation is slow)
     cfg = cfg.override({"train.precision": amp})
     check = {"train.micro_batch_size": 2, "train.accumulation_steps": 4, "model.dropout": 0.0,
              "train.steps": min(cfg.train.steps, 2)}
@@ -53,7 +70,7 @@ def _lab02(mode: str, device: str) -> list:
     return runs
 
 
-def _lab03(mode: str, device: str) -> list:
+def _lab03(mode: str, device: str, gpu_name: str | None = None) -> list:
     """Lab 03: the on/off pairs, the scale model's rows, the largest-batch scans (as far as the estimator says they
     go on an 8 GB card), every k, the variants beyond, the combinations."""
     from .cards import card_total_bytes
@@ -78,7 +95,7 @@ def _lab03(mode: str, device: str) -> list:
     runs += [(f"every/segments {k}", cfg.override(ck), i == 0) for i, k in enumerate(ks + ks)]  # one model (cm.measure)
     runs += [(f"beyond {i}", cfg.override(ck), i == 0) for i in range(3)]
     half = max(1, B // 2)
-    mixed = "bf16" if device == "cuda" else "fp16"  # lab 03's choice: BF16 where native, else FP16
+    mixed = lab_precision(device, gpu_name)  # lab 03's MIXED
     runs += [(name, cfg.override(o)) for name, o in (
         ("mixed", {"train.precision": mixed}), ("mixed + ckpt", {"train.precision": mixed, **ck}),
         ("accumulation", {"train.micro_batch_size": 1, "train.accumulation_steps": B}),
@@ -87,11 +104,11 @@ def _lab03(mode: str, device: str) -> list:
     return runs
 
 
-def _lab04(mode: str, device: str) -> list:
+def _lab04(mode: str, device: str, gpu_name: str | None = None) -> list:
     """Lab 04: the batch sweep, the techniques of section 8, the full and chunked loss, one_loop against lu.train."""
     cfg = load_config("configs/lab04_profile.yaml", mode=mode)
     tech = load_config("configs/lab04_techniques.yaml", mode=mode)
-    amp = "bf16" if device == "cuda" else "fp16"  # lab 04's choice: BF16 where native, else FP16
+    amp = lab_precision(device, gpu_name)  # lab 04's AMP
     rows = lab_rows("04", amp)
     mp, ck, acc = rows[amp], rows["checkpointing"], rows["accumulation x2"]
     runs = [(f"sweep {label}", cfg.override({**o, "train.steps": 2, "train.timing_warmup_steps": 1}))
@@ -107,7 +124,8 @@ class Lab:
     stem: str                         # its notebook's name: "01-Mixed_Precision"
     title: str
     configs: tuple[str, ...]          # the configs it reads
-    runs: Callable[[str, str], list]  # (mode, device) -> [(label, config[, loads a model])]: what its cells train
+    runs: Callable[..., list]         # (mode, device, gpu_name=None) -> [(label, config[, loads a model])]: what
+                                      # its cells train, where they run (a card by name: the time plan)
     claims: tuple[str, ...] = ()      # the claims it owns (labutils.claims): it measures and records them
 
 

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from . import claims as cl
 from .figures import legend_outside
+from .precisions import dtype_name
 
 # --------------------------------------------------------------------------------------------- one step, op by op
 # How the profile of a training step is grouped (op_group): matmul-like ops run on tensor cores in half precision;
@@ -31,7 +34,7 @@ MATMUL, ELEMENTWISE, CASTS, OTHER = ("matmul", "elementwise / reductions", "cast
 OP_GROUPS = (MATMUL, ELEMENTWISE, CASTS, OTHER)
 MEMORY_BOUND = (ELEMENTWISE, CASTS)
 GROUP_COLORS = {MATMUL: "#3498db", ELEMENTWISE: "#e67e22", CASTS: "#e74c3c", OTHER: "#bdc3c7"}
-_FLOAT_INPUTS = {"float": "fp32", "c10::Half": "fp16", "c10::BFloat16": "bf16"}
+_FLOAT_INPUTS = {"float": torch.float32, "c10::Half": torch.float16, "c10::BFloat16": torch.bfloat16}  # profiler's
 
 
 def op_group(name: str) -> str:
@@ -49,7 +52,7 @@ def _input_dtype(e, kineto: dict) -> str | None:
     """fp32 / fp16 / bf16: the dtype of an event's first floating-point tensor input (needs record_shapes=True)."""
     for d in getattr(e, "input_dtypes", None) or kineto.get(e.id) or []:
         if d in _FLOAT_INPUTS:
-            return _FLOAT_INPUTS[d]
+            return dtype_name(_FLOAT_INPUTS[d])
     return None
 
 
@@ -103,7 +106,7 @@ def op_profile(prof, steps: int = 1) -> OpProfile:
         r["ms"] += us / 1e3
         if any(a <= e.time_range.start and e.time_range.end <= b for a, b in optim):
             r["optimizer_ms"] += us / 1e3
-        elif _input_dtype(e, kineto) == "fp32":
+        elif _input_dtype(e, kineto) == dtype_name(torch.float32):
             r["fp32_input_ms"] += us / 1e3
     for r in rows.values():
         r["dtypes"] = ", ".join(sorted(r["dtypes"] - {"-"})) or "-"  # every first float input dtype it was called with

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 
-PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+from .precisions import get
 
 
 def _dc(fp32, tf32, fp16, bf16, source):
@@ -111,8 +111,7 @@ def normalise(gpu_name: str) -> str:
 
 def peak_info(gpu_name: str | None, precision: str) -> tuple[float | None, str]:
     """(dense peak TFLOP/s or None, where it comes from or why there is none)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision {precision!r}: must be one of {', '.join(PRECISIONS)}")
+    get(precision)  # a ValueError naming the allowed ones
     if not gpu_name:
         return None, "no GPU: MFU is defined against a GPU's peak"
     name = normalise(gpu_name)
@@ -130,7 +129,7 @@ def peak_info(gpu_name: str | None, precision: str) -> tuple[float | None, str]:
         return round(cores * mhz * 1e6 * rate / 1e12, 1), (
             f"{cores} CUDA cores x {'top of the boost-clock range ' if laptop else 'boost clock '}{mhz} MHz x "
             f"{rate} FLOP/core/clock ({arch} whitepaper" + (", GeForce: FP32 accumulate at half rate"
-                                                            if precision in ("fp16", "bf16") else "") + ")"
+                                                            if get(precision).amp else "") + ")"
             + ("; an upper bound for this chip, so MFU is a lower bound" if laptop else ""))
     return None, f"{gpu_name!r} is not in labutils' peak table: no MFU rather than a guessed peak"
 

@@ -1,6 +1,6 @@
-"""Lab 01, the numerics: number formats read from ``torch.finfo``, whether this device computes FP16 natively, what
-FP16 storage does to real gradients (underflow) and activations (overflow), and the loss-scale figure. The technique
-itself is written out in the notebook. ``import labutils.precision as lp``.
+"""Lab 01, the numerics: number formats read from ``torch.finfo``, what FP16 storage does to real gradients
+(underflow) and activations (overflow), and the loss-scale figure. The technique itself is written out in the
+notebook. ``import labutils.precision as lp``.
 """
 from __future__ import annotations
 
@@ -11,10 +11,7 @@ import torch
 
 from .env import seed_everything
 from .figures import legend_outside, step_axis, step_numbers
-
-DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}  # autocast dtype per precision; fp32/tf32: no autocast
-COLORS = {"fp32": "#3498db", "tf32": "#9b59b6", "fp16": "#e74c3c", "bf16": "#2ecc71"}
+from .precisions import PRECISIONS, get
 
 
 # --------------------------------------------------------------------------------------------- formats
@@ -28,7 +25,7 @@ def format_rows() -> list[dict]:
     """One row per format: bit layout, range and precision, all read from ``torch.finfo``. TF32 is a tensor-core
     math mode, not a storage dtype: its row is FP32's exponent with FP16's mantissa, from those two finfo's."""
     rows = []
-    for name, dtype in (("FP32", torch.float32), ("TF32", None), ("FP16", torch.float16), ("BF16", torch.bfloat16)):
+    for name, dtype in ((p.name.upper(), None if p.tf32 else p.dtype) for p in PRECISIONS.values()):
         if dtype is None:
             f32, f16 = torch.finfo(torch.float32), torch.finfo(torch.float16)
             exp, man = _bits_from_finfo(f32)[0], _bits_from_finfo(f16)[1]
@@ -185,7 +182,7 @@ def activation_overflow_demo(cfg, device, first_nonfinite, precisions=("fp32", "
         layer.bias.mul_(factor)
     rows = []
     for p in precisions:
-        where, loss = first_nonfinite(model, batch, AMP_DTYPES.get(p))
+        where, loss = first_nonfinite(model, batch, get(p).autocast)
         rows.append({"precision": p, "loss": loss, "first non-finite output": where})
     return factor, peak[0], rows
 
@@ -198,7 +195,7 @@ def plot_loss_scale(steps: list, scales: list, skipped: list, title: str, inject
 
     fig, axes = plt.subplots(1, 2 if losses else 1, figsize=(13 if losses else 10, 4), squeeze=False)
     ax = axes[0][0]
-    ax.step(steps, scales, where="post", color=COLORS["fp16"], label="loss scale")
+    ax.step(steps, scales, where="post", color=get("fp16").color, label="loss scale")
     at = dict(zip(steps, scales))
     for label, marks, style in (("skipped: injected overflow", [s for s in skipped if s in injected],
                                  {"marker": "x", "color": "black"}),
@@ -209,7 +206,7 @@ def plot_loss_scale(steps: list, scales: list, skipped: list, title: str, inject
     ax.set_yscale("log", base=2)
     ax.set(ylabel="loss scale (log2 axis)", title=title)
     if losses:
-        axes[0][1].plot(steps, losses, color=COLORS["fp16"], label="this run")
+        axes[0][1].plot(steps, losses, color=get("fp16").color, label="this run")
         if reference is not None and reference.ok:
             axes[0][1].plot(step_numbers(reference.losses), reference.losses, color="gray", ls="--",
                             label="section 4 fp16 run")

@@ -33,12 +33,8 @@ class Precision:
         return self.autocast or torch.float32
 
 
-def _always(device=None) -> tuple[bool, str]:
-    return True, "FP32 runs natively everywhere"
-
-
 PRECISIONS: dict[str, Precision] = {p.name: p for p in (
-    Precision("fp32", "FP32 (TF32 off)", None, False, False, 4, "#3498db", _always),
+    Precision("fp32", "FP32 (TF32 off)", None, False, False, 4, "#3498db", lambda device=None: (True, "everywhere")),
     Precision("tf32", "TF32", None, True, False, 4, "#9b59b6", facts.tf32_support),
     Precision("fp16", "FP16 + GradScaler", torch.float16, False, True, 2, "#e74c3c", facts.fp16_support),
     Precision("bf16", "BF16", torch.bfloat16, False, False, 2, "#2ecc71", facts.bf16_support),
@@ -53,6 +49,11 @@ def get(name: str) -> Precision:
         return PRECISIONS[name]
     except (KeyError, TypeError):
         raise ValueError(f"precision {name!r}: must be one of {', '.join(NAMES)}") from None
+
+
+def dtype_name(dtype) -> str:
+    """The table's name of a tensor's dtype (torch.float32: "fp32"), or torch's name for one not in it."""
+    return next((p.name for p in PRECISIONS.values() if p.dtype == dtype and not p.tf32), str(dtype))
 
 
 def choose(native: Callable[[str], tuple[bool, str]], gpu: bool, emulated_ok: bool = True) -> tuple[str, str]:
@@ -84,5 +85,5 @@ def autocast(name: str, device) -> contextlib.AbstractContextManager:
 
 
 def scaler(name: str, device, **kwargs):
-    """A ``torch.amp.GradScaler`` where the precision needs one (kwargs: init_scale, growth_interval, ...), else None."""
+    """A ``torch.amp.GradScaler`` where the precision needs one (kwargs: init_scale, growth_interval...), else None."""
     return torch.amp.GradScaler(torch.device(device).type, **kwargs) if get(name).scaler else None

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from .compiling import CompileRun
 from .config import Config
 from .flops import account_flops
+from .precisions import get
 
 
 # Every lu.train of this process since the lab's setup cell (env.setup clears it), one row each: what the lab trained,
@@ -51,7 +52,7 @@ def divergence(losses: list, skipped: list, precision: str) -> str | None:
     last = losses[-min(NONFINITE_WINDOW, n):]
     if all(not math.isfinite(v) for v in last):
         return (f"the loss was non-finite ({last[-1]}) on the last {len(last)} of {n} steps with precision "
-                f"{precision}" + ("; the GradScaler skipped them and did not recover" if precision == "fp16" else "")
+                f"{precision}" + ("; the GradScaler skipped them and did not recover" if get(precision).scaler else "")
                 + ". Lower train.lr, set train.max_grad_norm, or check the data")
     if n >= ALL_SKIPPED_MIN and len(set(skipped)) >= n:
         return (f"every one of the {n} steps overflowed in {precision} and was skipped by the GradScaler: no weight "

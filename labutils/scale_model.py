@@ -16,7 +16,6 @@ import torch
 
 from . import cards
 from . import device as dev
-from .accumulation import amp_precision as lab02_precision
 from .config import load_config
 from .estimate import estimate_memory, fits
 from .precisions import amp_precision
@@ -95,7 +94,7 @@ def lab_budget(lab: str, device) -> dict:
     (total, rule), cuda = cards.card_total_bytes(CARD_GB), torch.device(device).type == "cuda"
     amp = amp_precision(device)[0]
     tensors, sm = dev.card_allocator_bytes(CARD_GB, device) if cuda else total - cards.CUDA_CONTEXT_BYTES, \
-        course(amp, lab02_precision(device)[0])
+        course(amp, amp_precision(device, emulated_ok=False)[0])
     line = (f"an {CARD_GB:g} GB card: {tensors / GiB:.2f} GiB for tensors = {total / GiB:.2f} GiB to torch "
             f"({rule.split(' reports')[0]}) - {(total - tensors) / GiB:.2f} GiB CUDA context ("
             + ("measured on this GPU)" if cuda else

@@ -21,8 +21,9 @@ from .flops import flops_per_token
 from .labs import IDS, lab as registry_lab
 from .models import PRESETS, padded_vocab_size, vocab_size
 from .peaks import peak_tflops
+from .precisions import PRECISIONS, get
 
-ACHIEVED = {"fp32": 0.5, "tf32": 0.3, "fp16": 0.25, "bf16": 0.25}  # share of the dense peak a GPT-2 step reaches
+ACHIEVED = {p.name: 0.25 if p.amp else 0.3 if p.tf32 else 0.5 for p in PRECISIONS.values()}  # of the dense peak
 HOST_BLOCK_S = 1.6e-3      # host s per block and micro-batch, fwd + bwd (FP32 step 48.0 ms, TF32 27.2 ms)
 AUTOCAST_HOST = 1.5        # autocast's casts: more launches per block (BF16 run: 38.1 ms, host-bound)
 CHECKPOINT_HOST = 1.4      # a checkpointed block launches its forward twice
@@ -49,11 +50,11 @@ def run_cost(cfg, gpu_name: str | None, device: str = "cuda", loads: bool = True
                                 causal_skip=fused and (d.pack or m.attn_implementation == "sdpa_causal"),
                                 vocab=padded_vocab_size(vocab_size(m.name), m.pad_vocab_to))
     step_flops = per_token * t.micro_batch_size * t.accumulation_steps * d.seq_length
-    precision = t.precision
-    peak = peak_tflops(gpu_name, precision) or peak_tflops(gpu_name, "fp32")
-    compute = step_flops / (peak * 1e12 * ACHIEVED.get(precision, ACHIEVED["fp32"])) if peak else None
+    precision = get(t.precision)
+    peak = peak_tflops(gpu_name, precision.name) or peak_tflops(gpu_name, "fp32")
+    compute = step_flops / (peak * 1e12 * ACHIEVED[precision.name]) if peak else None
     host = (t.accumulation_steps * PRESETS[m.name].n_layer * HOST_BLOCK_S
-            * (AUTOCAST_HOST if precision in ("fp16", "bf16") else 1)
+            * (AUTOCAST_HOST if precision.amp else 1)
             * (CHECKPOINT_HOST if t.gradient_checkpointing else 1) + HOST_STEP_S)
     step = max(compute or 0.0, host)
     steps = t.steps
@@ -90,7 +91,7 @@ def course_plan(gpu_name: str, labs=IDS, doctor: bool = True, card_gb: float | N
     plans = []
     for lab in labs:  # its runs (its entry in labutils.labs), each priced, and a fresh kernel's fixed cost
         runs = [{"run": r[0], **run_cost(r[1], gpu_name, "cuda", *r[2:], card_bytes=card)}
-                for r in registry_lab(lab).runs("full", "cuda")]
+                for r in registry_lab(lab).runs("full", "cuda", gpu_name)]
         plans.append({"lab": lab, "runs": runs, "steps": sum(r["steps"] for r in runs),
                       "flops": sum(r["flops"] for r in runs), "seconds": KERNEL_S + sum(r["seconds"] for r in runs)})
     doc = DOCTOR_S + COMPILE_S if doctor else 0.0

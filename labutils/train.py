@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from . import device as dev
 from . import env as _env
 from .config import Config, validate
+from .precisions import amp_precision, autocast as autocast_for, get, scaler as scaler_for  # noqa: F401 (lu's names)
 from .data import LMDataset, build_dataset
 from .compiling import compile_for_training, compiled_graphs, cpu_compile_untracked
 from .memory import MemoryTracker, oom_text, release, state_bytes
@@ -34,22 +35,6 @@ from .flops import AttentionProbe, attention_kernel
 from .models import count_parameters, enable_checkpointing, load_model
 from .run_result import (ALL_SKIPPED_MIN, NONFINITE_WINDOW, STATUSES, NonFiniteLossError,  # noqa: F401 (re-exported)
                          RunResult, divergence, first_timed_step, finish_timing, log_run)
-
-AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def autocast_for(precision: str, device: torch.device):
-    """The autocast context of a precision (reusable across micro-batches); a no-op for fp32/tf32."""
-    if precision in AMP_DTYPES:
-        return torch.amp.autocast(device.type, dtype=AMP_DTYPES[precision])
-    return contextlib.nullcontext()
-
-
-def scaler_for(precision: str, device: torch.device, **scaler_kwargs):
-    """fp16 needs dynamic loss scaling; bf16 has fp32's exponent range and does not.
-    ``scaler_kwargs`` go to ``torch.amp.GradScaler`` (init_scale, growth_interval, ...)."""
-    return torch.amp.GradScaler(device.type, **scaler_kwargs) if precision == "fp16" else None
-
 
 def step_scheduler(scheduler) -> None:
     """Advance the learning-rate schedule by one optimizer step, skipped or not, as every loop of the course does
@@ -135,7 +120,7 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
     optimizer = scheduler = None
     stack = contextlib.ExitStack()
     try:
-        stack.enter_context(_env.matmul_precision(tf32=t.precision == "tf32"))
+        stack.enter_context(_env.matmul_precision(tf32=get(t.precision).tf32))
         if tracker:
             stack.enter_context(tracker)
         optimizer, scheduler = make_optimizer(model, cfg, device)
@@ -207,7 +192,7 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
             if tracker and step + 1 == tracked_steps:
                 u = time.perf_counter()
                 stack.close()  # ends the tracker (and restores TF32 flags: re-entered below)
-                stack.enter_context(_env.matmul_precision(tf32=t.precision == "tf32"))
+                stack.enter_context(_env.matmul_precision(tf32=get(t.precision).tf32))
                 untimed += time.perf_counter() - u
             now = time.perf_counter()
             result.step_times.append(now - mark - untimed)
@@ -251,21 +236,23 @@ def prepare(cfg: Config, device: torch.device | str | None = None, verbose: bool
 
 
 def for_this_card(cfg: Config, device: torch.device | str | None = None) -> tuple[Config, list[str]]:
-    """What ``run`` and ``bench`` train on this GPU, with one line per change: bf16 becomes fp16 (GradScaler) where
-    the GPU has no native BF16 (:func:`labutils.device.bf16_support`, as the labs and ``doctor`` decide: on a T4
-    ``torch.cuda.is_bf16_supported()`` says True, by emulation), and in full mode the micro-batch is the largest the
-    estimator fits on this card (its ``LAB_GPU_MEMORY_GB`` cap: :func:`labutils.advise.default_budget_bytes`, which
-    ``doctor`` and ``bench`` name), accumulating to the same effective batch. A key set
-    with ``--set`` wins. On the CPU: the config as it is."""
+    """What ``run`` and ``bench`` train on this GPU, with one line per change: a mixed precision the GPU lacks
+    becomes the labs' choice (:func:`labutils.precisions.amp_precision`: bf16 -> fp16 + GradScaler where BF16 is not
+    native; a T4's ``torch.cuda.is_bf16_supported()`` says True, by emulation), and in full mode the micro-batch is
+    the largest the estimator fits on this card (its ``LAB_GPU_MEMORY_GB`` cap: :func:`labutils.advise.default_budget_bytes`,
+    which ``doctor`` and ``bench`` name), accumulating to the same effective batch. A key set with ``--set`` wins.
+    On the CPU: the config as it is."""
     device = torch.device(device or _env.default_device())
     if device.type != "cuda":
         return cfg, []
     lines = []
-    native, why = dev.bf16_support(device)
-    if cfg.train.precision == "bf16" and not native and "train.precision" not in cfg.origins:
-        cfg = cfg.override({"train.precision": "fp16"})
-        lines.append(f"NOTICE: {why}: training in fp16 with its GradScaler instead of emulated bf16 "
-                     f"(--set train.precision=bf16 to insist)")
+    p = get(cfg.train.precision)
+    native, why = p.native(device)
+    if p.amp and not native and "train.precision" not in cfg.origins:
+        cfg = cfg.override({"train.precision": amp_precision(device)[0]})
+        scaled = " with its GradScaler" * get(cfg.train.precision).scaler
+        lines.append(f"NOTICE: {why}: training in {cfg.train.precision}{scaled} instead of emulated {p.name} "
+                     f"(--set train.precision={p.name} to insist)")
     if cfg.mode == "full" and "train.micro_batch_size" not in cfg.origins:
         from .advise import default_budget_bytes, fit_micro_batch
 
@@ -338,7 +325,7 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
     wrap_blocks(acc, model)
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
     tracker = MemoryTracker(device) if device.type == "cuda" else None
-    with (tracker or contextlib.nullcontext()), _env.matmul_precision(tf32=t.precision == "tf32"):
+    with (tracker or contextlib.nullcontext()), _env.matmul_precision(tf32=get(t.precision).tf32):
         bar = tqdm(range(t.steps), desc=desc or f"{cfg.model.name} {t.precision} x{world}",
                    disable=not (progress and acc.is_main_process and _env.progress_bars()), leave=False)
         mark = time.perf_counter()  # as in train(): each step's time runs from the previous step's end to its own
@@ -363,7 +350,7 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
                 untimed += _aside(dev.follow_outside, device)
             if acc.optimizer_step_was_skipped:
                 result.skipped.append(step)
-            if not math.isfinite(value) and t.precision != "fp16":
+            if not math.isfinite(value) and not get(t.precision).scaler:
                 raise NonFiniteLossError(f"step {step}: loss is {value} with precision {t.precision}")
             result.losses.append(value)
             if t.max_grad_norm is not None and norm is not None:

@@ -423,7 +423,8 @@ def exercise_device_module(monkeypatch, tmp_path, profile: str) -> None:
         ok_tf32, why_tf = dev.tf32_support()
         assert ok_bf16 == ok_tf32 == (gpu.profile.major >= 8) and gpu.profile.name in why + why_tf
         assert dev.name() == gpu.profile.name and dev.pin_memory_default("cuda")
-        assert lu.bf16_supported()[0] == ok_bf16
+        assert lu.precisions.get("bf16").native()[0] == ok_bf16
+        assert lu.amp_precision()[0] == ("bf16" if ok_bf16 else "fp16")  # a GPU without BF16: FP16, never FP32
         assert dev.capability() == (gpu.profile.major, gpu.profile.minor)
         env = lenv.environment()
         assert env["gpu"]["compute_capability"] == f"{gpu.profile.major}.{gpu.profile.minor}"
@@ -591,11 +592,16 @@ def test_device_module_fully_covered(monkeypatch, tmp_path):
             m.setattr(dev, "_state", {})
             fake_cuda.install(m, "t4", mem_info_fails=True)
             assert "default" in dev.outside_allocator_bytes()[1]
+            assert dev.fp16_support("cuda")[0]  # every CUDA GPU computes FP16 (the T4's tensor cores)
         dev.is_oom(RuntimeError("x")), dev.is_oom(torch.OutOfMemoryError("x"))
         test_driver_gpus_are_read_from_nvidia_smi(monkeypatch, tmp_path / "probe")
         exercise_compile_support(monkeypatch)
         from test_card_budget import exercise_card_budget  # the card budget's lines (h2's tests)
         exercise_card_budget(monkeypatch)
+        for native in (True, False):  # the CPU's FP16 answer both ways (only oneDNN's check replaced)
+            with monkeypatch.context() as m:
+                m.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: native)
+                assert facts.fp16_support("cpu")[0] is native
         for raw in ("8", "x", ""):
             with monkeypatch.context() as m:
                 m.setenv("LAB_GPU_MEMORY_GB", raw)
