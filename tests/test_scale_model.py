@@ -10,10 +10,11 @@ import torch
 
 import labutils as lu
 import labutils.scale_model as sm
+from labutils.labs import IDS
 from labutils.cards import CUDA_CONTEXT_BYTES, card_total_bytes
 
 CPU = torch.device("cpu")
-LABS = ("01", "02", "03", "04")
+LABS = IDS
 
 
 def test_a_configs_smoke_section_applies_in_smoke_mode_only(root, tmp_path):
