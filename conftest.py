@@ -174,7 +174,7 @@ def _warm_up() -> None:
 
 
 def pytest_collection_finish(session):
-    # Every experiment calls gc.collect() (labutils.memory: before it measures, and when it releases), and a full
+    # Every experiment calls gc.collect() (labutils.core.memory: before it measures, and when it releases), and a full
     # collection walks every object the process tracks: in a test process (all test modules, torch, transformers,
     # matplotlib) that was 0.3-0.4 s a call, a third of the time of the tests that train. What is alive once the
     # tests are collected and the lazy imports are done (modules, classes, parametrized arguments) lives to the

@@ -52,7 +52,7 @@ class Profile:
 
 
 # Totals as torch reports them on real cards ("X GiB total capacity" in public out-of-memory messages; the card
-# table labutils/cards.py cites each): RTX 3070 7.78 GiB (akshitac8/OW-DETR#46, meta-llama/codellama#82), Colab's
+# table labutils/core/cards.py cites each): RTX 3070 7.78 GiB (akshitac8/OW-DETR#46, meta-llama/codellama#82), Colab's
 # T4 14.56 GiB (facebookresearch/tribev2#28), H100 80GB HBM3 79.11 GiB (vllm-project/vllm#27508). Written out
 # here, not imported, so a test can hold the card table against them. ``outside``: context + libraries, within
 # the 0.3-0.6 GiB seen on such cards; a test that models the first step's growth raises it on the profile.

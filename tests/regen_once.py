@@ -26,10 +26,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from labutils.labs import IDS
+from labutils.labs.registry import IDS
 
 REPO = Path(__file__).resolve().parent.parent
-LABS = IDS  # every lab of the registry (labutils.labs)
+LABS = IDS  # every lab of the registry (labutils.labs.registry)
 REHEARSAL_GPU = "h100"  # the card the rehearsal pretends to be (tests/fake_cuda.py's PROFILES)
 
 ALL = False  # the session runs all four labs (conftest.py: all four notebooks collected, or LAB_FULL_REGEN=1)
@@ -64,7 +64,7 @@ class Run:
 
 
 def want(labs) -> None:
-    """Collection says this session will need these labs (the registry's ids, labutils.labs)."""
+    """Collection says this session will need these labs (the registry's ids, labutils.labs.registry)."""
     _wanted.update(labs)
 
 

@@ -1,4 +1,4 @@
-"""Lab 01's op-group profile (labutils.op_profile, reached as am.op_profile and friends) on a real torch.profiler
+"""Lab 01's op-group profile (labutils.labs.lab01.op_profile, reached as am.op_profile and friends) on a real torch.profiler
 run of the tiny GPT-2 on the CPU, fp32 and under bf16 autocast (CPU autocast runs bfloat16 on every CPU, emulated or
 native). The oracles are the profiler's own events and totals and autocast's documented behaviour, not the
 grouping code's own arithmetic."""
@@ -9,8 +9,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import labutils as lu
-import labutils.amp_speed_memory as am
-from labutils.train import make_optimizer
+import labutils.labs.lab01.amp_speed_memory as am
+from labutils.core.train import make_optimizer
 
 from conftest import tiny_config
 

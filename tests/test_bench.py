@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import labutils as lu
-from labutils import bench as bench_mod
-from labutils import compiling
-from labutils import reference as R
-from labutils.cli import main
+from labutils.tools import bench as bench_mod
+from labutils.core import compiling
+from labutils.models import reference as R
+from labutils.tools.cli import main
 from tests import fake_cuda
 
 from conftest import tiny_config
@@ -24,7 +24,7 @@ def test_abba_order():
 
 def test_bench_reports_median_and_spread_over_abba_repeats(monkeypatch, capsys):
     """Three runs of each side per section, in ABBA order (observed by spies that call through), each reported
-    with median, mean +- std, min and max; the reference is labutils.reference's model with the course model's
+    with median, mean +- std, min and max; the reference is labutils.models.reference's model with the course model's
     weights and never touches labutils' data path (``LMDataset.windows``); the other loss is its own labelled
     section. Breaks if bench reverts to one side first, the ratio were taken from means or from the wrong side, the
     reference sampled through labutils, or the loss comparison went missing."""
@@ -76,7 +76,7 @@ def test_both_sides_step_time_is_the_median_of_per_step_times_with_one_read_each
     """The reference's step time was its window's mean (elapsed / steps) while the course's was the median of its
     per-step times: two statistics in one ratio. Now the reference is timed step by step, each step ending with one
     host read (``.item()`` of the loss, counted here), and its step time is the median of the timed steps, as
-    :func:`labutils.run_result.finish_timing` takes the course's. Breaks if the reference goes back to a window
+    :func:`labutils.core.run_result.finish_timing` takes the course's. Breaks if the reference goes back to a window
     mean, reads more than once a step, or times a warm-up step."""
     cfg = tiny_config(data__pack=True, train__steps=6, data__seq_length=32)
     loaded, dataset = lu.prepare(cfg, "cpu", verbose=False)
@@ -127,7 +127,7 @@ def test_bench_json_verdict_from_made_up_step_times(root, tmp_path, monkeypatch,
     does, not decided when they straddle it or with one repeat. On an H100 MFU is shown beside it, not judged (its
     goal was the reference's MFU: ratio >= 1.00 against the ratio's 0.95, so 0.97 printed met and MFU missed).
     Breaks if the verdict read only the point estimate, or the MFU line contradicted the ratio's goal."""
-    from labutils import device as dev
+    from labutils.core import device as dev
 
     for var in ("LAB_SMOKE", "LAB_GPU_MEMORY_GB"):
         monkeypatch.delenv(var, raising=False)
@@ -183,17 +183,17 @@ def test_reference_ratio_for_doctor_runs_the_configs_mode_only(monkeypatch):
 
 
 def _gpt2_fast(**over):
-    from labutils.config import load_config
+    from labutils.core.config import load_config
     return load_config("configs/fast_config.yaml", mode="full", overrides=over)
 
 
 def test_mfu_goal_on_an_a100_is_45_percent_by_the_same_rule(monkeypatch):
     """The benchmark holds the A100 to 45 % MFU (issue 28), judged as the ratio is: over each run's MFU. Step times
     are chosen so the fast config's GPT-2 step is 50 % and 40 % of the A100's published dense BF16 peak (312
-    TFLOP/s, NVIDIA's A100 datasheet; the FLOPs are labutils.flops', which tests/test_flops.py checks against torch's
+    TFLOP/s, NVIDIA's A100 datasheet; the FLOPs are labutils.core.flops', which tests/test_flops.py checks against torch's
     FlopCounterMode). Breaks if the goal is judged on another peak or FLOP count, a missed goal read as met, or runs
     on both sides of 45 % were decided."""
-    from labutils.flops import model_flops_per_token
+    from labutils.core.flops import model_flops_per_token
 
     monkeypatch.setattr(bench_mod.dev, "name", lambda device=None: "NVIDIA A100-SXM4-40GB")  # what an A100 reports
     cfg = _gpt2_fast()

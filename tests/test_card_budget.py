@@ -20,11 +20,11 @@ import pytest
 import torch
 
 import fake_cuda
-from labutils import cards
-from labutils import device as dev
+from labutils.core import cards
+from labutils.core import device as dev
 
 GiB, MiB = 2**30, 2**20
-# "X GiB total capacity" as torch printed it on real cards (the issues are cited in labutils/cards.py)
+# "X GiB total capacity" as torch printed it on real cards (the issues are cited in labutils/core/cards.py)
 PUBLISHED = {"RTX 3070 (8 GB)": 7.78, "Colab T4 (16 GB)": 14.56, "H100 80GB HBM3": 79.11, "A100 80GB": 79.25}
 EIGHT_GB_CARD = int(round(7.78 * GiB))  # akshitac8/OW-DETR#46, meta-llama/codellama#82 (RTX 3070, Linux)
 
@@ -178,7 +178,7 @@ def test_train_re_measures_after_the_first_step(monkeypatch):
 
 def test_accelerate_path_re_measures_after_the_first_step(monkeypatch):
     """The same under ``accelerate launch`` (one process on the CPU here: the accelerate engine's own loop in
-    labutils.train): once, after step 0. Fails if that loop keeps the budget's first measurement."""
+    labutils.core.train): once, after step 0. Fails if that loop keeps the budget's first measurement."""
     pytest.importorskip("accelerate")
     from accelerate import Accelerator
 
@@ -490,7 +490,7 @@ def test_offload_relabels_only_an_out_of_memory_pinned_allocation(monkeypatch):
     """checkpointing.CountingSaveOnCPU relabelled *every* RuntimeError of a pinned pack as OutOfMemoryError
     (test_device.py shows the other half: an error that is not OOM is raised). Here cudaHostAlloc fails for
     want of memory (torch.empty is the pinned allocation's entry point): that one is an OOM row."""
-    import labutils.checkpointing as ck
+    import labutils.labs.lab03.checkpointing as ck
 
     fake_cuda.install(monkeypatch, "t4")
     real_empty = torch.empty
@@ -513,7 +513,7 @@ def test_run_records_an_oom_outside_the_allocator_as_an_oom_row(monkeypatch):
     import labutils as lu
     from conftest import tiny_config
 
-    train_module = sys.modules["labutils.train"]
+    train_module = sys.modules["labutils.core.train"]
     cfg = tiny_config(train__steps=1)
 
     def failing(message):

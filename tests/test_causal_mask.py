@@ -9,8 +9,8 @@ ignoring them is wrong), the masks accepted here give its loss.
 import pytest
 import torch
 
-from labutils.config import load_config
-from labutils.models import compile_model, load_model
+from labutils.core.config import load_config
+from labutils.models.gpt2 import compile_model, load_model
 
 
 def model(attn):

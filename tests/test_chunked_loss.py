@@ -1,4 +1,4 @@
-"""``model.loss: chunked`` (labutils.loss_chunks): the LM head and cross-entropy a chunk of positions at a time.
+"""``model.loss: chunked`` (labutils.models.loss_chunks): the LM head and cross-entropy a chunk of positions at a time.
 
 Oracle: transformers' own causal-LM loss (``ForCausalLMLoss``) on the whole logits, and torch's autograd through it;
 for memory, the CPU tracker (live tensor storages) on a real training step of GPT-2 small."""
@@ -7,9 +7,9 @@ import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 import labutils as lu
-from labutils import loss_chunks as LC
-from labutils.config import ConfigError
-from labutils.profiling_runs import logits_share_rows
+from labutils.models import loss_chunks as LC
+from labutils.core.config import ConfigError
+from labutils.labs.lab04.profiling_runs import logits_share_rows
 
 # (autocast dtype or None, relative tolerance for the loss, for the gradients). bf16 keeps 8 bits of mantissa: the
 # full path rounds the head's weight gradient to bf16 once, the chunked path accumulates it in fp32.
@@ -17,7 +17,7 @@ PRECISIONS = {"fp32": (None, 1e-6, 1e-5), "bf16": (torch.bfloat16, 1e-3, 2e-2), 
 
 
 def hook_masked(logits, real):
-    """What labutils.models' padded-vocabulary hook does to the head's output (out of place here)."""
+    """What labutils.models.gpt2' padded-vocabulary hook does to the head's output (out of place here)."""
     out = logits.clone()
     out[..., real:] = torch.finfo(out.dtype).min
     return out
@@ -117,7 +117,7 @@ def test_load_model_installs_it_and_training_returns_no_logits():
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_accumulated_micro_batches_equal_the_full_models_window(precision):
-    """Token-exact accumulation (what labutils.train does): two padded micro-batches, each normalised by the whole
+    """Token-exact accumulation (what labutils.core.train does): two padded micro-batches, each normalised by the whole
     window's target tokens, give the gradient of the full-loss model on the window in one batch. Breaks if the
     chunked loss ignored num_items_in_batch (a mean per micro-batch) or mis-shifted across the batch rows."""
     full, chunked = tiny_models()

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from labutils import claims as cl
-from labutils import profiling_claims as z2
-from labutils.config import load_config
+from labutils.verdicts import claims as cl
+from labutils.labs.lab04 import profiling_claims as z2
+from labutils.core.config import load_config
 
 SMOKE = cl.conditions(model="tiny", batch="2 x 1", sequence=64, precision="fp16 vs fp32", hardware="cpu",
                       mode="smoke")
@@ -178,8 +178,8 @@ def test_collect_prefers_the_owning_lab_then_any_other():
 
 
 def test_rendered_claims_tables(tmp_path, monkeypatch):
-    from labutils import report as rp
-    from labutils.results import read_results, record_results
+    from labutils.tools import report as rp
+    from labutils.core.results import read_results, record_results
 
     c1 = cl.claim_entry("C1", {"memory_saving": 0.12}, SMOKE, reason="the FP32 model state stays", evidence=SWEEP)
     c7 = cl.not_measured("C7", "needs DeepSpeed on a CUDA GPU", SMOKE, prediction={"memory_saving": 0.41})

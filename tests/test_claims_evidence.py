@@ -2,7 +2,7 @@
 handful of timed steps, noise as large as the effect is "not decided", C1 is judged over a batch sweep, C5 only on
 models of >= 8 layers and it can fail, and lab 03 never ranks an option that does nothing on this hardware.
 
-The claim builders under test are the labs' real ones (labutils.amp_speed_memory, labutils.checkpoint_report);
+The claim builders under test are the labs' real ones (labutils.labs.lab01.amp_speed_memory, labutils.labs.lab03.checkpoint_report);
 their inputs are RunResult / Measured records (plain data) or, for C5's physics, peak memory measured by torch's
 own storage counting (cm.peak_during) on chains built here."""
 from __future__ import annotations
@@ -15,12 +15,12 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-import labutils.amp_speed_memory as am
-import labutils.checkpoint_measure as cm
-import labutils.checkpoint_report as cr
-from labutils import claims as cl
-from labutils.config import load_config
-from labutils.train import RunResult
+import labutils.labs.lab01.amp_speed_memory as am
+import labutils.labs.lab03.checkpoint_measure as cm
+import labutils.labs.lab03.checkpoint_report as cr
+from labutils.verdicts import claims as cl
+from labutils.core.config import load_config
+from labutils.core.train import RunResult
 
 CPU_ENV = {"device": "cpu", "cpu": "test cpu"}
 GPU_ENV = {"device": "cuda", "gpu_name": "NVIDIA Fixture GPU"}
@@ -346,7 +346,7 @@ def test_lab03_baseline_oom_names_the_emulated_cards_budget(monkeypatch):
     text names the device again, or if the branch fails (CI's smoke baseline always fits, so only this test runs it)."""
     from types import SimpleNamespace
 
-    import labutils.device as dev
+    import labutils.core.device as dev
 
     monkeypatch.setattr(dev, "current_budget", lambda: {"card_gib": 8.0})
     cfg = load_config("configs/lab03_checkpointing.yaml", mode="full")

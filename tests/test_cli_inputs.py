@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from labutils import cli
-from labutils.results import write_json
+from labutils.tools import cli
+from labutils.core.results import write_json
 
 CONFIG = "configs/fp32_config.yaml"
 
@@ -32,8 +32,8 @@ def no_work(monkeypatch):
         raise AssertionError("work started although the input was bad")
 
     # the modules, not the functions of the same names that labutils/__init__ exports
-    monkeypatch.setattr(importlib.import_module("labutils.train"), "run", forbidden)
-    monkeypatch.setattr(importlib.import_module("labutils.bench"), "bench", forbidden)
+    monkeypatch.setattr(importlib.import_module("labutils.core.train"), "run", forbidden)
+    monkeypatch.setattr(importlib.import_module("labutils.tools.bench"), "bench", forbidden)
     return calls
 
 
@@ -162,7 +162,7 @@ def test_gpu_memory_gb_0_means_no_cap_in_every_command(capsys, monkeypatch):
     assert "budget: 0.00 GiB" not in budget and "--gpu-memory-gb 0" not in budget
     assert "this GPU" in budget or "no GPU here" in budget
     assert os.environ["LAB_GPU_MEMORY_GB"] == "4"  # the process's own setting is restored
-    from labutils import regenerate as rg
+    from labutils.tools import regenerate as rg
     assert "LAB_GPU_MEMORY_GB" not in rg.kernel_env("/tmp/r", smoke=True, gpu_memory_gb=0.0, base={})
 
 
@@ -254,7 +254,7 @@ def test_long_set_values_are_cut_in_messages(capsys, no_work, value):
 
 
 def test_error_value_repr_is_bounded_without_expanding():
-    from labutils.config import shown
+    from labutils.core.config import shown
 
     inner = ["lol"] * 9
     for _ in range(12):  # 9**12 items if expanded: must not be
@@ -308,7 +308,7 @@ def test_lab_gpu_memory_gb_one_rule_in_every_command(monkeypatch, capsys, no_wor
 def test_a_valid_lab_gpu_memory_gb_is_the_estimates_card_on_the_cpu_too(monkeypatch, capsys):
     """Without a GPU, estimate used an 8 GB card whatever LAB_GPU_MEMORY_GB said; now it is the card to fit,
     named as such, and the same card --gpu-memory-gb gives."""
-    monkeypatch.setattr(importlib.import_module("labutils.device"), "cuda_available", lambda: False)
+    monkeypatch.setattr(importlib.import_module("labutils.core.device"), "cuda_available", lambda: False)
     monkeypatch.setenv("LAB_GPU_MEMORY_GB", "12")
     assert cli.main(["estimate", CONFIG]) == 0
     env_line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("budget:"))
@@ -353,7 +353,7 @@ def no_doctor(monkeypatch):
     def forbidden(*a, **k):
         raise AssertionError("the doctor ran although its --json was bad")
 
-    monkeypatch.setattr(importlib.import_module("labutils.doctor"), "run_doctor", forbidden)
+    monkeypatch.setattr(importlib.import_module("labutils.tools.doctor"), "run_doctor", forbidden)
 
 
 def _argv(command: str, config, json_path) -> list[str]:
@@ -449,8 +449,8 @@ def _one_line_no_space(capsys, code: int, path: Path) -> str:
 def test_a_full_disk_is_one_line_and_keeps_the_earlier_file(tmp_path, capsys, monkeypatch, full_disk, command):
     """§3: on a full filesystem each command's --json ended in an OSError [Errno 28] traceback. (bench's and the
     doctor's measurements are replaced by a stand-in result: what is tested is writing it.)"""
-    monkeypatch.setattr(importlib.import_module("labutils.bench"), "bench", lambda cfg, repeats: {"ratio": 1.0})
-    monkeypatch.setattr(importlib.import_module("labutils.doctor"), "run_doctor",
+    monkeypatch.setattr(importlib.import_module("labutils.tools.bench"), "bench", lambda cfg, repeats: {"ratio": 1.0})
+    monkeypatch.setattr(importlib.import_module("labutils.tools.doctor"), "run_doctor",
                         lambda: {"checks": [], "summary": {"pass": 0, "fail": 0, "skip": 0}})
     path = tmp_path / "full" / "r.json"
     path.parent.mkdir()

@@ -1,8 +1,8 @@
 """Lab 04's one loop with everything (section 8.1: autocast + GradScaler, accumulation normalised by the window's
-target tokens, activation checkpointing) matches labutils.train for the same config (issue 24).
+target tokens, activation checkpointing) matches labutils.core.train for the same config (issue 24).
 
 `one_loop` is compiled from the notebook's own cell (AST), and run from the same weights on the same ragged, padded
-data as labutils.train (the loop the CLI and every lab use: the oracle). Breakage that fails it: dividing by the
+data as labutils.core.train (the loop the CLI and every lab use: the oracle). Breakage that fails it: dividing by the
 accumulation steps instead of the window's tokens (ragged micro-batches: a different gradient norm), zeroing p.grad
 per micro-batch, clipping before scaler.unscale_ (fp16: a norm S times too large), stepping the scheduler twice or
 not at all (step 2's loss differs), or a loop that never switches checkpointing on (the model says so).
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import labutils as lu
-import labutils.accumulation as acc
-from labutils.train import train
+import labutils.labs.lab02.accumulation as acc
+from labutils.core.train import train
 
 from conftest import tiny_config
 

@@ -16,9 +16,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import labutils as lu
-from labutils.cli import main
-from labutils.compiling import CompileWarning, compiled_graphs
-from labutils.memory import LiveStorages
+from labutils.tools.cli import main
+from labutils.core.compiling import CompileWarning, compiled_graphs
+from labutils.core.memory import LiveStorages
 
 from conftest import INDUCTOR, tiny_config
 
@@ -123,7 +123,7 @@ def test_no_triton_falls_back_to_eager_with_one_notice(ragged_corpus, monkeypatc
 
 
 def test_cpu_budget_cannot_be_enforced_on_compiled_steps():
-    from labutils.compiling import cpu_compile_untracked
+    from labutils.core.compiling import cpu_compile_untracked
 
     with pytest.raises(ValueError, match="cpu_budget_bytes.*train.compile: false"):
         cpu_compile_untracked("cpu", True, True, 10**9)

@@ -4,7 +4,7 @@ import sys
 import pytest
 
 import labutils as lu
-from labutils.cli import main
+from labutils.tools.cli import main
 
 CONFIGS = ["fp32_config", "fp16_config", "bf16_config", "optimized_config"]
 

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 import labutils as lu
-from labutils.cli import main
-from labutils.config import ConfigError
+from labutils.tools.cli import main
+from labutils.core.config import ConfigError
 
-lt = sys.modules["labutils.train"]  # the module (labutils.train is also the name of its function)
+lt = sys.modules["labutils.core.train"]  # the module (labutils.core.train is also the name of its function)
 
 
 def yaml_line(tmp_path, section, key, value):
@@ -147,7 +147,7 @@ def test_estimate_memory_checks_the_config_as_run_does(tmp_path, root, key, valu
     """Issue 38 §5: ``estimate_memory(cfg)`` after a value set in code: the YAML path's message, through the one
     ``validate``. Before: "FP16" / "b16" gave the FP32 estimate, "no" the checkpointed one, 2000 and 1.5 numbers,
     "4" and "gpt3" a TypeError / KeyError."""
-    from labutils.estimate import estimate_memory
+    from labutils.estimator.estimate import estimate_memory
 
     path = root / "configs/fp32_config.yaml"
     cfg = lu.load_config(path, mode="full")

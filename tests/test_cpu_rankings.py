@@ -1,16 +1,16 @@
 """Lab 03's orders by step time say only what their run can support (issue 24, item 1: no speed verdict from CPU
 timing; a sentence's wording follows its own numbers).
 
-The functions under test are the lab's real ones (labutils.checkpoint_report: ranking_label,
+The functions under test are the lab's real ones (labutils.labs.lab03.checkpoint_report: ranking_label,
 recommendation); their inputs are Measured records wrapping RunResult data whose step
 times and peaks are set here, so which run is fastest, which fits and how noisy the timing is are known from the
 fixture, not recomputed from the code under test."""
 from __future__ import annotations
 
-import labutils.checkpoint_measure as cm
-import labutils.checkpoint_report as cr
-from labutils import claims as cl
-from labutils.train import RunResult
+import labutils.labs.lab03.checkpoint_measure as cm
+import labutils.labs.lab03.checkpoint_report as cr
+from labutils.verdicts import claims as cl
+from labutils.core.train import RunResult
 
 BUDGET = 800
 

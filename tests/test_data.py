@@ -1,7 +1,7 @@
 import torch
 
-from labutils.data import IGNORE_INDEX, build_dataset, load_documents
-from labutils.models import ByteTokenizer, load_model
+from labutils.core.data import IGNORE_INDEX, build_dataset, load_documents
+from labutils.models.gpt2 import ByteTokenizer, load_model
 
 from conftest import tiny_config
 

@@ -18,13 +18,13 @@ import pytest
 import torch
 
 import labutils as lu
-from labutils import accumulation as acc
-from labutils import checkpoint_measure as cm
-from labutils import checkpointing as ck
-from labutils import device as dev
-from labutils import env as lenv
-from labutils import profiling
-from labutils import scale_model
+from labutils.labs.lab02 import accumulation as acc
+from labutils.labs.lab03 import checkpoint_measure as cm
+from labutils.labs.lab03 import checkpointing as ck
+from labutils.core import device as dev
+from labutils.core import env as lenv
+from labutils.labs.lab04 import profiling
+from labutils.labs import scale_model
 from tests import fake_cuda
 
 
@@ -322,8 +322,8 @@ def test_a_pinned_allocation_error_that_is_not_oom_is_raised(gpu):
 @pytest.mark.parametrize("command", ["run", "bench"])
 def test_cli_honours_the_budget_variable(gpu, monkeypatch, root, command):
     """Row 10: `python -m labutils run/bench` ignored LAB_GPU_MEMORY_GB while the results reported it."""
-    from labutils import bench, cli
-    train = sys.modules["labutils.train"]  # (lu.train is the function)
+    from labutils.tools import bench, cli
+    train = sys.modules["labutils.core.train"]  # (lu.train is the function)
 
     seen = {}
 
@@ -340,7 +340,7 @@ def test_cli_honours_the_budget_variable(gpu, monkeypatch, root, command):
 
 
 def test_cli_refuses_a_bad_budget_variable(monkeypatch, root, capsys):
-    from labutils import cli
+    from labutils.tools import cli
     monkeypatch.setenv("LAB_GPU_MEMORY_GB", "lots")
     assert cli.main(["run", str(root / "configs/fp32_config.yaml")]) == 2
     err = capsys.readouterr().err
@@ -374,7 +374,7 @@ def _fake_nvidia_smi(tmp_path, monkeypatch):
 
 
 def exercise_device_module(monkeypatch, tmp_path, profile: str) -> None:
-    """Every function of labutils.device under a pretend GPU of ``profile``, then on the CPU; also lu.setup()
+    """Every function of labutils.core.device under a pretend GPU of ``profile``, then on the CPU; also lu.setup()
     with a cap, environment(), the tracker, lab 04's cap context and the snapshot helpers."""
     with monkeypatch.context() as m:
         m.setattr(dev, "_state", {})
@@ -576,10 +576,10 @@ def test_setup_says_so_loudly(monkeypatch, tmp_path, capsys):
 
 @pytest.mark.skipif(sys.gettrace() is not None, reason="another tracer (coverage or a debugger) is running")
 def test_device_module_fully_covered(monkeypatch, tmp_path):
-    """The pretend GPU runs 100 % of labutils/device.py's and device_facts.py's lines (the report is printed)."""
+    """The pretend GPU runs 100 % of labutils/core/device.py's and device_facts.py's lines (the report is printed)."""
     import importlib
 
-    import labutils.device_facts as facts
+    import labutils.core.device_facts as facts
     coverage = pytest.importorskip("coverage")
     cov = coverage.Coverage(include=[dev.__file__, facts.__file__], data_file=None)
     cov.start()
@@ -626,12 +626,12 @@ def _code(text: str) -> str:
 
 
 def test_no_torch_cuda_call_outside_the_device_module(root):
-    """Every CUDA call of labutils goes through labutils/device.py (and device_facts.py, its lowest layer); the
+    """Every CUDA call of labutils goes through labutils/core/device.py (and device_facts.py, its lowest layer); the
     doctor's checks (doctor_checks.py) are the one exception: they call the raw torch.cuda functions that lab 04
     shows students, to confirm them on a real GPU."""
     import re
     offenders = {p.name: sorted(set(re.findall(r"torch\.cuda\.[\w.]+\(", _code(p.read_text()))))
-                 for p in (root / "labutils").glob("*.py")
+                 for p in (root / "labutils").rglob("*.py")
                  if p.name not in ("device.py", "device_facts.py", "doctor_checks.py")}
     assert not {k: v for k, v in offenders.items() if v}
 
@@ -639,11 +639,11 @@ def test_no_torch_cuda_call_outside_the_device_module(root):
 def test_raw_cuda_calls_in_notebooks_are_lab04_lessons_checked_by_doctor(root):
     import json
     import re
-    doctor = "".join((root / "labutils" / f).read_text() for f in ("doctor_checks.py", "device.py", "device_facts.py"))
+    doctor = "".join(next((root / "labutils").rglob(f)).read_text() for f in ("doctor_checks.py", "device.py", "device_facts.py"))
     for nb in sorted(root.glob("[0-9][0-9]-*.ipynb")):
         code = "\n".join("".join(c["source"]) for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code")
         calls = set(re.findall(r"torch\.cuda\.([\w.]+)\(", _code(code)))
         if not nb.name.startswith("04-"):
-            assert not calls, f"{nb.name}: raw torch.cuda calls {calls}; use labutils.device"
+            assert not calls, f"{nb.name}: raw torch.cuda calls {calls}; use labutils.core.device"
         for call in calls:
             assert f"torch.cuda.{call}(" in doctor, f"{nb.name} calls torch.cuda.{call}, which doctor never checks"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from labutils import regenerate as rg
+from labutils.tools import regenerate as rg
 
 
 def test_doctor_on_a_cpu_machine(tmp_path, root):
@@ -44,7 +44,7 @@ def test_doctor_on_a_cpu_machine(tmp_path, root):
 
 
 def test_a_failing_check_fails_the_doctor(monkeypatch):
-    from labutils import doctor
+    from labutils.tools import doctor
     from tests import fake_cuda
 
     fake_cuda.no_gpu(monkeypatch)  # the CPU checks, on any machine: one broken check must be the one failure
@@ -59,7 +59,7 @@ def test_a_failing_check_fails_the_doctor(monkeypatch):
     # no model either: importing transformers' GPT-2 for the first time under no_gpu (which gives this CPU build a
     # CUDA entry point) makes torch._dynamo import CUDA-only names (it failed so when run on its own)
     import contextlib
-    import labutils.checkpoint_measure as cm
+    import labutils.labs.lab03.checkpoint_measure as cm
     monkeypatch.setattr(cm, "loaded", lambda cfg, device: contextlib.nullcontext(
         type("S", (), {"model": None, "dataset": None})))
     monkeypatch.setattr(cm, "one_batch", lambda *a: None)
@@ -69,7 +69,7 @@ def test_a_failing_check_fails_the_doctor(monkeypatch):
 
 def test_full_regenerate_stops_when_the_doctor_fails(monkeypatch, tmp_path, capsys):
     """The instructors' command checks the machine before it spends hours on the notebooks."""
-    from labutils import cli
+    from labutils.tools import cli
 
     monkeypatch.setattr(rg, "_cuda_available", lambda: True)        # past the "full needs a GPU" gate
     monkeypatch.setattr(rg, "run_doctor_first", lambda out, gb, **k: 1)  # a machine whose doctor fails
@@ -109,7 +109,7 @@ def _doctor_process(monkeypatch, rows, code=1):
 
 
 def _regenerate(tmp_path, stale=None) -> int:
-    from labutils import cli
+    from labutils.tools import cli
 
     out = tmp_path / "r"
     if stale is not None:
@@ -153,8 +153,8 @@ def test_doctor_device_checks_on_a_pretend_gpu(monkeypatch, profile, budget):
     and those rows must fail with what creating a real CUDA tensor raises on this torch build (asked of torch, not
     assumed: the CPU build raises NotImplementedError, pip's default CUDA build without a driver a RuntimeError).
     Skipped on a real GPU, where `python -m labutils doctor` runs these checks on the card."""
-    from labutils import device as dev
-    from labutils import doctor
+    from labutils.core import device as dev
+    from labutils.tools import doctor
     from tests import fake_cuda
 
     monkeypatch.setattr(dev, "_state", {})

@@ -3,7 +3,7 @@
 On the CPU the CPU branch of a check runs for real with one collaborator broken (torch's or labutils', never
 the verdict itself). GPU-only branches run under the pretend GPU (tests/fake_cuda.py: only driver entry points
 replaced) where they need no tensor on the device; where they do, the verdict is a function of the measured
-numbers and gets broken numbers. The table of check -> breakage is in labutils/doctor.py's docstring.
+numbers and gets broken numbers. The table of check -> breakage is in labutils/tools/doctor.py's docstring.
 """
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ import importlib
 import pytest
 import torch
 
-from labutils import device as dev
-from labutils import doctor
-from labutils import doctor_checks as dc
-from labutils import doctor_formats as df
-from labutils import doctor_speed as ds
-from labutils.train import RunResult
+from labutils.core import device as dev
+from labutils.tools import doctor
+from labutils.tools import doctor_checks as dc
+from labutils.tools import doctor_formats as df
+from labutils.tools import doctor_speed as ds
+from labutils.core.train import RunResult
 from tests import fake_cuda
 
-tr = importlib.import_module("labutils.train")  # the module: `labutils.train` is also the function
+tr = importlib.import_module("labutils.core.train")  # the module: `labutils.core.train` is also the function
 
 MiB, GiB = 2**20, 2**30
 CPU = torch.device("cpu")
@@ -134,7 +134,7 @@ def test_run_doctor_prints_the_budget_line_of_setup_and_the_cli(gpu, monkeypatch
     total, the cap, what lives outside and that it is measured again after the first step). The checks
     themselves are stubbed (each has its own tests above); "training" here only grows what lives outside the
     allocator. Fails on a line of the doctor's own, or if the post-training check leaves the cap unchanged."""
-    import labutils.checkpoint_measure as cm
+    import labutils.labs.lab03.checkpoint_measure as cm
 
     for name in [n for n in vars(doctor) if n.startswith("check_") and n != "check_outside_allocator"]:
         monkeypatch.setattr(doctor, name, lambda *a, **k: None)
@@ -202,7 +202,7 @@ def test_support_check_needs_real_kernels_on_the_pretend_gpu(monkeypatch):
 
 @pytest.mark.parametrize("profile", ["t4", "h100"])
 def test_capability_comes_from_the_device_module(monkeypatch, profile):
-    """doctor asks labutils.device for the compute capability (no torch.cuda call of its own outside lab 04's
+    """doctor asks labutils.core.device for the compute capability (no torch.cuda call of its own outside lab 04's
     check). Oracle: the pretend card's stated capability (fake_cuda.PROFILES)."""
     gpu = pretend(monkeypatch, profile)
     assert dev.capability(CUDA0) == (gpu.profile.major, gpu.profile.minor)
@@ -210,13 +210,13 @@ def test_capability_comes_from_the_device_module(monkeypatch, profile):
 
 
 def test_doctor_calls_torch_cuda_only_in_lab04s_check(root):
-    """labutils/device.py is the one place for device calls; the doctor's only raw torch.cuda calls (doctor.py and
+    """labutils/core/device.py is the one place for device calls; the doctor's only raw torch.cuda calls (doctor.py and
     the modules it is split into, doctor_*.py) are the ones lab 04 teaches, in check_lab04_calls. Breaks on a
     torch.cuda call anywhere else in them (its own list_gpu_processes wrapper, get_device_capability,
     is_bf16_supported as before this test)."""
     import ast
 
-    files = sorted((root / "labutils").glob("doctor*.py"))
+    files = sorted((root / "labutils").rglob("doctor*.py"))
     assert {p.name for p in files} >= {"doctor.py", "doctor_checks.py", "doctor_speed.py"}
     raw = []
     for path in files:
@@ -261,7 +261,7 @@ def test_lab04_calls_are_skipped_on_cpu():
 # ----------------------------------------------------------------------------------------------- TF32 switch
 def test_tf32_flags_check_fails_with_a_new_api_only_switch(monkeypatch):
     """The switch before issue 20 set only fp32_precision: torch's legacy readers then raised."""
-    from labutils import env as lenv
+    from labutils.core import env as lenv
 
     assert status(df.check_tf32_flags, CPU) == "pass"
     if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
@@ -353,7 +353,7 @@ def test_oom_verdict_needs_the_oom_inside_training_and_memory_back():
 # ------------------------------------------------------------------------------- snapshot, profiler, ckpt, est
 @pytest.fixture(scope="module")
 def session():
-    from labutils import checkpoint_measure as cm
+    from labutils.labs.lab03 import checkpoint_measure as cm
 
     cfg = dc.small_config("tiny", **{"data.seq_length": 64})
     with cm.loaded(cfg, CPU) as s:
@@ -361,14 +361,14 @@ def session():
 
 
 def test_snapshot_fails_when_nothing_is_recorded(session, monkeypatch):
-    from labutils import profiling
+    from labutils.labs.lab04 import profiling
 
     assert status(dc.check_snapshot, CPU, session) == "pass"
     monkeypatch.setattr(profiling.CPUTraceRecorder, "snapshot", lambda self: {"segments": [], "device_traces": [[]]})
     assert status(dc.check_snapshot, CPU, session) == "fail"
 
     # a snapshot recorded without stacks, through the course's own parser: every site is "no Python frames"
-    from labutils.profiling import trace_summary
+    from labutils.labs.lab04.profiling import trace_summary
     trace = [{"action": "alloc", "addr": i, "size": 100 + i, "frames": [], "time_us": i} for i in range(3)]
     summary = trace_summary({"device_traces": [trace]}, top=10)
     assert summary["events"] == 3 and not dc.snapshot_verdict(summary)[0]
@@ -400,7 +400,7 @@ def test_checkpointing_fails_when_recompute_does_not_restore_the_rng(monkeypatch
 
 
 def test_estimator_fails_when_it_estimates_another_batch(monkeypatch):
-    from labutils import estimate as est
+    from labutils.estimator import estimate as est
 
     plan = est.plan_from_config
     monkeypatch.setattr(est, "plan_from_config", lambda cfg, device="cuda", **o: plan(cfg, device=device, **{**o, "micro": 16}))
@@ -493,7 +493,7 @@ def test_mfu_context_is_shown():
 
 
 def test_mfu_verdict_without_a_peak_or_a_trained_run():
-    """An unknown card has no MFU (not judged, with labutils.peaks' reason); a run that did not train fails."""
+    """An unknown card has no MFU (not judged, with labutils.core.peaks' reason); a run that did not train fails."""
     ok, detail = ds.mfu_verdict(None, "Some Future GPU", "bf16")
     assert ok and "no MFU" in detail and "not in labutils' peak table" in detail
     assert not ds.mfu_verdict(None, "NVIDIA H100 80GB HBM3", "bf16", status="oom", error="CUDA out of memory")[0]
@@ -519,10 +519,10 @@ def test_fast_path_on_a_pretend_h100_fails_where_real_kernels_are_needed(monkeyp
 
 
 def _bench_times(monkeypatch, ours: float, theirs: float):
-    """A stand-in for the measuring part of ``labutils.bench`` (``compare``: the timed runs) with chosen step times;
+    """A stand-in for the measuring part of ``labutils.tools.bench`` (``compare``: the timed runs) with chosen step times;
     the pretend GPU has no kernels to time. Everything after it (medians, ratio, verdict, the doctor's line) is
     the real code."""
-    import labutils.bench as bench
+    import labutils.tools.bench as bench
 
     def compare(cfg, repeats, device, warmup):
         return {side: {"status": "ok", "error": None, "step_time_seconds": [s] * repeats,
@@ -533,7 +533,7 @@ def _bench_times(monkeypatch, ours: float, theirs: float):
 
 
 def _fake_run(seen, mfu, status="ok"):
-    """A stand-in for ``labutils.train.run``, for the verdict *plumbing* only (the verdict itself is the pure
+    """A stand-in for ``labutils.core.train.run``, for the verdict *plumbing* only (the verdict itself is the pure
     ``mfu_verdict`` above): records the config the check would train and returns a RunResult with chosen
     numbers (a pretend GPU has no kernels to measure an MFU with)."""
     def run(cfg, device=None, **kw):
@@ -549,7 +549,7 @@ def _fake_run(seen, mfu, status="ok"):
 def test_fast_path_plumbing_on_a_pretend_h100(gpu, monkeypatch, mfu, want):
     """On an uncapped H100 the check trains the fast config as written (micro-batch and accumulation of the file,
     BF16, compiled), the config's warm-up + at least 10 timed steps (the claims' evidence rule,
-    labutils.claims.MIN_TIMED_STEPS; the compiling first step is a warm-up step), and reports the run's MFU
+    labutils.verdicts.claims.MIN_TIMED_STEPS; the compiling first step is a warm-up step), and reports the run's MFU
     (shown, not judged: issue 28), with the compile time apart. Breaks if the check reports another number,
     shrinks the batch on an 80 GB card, times the compiling step, times fewer than 10 steps (5 before), or fails
     the row for its MFU (30 % failed before)."""
@@ -622,8 +622,8 @@ def test_doctor_exits_0_on_a_card_that_misses_the_mfu_goal(gpu, monkeypatch, cap
     above; the pretend GPU has no kernels) and the fast path trains at 30 % MFU, below the old 45 % goal:
     `python -m labutils doctor` exits 0, the MFU printed, and the summary prints the compile time apart from the
     checks' time. Before, the row failed and the doctor exited 1."""
-    import labutils.checkpoint_measure as cm
-    from labutils import cli
+    import labutils.labs.lab03.checkpoint_measure as cm
+    from labutils.tools import cli
 
     for name in [n for n in vars(doctor) if n.startswith("check_") and n not in ("check_fast_path", "check_driver")]:
         monkeypatch.setattr(doctor, name, lambda *a, **k: None)

@@ -11,13 +11,13 @@ import importlib
 import pytest
 import torch
 
-from labutils import device as dev
-from labutils import doctor
-from labutils.train import RunResult
+from labutils.core import device as dev
+from labutils.tools import doctor
+from labutils.core.train import RunResult
 from tests import fake_cuda
 from test_device import pretend_nvidia_smi
 
-tr = importlib.import_module("labutils.train")
+tr = importlib.import_module("labutils.core.train")
 DRIVER = "470.256.02"  # a driver too old for CUDA 13 (its nvidia-smi header says CUDA Version: 11.4)
 
 
@@ -35,8 +35,8 @@ def old_driver(monkeypatch, tmp_path):
 def test_doctor_fails_naming_the_driver_torchs_cuda_and_the_fix(old_driver, capsys):
     """The other checks are stubbed (each has its own tests; on the CPU they pass, tests/test_doctor.py): the one
     failure is the driver row, and `python -m labutils doctor` exits 1."""
-    import labutils.checkpoint_measure as cm
-    from labutils import cli
+    import labutils.labs.lab03.checkpoint_measure as cm
+    from labutils.tools import cli
 
     for name in [n for n in vars(doctor) if n.startswith("check_") and n != "check_driver"]:
         old_driver.setattr(doctor, name, lambda *a, **k: None)
@@ -62,7 +62,7 @@ def test_doctor_row_passes_without_a_driver_and_with_a_usable_gpu(monkeypatch, t
 def test_run_warns_loudly(old_driver, root, capsys):
     """`python -m labutils run` prints the warning (the mode's reason) before training; the training itself is
     stubbed (the CPU smoke run is tested elsewhere)."""
-    from labutils import cli
+    from labutils.tools import cli
 
     def run(cfg, device=None, **kw):
         return RunResult(config=cfg.to_dict(), env={}, losses=[3.0], status="ok")

@@ -11,7 +11,7 @@ import importlib
 
 import pytest
 
-from labutils import cli
+from labutils.tools import cli
 
 
 @pytest.fixture
@@ -19,7 +19,7 @@ def no_work(monkeypatch):
     """Fail the test if training starts (the entry point the CLI calls, replaced; the config code is real)."""
     def forbidden(*a, **k):
         raise AssertionError("training started although the config file was empty")
-    monkeypatch.setattr(importlib.import_module("labutils.train"), "run", forbidden)
+    monkeypatch.setattr(importlib.import_module("labutils.core.train"), "run", forbidden)
 
 
 @pytest.mark.parametrize("text", ["", "   \n\n  \n", "# only a comment\n# and another\n", "---\n", "null\n", "~\n",
@@ -40,5 +40,5 @@ def test_a_file_with_one_real_setting_still_loads(tmp_path):
     """The refusal is for files with nothing in them, not for short ones (a too-eager check would fail this)."""
     path = tmp_path / "short.yaml"
     path.write_text("# a comment\ntrain:\n  steps: 3\n")
-    from labutils.config import load_config
+    from labutils.core.config import load_config
     assert load_config(path, mode="smoke").train.steps == 3

@@ -1,4 +1,4 @@
-"""The memory estimator (labutils.estimate, its replay labutils.replay) and the advisor (labutils.advise): the
+"""The memory estimator (labutils.estimator.estimate, its replay labutils.estimator.replay) and the advisor (labutils.estimator.advise): the
 accounting, the advice, the CLI, and a check against the CPU tracker. What it predicts for CUDA cannot be
 measured here (no GPU); the CPU replay uses the same ledger with the CPU kernels' rules and must match the
 tracker, which checks the bookkeeping itself."""
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import labutils as lu
-from labutils import advise as A
-from labutils import estimate as E
-from labutils.models import count_parameters, gpt2_config
+from labutils.estimator import advise as A
+from labutils.estimator import estimate as E
+from labutils.models.gpt2 import count_parameters, gpt2_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -153,7 +153,7 @@ def test_largest_batch_and_compare():
 
 @pytest.mark.parametrize("name", SIZES)
 def test_cli_every_size_in_seconds(name, tmp_path, capsys):
-    from labutils.cli import main
+    from labutils.tools.cli import main
 
     out = tmp_path / "est.json"
     start = time.perf_counter()
@@ -254,9 +254,9 @@ def test_cpu_replay_matches_the_tracker_on_the_fast_keys(over, one_thread):
 @pytest.mark.parametrize("name", ("tiny", "gpt2"))
 def test_parameter_count_with_a_padded_vocabulary(name):
     """Breaks if the estimate's weights/grads/optimizer ignore the padded rows (oracle: the parameters of a model
-    padded by labutils.models.pad_vocabulary, counted by torch)."""
+    padded by labutils.models.gpt2.pad_vocabulary, counted by torch)."""
     from transformers import GPT2LMHeadModel
-    from labutils.models import pad_vocabulary
+    from labutils.models.gpt2 import pad_vocabulary
 
     with torch.device("meta"):
         model = GPT2LMHeadModel(gpt2_config(name))
@@ -282,7 +282,7 @@ def test_the_fast_config_is_estimated_with_its_own_keys():
 
 
 def test_saved_activations_per_block_match_the_table(one_thread):
-    from labutils.profiling import saved_tensors_by_module
+    from labutils.labs.lab04.profiling import saved_tensors_by_module
     from transformers import GPT2LMHeadModel
 
     torch.manual_seed(0)
@@ -302,7 +302,7 @@ def test_saved_activations_per_block_match_the_table(one_thread):
 
 
 def test_trace_summary_of_a_snapshot_and_the_cpu_recorder():
-    from labutils.profiling import CPUTraceRecorder, trace_summary
+    from labutils.labs.lab04.profiling import CPUTraceRecorder, trace_summary
 
     frames = [{"filename": "/x/site-packages/torch/nn/functional.py", "line": 1, "name": "linear"},
               {"filename": "/x/transformers/models/gpt2/modeling_gpt2.py", "line": 120, "name": "forward"}]
@@ -364,7 +364,7 @@ def test_advisor_speeds_fall_back_to_the_cards_peak_table(tmp_path, monkeypatch)
 
 
 CHUNKED = {"model.loss": "chunked", "model.loss_chunk_size": 64}
-CHUNKED_CASES = [  # model.loss: chunked (labutils.loss_chunks): one chunk's logits at a time, gradients in the forward
+CHUNKED_CASES = [  # model.loss: chunked (labutils.models.loss_chunks): one chunk's logits at a time, gradients in the forward
     {"train.precision": "fp32", "data.pack": False, **CHUNKED},
     {"train.precision": "bf16", "train.gradient_checkpointing": True, "train.accumulation_steps": 2,
      "data.pack": False, **CHUNKED},
@@ -379,7 +379,7 @@ CHUNKED_CASES = [  # model.loss: chunked (labutils.loss_chunks): one chunk's log
 @pytest.mark.parametrize("over", CHUNKED_CASES, ids=lambda o: ",".join(f"{k.split('.')[1]}={v}" for k, v in o.items()
                                                                        if k not in FAST and k not in CHUNKED))
 def test_cpu_replay_matches_the_tracker_with_the_chunked_loss(over, one_thread):
-    """The chunked loss's replay (labutils.replay: the head input saved in its matmul dtype, one chunk's logits
+    """The chunked loss's replay (labutils.estimator.replay: the head input saved in its matmul dtype, one chunk's logits
     forward and backward, the fp32 weight-gradient buffer) held against the CPU tracker within 0.5 % (measured:
     <= 0.06 %). The last two cases peak at the last block's output, where the attention output is still bound (the
     full loss hid that: its logits set the peak): -1.3 % before the replay kept it. Booking the whole logits, or
@@ -407,7 +407,7 @@ def test_the_cublas_workspace_booked_is_the_one_torch_gives_this_card(monkeypatc
     cost was short by about 48 MiB on Hopper. Oracle: torch's rule (CublasHandlePool.cpp) as the pretend GPU's
     allocator applies it for the card's compute capability. Breaks if one size is booked for every card."""
     from tests import fake_cuda
-    from labutils.estimate import plan_from_config
+    from labutils.estimator.estimate import plan_from_config
 
     gpu = fake_cuda.install(monkeypatch, card)
     assert plan_from_config(cfg_for()).workspace_bytes == 2 * fake_cuda.cublas_workspace_bytes(gpu.profile.major)
@@ -420,9 +420,9 @@ def test_a_card_smaller_than_the_cuda_context_is_refused(monkeypatch, capsys, ar
     """Issue 38 §6: ``LAB_GPU_MEMORY_GB=1e-300 estimate`` printed "fits if peak x 1.10 <= -0.50 GiB". A card whose
     torch total is not above the CUDA context cannot hold anything: one line naming the setting, exit 2, before any
     estimate. The smallest card that is accepted gives torch more than the context (the card table's own rule)."""
-    from labutils.cards import card_total_bytes
-    from labutils.estimate import CUDA_CONTEXT_BYTES
-    from labutils.cli import main
+    from labutils.core.cards import card_total_bytes
+    from labutils.estimator.estimate import CUDA_CONTEXT_BYTES
+    from labutils.tools.cli import main
 
     monkeypatch.delenv("LAB_GPU_MEMORY_GB", raising=False)
     for k, v in env.items():
@@ -440,7 +440,7 @@ def test_a_card_smaller_than_the_cuda_context_is_refused(monkeypatch, capsys, ar
 def test_estimate_gpus_header_keeps_its_columns_apart(capsys):
     """Issue 38 §6: ``estimate --gpus 100000``: the header read "64 GPU100000 GPU". Every column, header and rows, is
     split by whitespace into the same cells the table holds."""
-    from labutils.cli import main
+    from labutils.tools.cli import main
 
     assert main(["estimate", str(ROOT / "configs" / "fp32_config.yaml"), "--gpus", "100000"]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import labutils as lu
-from labutils.config import ConfigError, load_config
-from labutils.flops import AttentionProbe
-from labutils.models import compile_model, load_model, pad_vocabulary, real_vocab_size
+from labutils.core.config import ConfigError, load_config
+from labutils.core.flops import AttentionProbe
+from labutils.models.gpt2 import compile_model, load_model, pad_vocabulary, real_vocab_size
 
 FAST_MODEL = {"model.activation": "gelu_pytorch_tanh", "model.pad_vocab_to": 64,
               "model.attn_implementation": "sdpa_causal"}
@@ -227,7 +227,7 @@ def test_kernel_names_come_from_torch_and_name_cudnn_attention():
     ops, the mask were read from the wrong argument, or cuDNN attention were not counted as a fused kernel (HFU)."""
     from torch.nn.attention import SDPBackend
 
-    from labutils import flops
+    from labutils.core import flops
 
     want = {SDPBackend.MATH: "math", SDPBackend.FLASH_ATTENTION: "flash",
             SDPBackend.EFFICIENT_ATTENTION: "memory-efficient", SDPBackend.CUDNN_ATTENTION: "cuDNN",

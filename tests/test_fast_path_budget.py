@@ -12,13 +12,13 @@ import subprocess
 
 import pytest
 
-import labutils.bench as bench
-from labutils import cli
-from labutils import doctor_speed as ds
-from labutils import regenerate as rg
+import labutils.tools.bench as bench
+from labutils.tools import cli
+from labutils.tools import doctor_speed as ds
+from labutils.tools import regenerate as rg
 from tests.test_doctor_checks import CUDA0, FAST, _fake_run, pretend, rows
 
-tr = importlib.import_module("labutils.train")
+tr = importlib.import_module("labutils.core.train")
 
 
 @pytest.mark.parametrize("profile,cap", [("h100", "8"), ("h100", None), ("rtx3070-8gb", None)])

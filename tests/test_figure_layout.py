@@ -1,5 +1,5 @@
 """Legends that hide something (the H200 run's every_k figure: two legends side by side below its panels, the right
-one over the other and off the figure). :func:`labutils.figures.overlapping_legends` measures the drawn figure
+one over the other and off the figure). :func:`labutils.core.figures.overlapping_legends` measures the drawn figure
 (matplotlib's own window extents); ``record_results`` prints a warning for each problem, and no lab's figure may
 have one in the session's run."""
 import json
@@ -11,8 +11,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 import labutils as lu  # noqa: E402
-from labutils.figures import legend_outside, overlapping_legends  # noqa: E402
-from labutils.labs import IDS as LABS  # noqa: E402
+from labutils.core.figures import legend_outside, overlapping_legends  # noqa: E402
+from labutils.labs.registry import IDS as LABS  # noqa: E402
 
 
 def two_panels(labels=3):

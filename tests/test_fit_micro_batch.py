@@ -1,8 +1,8 @@
 """Issue 21: ``python -m labutils run configs/fast_config.yaml`` on a card where its micro-batch does not fit picks
 the largest micro-batch the estimator fits, accumulating to the same effective batch, and says so.
 
-Run through the real CLI (``labutils.cli.main``) under the pretend GPU (tests/fake_cuda.py: only driver entry points
-replaced). ``labutils.train.run`` is replaced by a recorder that stops the command: what is checked is the config
+Run through the real CLI (``labutils.tools.cli.main``) under the pretend GPU (tests/fake_cuda.py: only driver entry points
+replaced). ``labutils.core.train.run`` is replaced by a recorder that stops the command: what is checked is the config
 that would be trained. Oracles from outside the fitting code: the effective batch read from the YAML file with
 ``yaml`` itself, each card's memory from the fake_cuda profiles, and the config's own statement (issue 21) that
 B16 x T1024 needs roughly 12 GB, so it cannot fit an 8 GB card and does fit an 80 GB one.
@@ -16,14 +16,14 @@ import pytest
 import torch
 import yaml
 
-from labutils import cards
-from labutils import cli
-from labutils import device as dev
-from labutils.advise import fit_micro_batch
-from labutils.config import load_config
+from labutils.core import cards
+from labutils.tools import cli
+from labutils.core import device as dev
+from labutils.estimator.advise import fit_micro_batch
+from labutils.core.config import load_config
 from tests import fake_cuda
 
-tr = importlib.import_module("labutils.train")
+tr = importlib.import_module("labutils.core.train")
 FAST = Path(__file__).resolve().parent.parent / "configs" / "fast_config.yaml"
 REAL_GPU = fake_cuda.real_gpu_present()  # a session-wide pretend GPU (LAB_PRETEND_GPU) is not a real one
 
@@ -83,7 +83,7 @@ def test_an_h100_told_to_behave_like_an_8gb_card_is_fitted_to_8gb(monkeypatch, c
     device's total memory instead of the budget the run is capped to)."""
     t, out = run_cli(monkeypatch, capsys, "h100", env_gib=8)
     assert t.micro_batch_size < FILE["micro_batch_size"] and t.micro_batch_size * t.accumulation_steps == EFFECTIVE
-    # the card an "8 GB" GeForce really is to torch (labutils.cards, from public OOM messages), not 8.0 GiB
+    # the card an "8 GB" GeForce really is to torch (labutils.core.cards, from public OOM messages), not 8.0 GiB
     assert f"{cards.card_total_bytes(8)[0] / 2**30:.1f} GiB" in out and "8.0 GiB" not in out
 
 

@@ -4,8 +4,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import labutils as lu
-from labutils.flops import flops_per_token, model_flops_per_token, recomputed_flops_per_token
-from labutils.models import disable_checkpointing, gpt2_config
+from labutils.core.flops import flops_per_token, model_flops_per_token, recomputed_flops_per_token
+from labutils.models.gpt2 import disable_checkpointing, gpt2_config
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def test_fast_config_flops_match_torch_counter():
     """configs/fast_config.yaml's model (gelu_pytorch_tanh, 50304-row padded head, dropout 0), counted with eager
     attention so torch's counter sees every matmul. Breaks if the padded head's rows were left out of the count."""
     from transformers import GPT2LMHeadModel
-    from labutils.models import pad_vocabulary
+    from labutils.models.gpt2 import pad_vocabulary
 
     cfg = lu.load_config("configs/fast_config.yaml", mode="full")
     torch.manual_seed(0)
@@ -104,8 +104,8 @@ def test_chunked_loss_flops_match_torch_counter(pad_vocab_to, chunk):
     one chunk). Breaks if the loss re-ran the head in backward (the old design: 2 * d * vocab more per position) or
     skipped a gradient matmul."""
     from transformers import GPT2LMHeadModel
-    from labutils import loss_chunks
-    from labutils.models import pad_vocabulary
+    from labutils.models import loss_chunks
+    from labutils.models.gpt2 import pad_vocabulary
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(gpt2_config("gpt2", 0.0, attn_implementation="eager"))
@@ -124,8 +124,8 @@ def test_chunked_loss_flops_match_torch_counter(pad_vocab_to, chunk):
 
 
 def test_account_flops_counts_the_same_head_for_both_losses():
-    from labutils.flops import account_flops
-    from labutils.train import RunResult
+    from labutils.core.flops import account_flops
+    from labutils.core.train import RunResult
 
     executed = {}
     for loss in ("full", "chunked"):

@@ -3,7 +3,7 @@
 A session fixture writes a Hugging Face hub cache in the layout huggingface_hub itself keeps
 (``hub/models--openai-community--gpt2/{blobs,snapshots/<commit>,refs/main}``) holding checkpoints made with
 ``save_pretrained``: a GPT-2 of small dimensions under GPT-2's real id, with GPT-2's real tokenizer, and a
-``tiny`` checkpoint under :data:`labutils.hub.TINY_CACHE_ID`. Subprocesses then run with ``HF_HUB_OFFLINE=1``
+``tiny`` checkpoint under :data:`labutils.models.hub.TINY_CACHE_ID`. Subprocesses then run with ``HF_HUB_OFFLINE=1``
 and ``HF_HOME`` pointing at it (huggingface_hub reads both when it is imported), so transformers' own loading
 code runs end to end. Nothing is mocked.
 
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from labutils.hub import HUB_IDS, TINY_CACHE_ID, offline_gpt2_tokenizer
-from labutils.models import gpt2_config
+from labutils.models.hub import HUB_IDS, TINY_CACHE_ID, offline_gpt2_tokenizer
+from labutils.models.gpt2 import gpt2_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -85,7 +85,7 @@ def run_python(code: str, env: dict, timeout: int = 180) -> dict:
 LOAD = r"""
 import json, torch
 import labutils as lu
-from labutils.config import ModelConfig
+from labutils.core.config import ModelConfig
 loaded = lu.load_model(ModelConfig(name="gpt2"), "cpu")
 m = loaded.model
 out = {"weights": loaded.weights, "training": m.training, "n_layer": m.config.n_layer,
@@ -118,7 +118,7 @@ def test_load_model_from_the_hub_cache_is_pretrained_and_trains(hf_home):
 FAST_LOAD = r"""
 import json, torch
 import labutils as lu
-from labutils.config import ModelConfig
+from labutils.core.config import ModelConfig
 from safetensors.torch import load_file
 from huggingface_hub import snapshot_download
 path = snapshot_download("%s", local_files_only=True)
@@ -195,7 +195,7 @@ def damaged_copy(hf_home: Path, tmp_path: Path, how: str) -> Path:
 LOAD_AUTO = r"""
 import json
 import labutils as lu
-from labutils.config import ModelConfig
+from labutils.core.config import ModelConfig
 loaded = lu.load_model(ModelConfig(name="gpt2", pretrained="%s"), "cpu", verbose=False)
 print(json.dumps({"weights": loaded.weights, "notice": loaded.notice}))
 """
@@ -227,7 +227,7 @@ RUN_TRUE = r"""
 import sys, pytest
 from tests import fake_cuda
 fake_cuda.install(pytest.MonkeyPatch())
-from labutils.cli import main
+from labutils.tools.cli import main
 sys.exit(main(["run", "configs/fp32_config.yaml", "--quiet", "--set", "model.pretrained=true"]))
 """
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import labutils as lu
-from labutils.memory import LiveStorages
+from labutils.core.memory import LiveStorages
 
 CELLS = """
 import signal

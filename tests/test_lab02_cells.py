@@ -1,14 +1,14 @@
-"""Lab 02's gradient experiments are written out in its cells (issue 24) and match labutils.train.
+"""Lab 02's gradient experiments are written out in its cells (issue 24) and match labutils.core.train.
 
 The notebook's `window_gradient` (section 2's cell; section 3 calls it with both normalisations) is taken from
 the notebook file itself, by its AST, and run against the course's one training loop on padded data:
 - the cell holds the backward passes itself (grep): a cell that only calls a library function fails it;
-- exact ("window") normalisation gives labutils.train's first-step loss and gradient norm on ragged, padded
+- exact ("window") normalisation gives labutils.core.train's first-step loss and gradient norm on ragged, padded
   micro-batches: a cell that divides by k, forgets num_items_in_batch or zeroes p.grad between micro-batches
   fails it;
 - the naive normalisation does NOT match on the same data (so the comparison above can fail, and the padding
   pitfall the cell demonstrates is real there).
-The oracle is labutils.train (the loop the CLI and every lab run), not a formula copied from the notebook.
+The oracle is labutils.core.train (the loop the CLI and every lab run), not a formula copied from the notebook.
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import nbformat
 import pytest
 import torch
 
-import labutils.accumulation as acc
-from labutils.train import train
+import labutils.labs.lab02.accumulation as acc
+from labutils.core.train import train
 
 from conftest import tiny_config
 
@@ -101,7 +101,7 @@ def test_equal_tokens_compares_only_runs_that_saw_equal_tokens():
     A run whose steps skip past the token count (the smallest batch's whole run) by more than 10 % is left out."""
     from types import SimpleNamespace
 
-    import labutils.accumulation_sweeps as acs
+    import labutils.labs.lab02.accumulation_sweeps as acs
 
     small = SimpleNamespace(target_tokens=[100] * 4, losses=[4.0, 3.0, 2.0, 1.0])    # 400 tokens after step 4
     large = SimpleNamespace(target_tokens=[1600] * 4, losses=[4.0, 3.5, 3.0, 2.5])   # 1,600 after step 1
@@ -125,8 +125,8 @@ def test_c3_time_is_compared_at_a_fixed_micro_batch_and_never_judged_on_cpu():
     """Issue 24: C3's time compared 2 x 16 with 8 x 4, a micro-batch difference. Now its pair is the sweep's fewest
     and most accumulation steps at one micro-batch, time per micro-batch; a CPU time never enters the verdict.
     Breakage that fails it: a pair with different micro-batches, or a CPU time judged."""
-    import labutils.accumulation_sweeps as acs
-    from labutils import claims as cl
+    import labutils.labs.lab02.accumulation_sweeps as acs
+    from labutils.verdicts import claims as cl
 
     runs = {1: _run(1, 1.0), 16: _run(16, 1.05, peak=1010)}     # +5 % per micro-batch when accumulating 16
     cost = acs.accumulation_cost(runs, 2)
@@ -145,8 +145,8 @@ def test_one_cost_of_accumulating_read_by_the_lines_and_c3():
     """Issue 27: the cost of accumulating read +40 % in section 6 and -13 % in C3 (two comparisons, one name).
     Now it is measured once (accumulation_cost) and section 6's line and C3 show that one value; the fixed-batch
     comparison of splits is labelled as the price of a small micro-batch. Breaks if either recomputes it."""
-    import labutils.accumulation_sweeps as acs
-    from labutils import claims as cl
+    import labutils.labs.lab02.accumulation_sweeps as acs
+    from labutils.verdicts import claims as cl
 
     runs = {1: _run(1, 1.0, hardware="NVIDIA H100 80GB HBM3"),
             16: _run(16, 1.2, peak=1100, hardware="NVIDIA H100 80GB HBM3")}
@@ -170,7 +170,7 @@ def test_one_cost_of_accumulating_read_by_the_lines_and_c3():
 def test_the_cost_line_follows_the_measured_sign_and_noise():
     """Issue 27: a reading whose own rows got more expensive per sample still concluded 'makes each sample cheaper'.
     The one line that reads the cost of accumulating follows the time per micro-batch and its noise, on a GPU."""
-    import labutils.accumulation_sweeps as acs
+    import labutils.labs.lab02.accumulation_sweeps as acs
 
     gpu = "NVIDIA H100 80GB HBM3"
     cheaper = acs.accumulation_cost({1: _run(1, 1.0, hardware=gpu), 16: _run(16, 0.8, hardware=gpu)}, 2)
@@ -185,7 +185,7 @@ def test_the_cost_line_follows_the_measured_sign_and_noise():
 def test_the_small_micro_batch_line_names_itself_and_the_one_cost():
     """On a GPU the fixed-batch comparison is printed as the price of a small micro-batch, next to (not instead of)
     the one measured cost of accumulating; on a CPU nothing is read from it."""
-    import labutils.accumulation_sweeps as acs
+    import labutils.labs.lab02.accumulation_sweeps as acs
     from types import SimpleNamespace
 
     gpu = "NVIDIA H100 80GB HBM3"
@@ -203,16 +203,16 @@ def test_the_advice_cell_runs_on_a_gpu_and_its_card_rows_mean_what_the_budget_me
     its "8 GiB" row (raw GiB) and "this device" (the capped 8 GB card) advised different micro-batches; now both are
     what an 8 GB card's allocator gets. Issue 36: the advice took 10 % of the card off for "the CUDA context and
     fragmentation" from budgets that had the context taken off already. The oracle is the estimator's own rule
-    (labutils.estimate.fits: peak x (1 + headroom) + the context <= the card's total, from the card table): the
+    (labutils.estimator.estimate.fits: peak x (1 + headroom) + the context <= the card's total, from the card table): the
     advised largest micro-batch fits the 8 GB card by it, and one more does not. Breaks if the cell fails on a GPU,
     the two rows disagree, or the context is subtracted twice (one micro-batch too few here)."""
     from types import SimpleNamespace
 
     import labutils as lu
-    import labutils.accumulation_sweeps as acs
-    from labutils.cards import card_total_bytes
-    from labutils.device import outside_allocator_bytes
-    from labutils.estimate import fits
+    import labutils.labs.lab02.accumulation_sweeps as acs
+    from labutils.core.cards import card_total_bytes
+    from labutils.core.device import outside_allocator_bytes
+    from labutils.estimator.estimate import fits
     from tests import fake_cuda
 
     fake_cuda.install(monkeypatch, "h100")
@@ -243,7 +243,7 @@ def test_the_loss_comparison_is_not_judged_on_few_steps():
     table) and the line says not judged; with enough steps it names the lowest run. Breaks if 4 steps are judged."""
     from types import SimpleNamespace
 
-    import labutils.accumulation_sweeps as acs
+    import labutils.labs.lab02.accumulation_sweeps as acs
 
     def run(k, steps):
         return SimpleNamespace(target_tokens=[100 * k] * steps, losses=[5.0 - 0.01 * k * i for i in range(steps)])

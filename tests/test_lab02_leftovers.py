@@ -22,9 +22,9 @@ import pytest
 import torch
 
 import labutils as lu
-import labutils.accumulation as acc
-import labutils.accumulation_sweeps as acs
-from labutils.estimate import parameter_count
+import labutils.labs.lab02.accumulation as acc
+import labutils.labs.lab02.accumulation_sweeps as acs
+from labutils.estimator.estimate import parameter_count
 
 from conftest import tiny_config
 
@@ -143,7 +143,7 @@ def test_cublas_workspaces_are_not_called_leftovers(monkeypatch):
     autograd's thread. Breaks if the baseline line counts them as a leftover again (torch frees them with
     clearCublasWorkspaces, which the pretend driver implements as CublasHandlePool.cpp does)."""
     from tests import fake_cuda
-    import labutils.accumulation as acc
+    import labutils.labs.lab02.accumulation as acc
 
     gpu = fake_cuda.install(monkeypatch, "h100")
     cuda = torch.device("cuda")

@@ -1,7 +1,7 @@
 """Lab 03 as a reader meets it (issue 36, item 4): what tripped a student, each checked where it can fail.
 
-Unit tests feed the lab's own sentence and table builders (labutils.checkpoint_report) runs whose numbers are set
-here, with the estimator (labutils.estimate, lab 04's, not the code under test) saying where a peak falls. The
+Unit tests feed the lab's own sentence and table builders (labutils.labs.lab03.checkpoint_report) runs whose numbers are set
+here, with the estimator (labutils.estimator.estimate, lab 04's, not the code under test) saying where a peak falls. The
 tests marked ``regen_labs("03")`` read the session's one ``regenerate --smoke`` run of the real notebook.
 """
 from __future__ import annotations
@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import labutils as lu
-import labutils.checkpoint_measure as cm
-import labutils.checkpoint_report as cr
-from labutils.cards import card_total_bytes
-from labutils.estimate import estimate_memory, fits
-from labutils.train import RunResult
+import labutils.labs.lab03.checkpoint_measure as cm
+import labutils.labs.lab03.checkpoint_report as cr
+from labutils.core.cards import card_total_bytes
+from labutils.estimator.estimate import estimate_memory, fits
+from labutils.core.train import RunResult
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "lab03_checkpointing.yaml"

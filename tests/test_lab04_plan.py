@@ -1,6 +1,6 @@
 """The 8 GB plan written in configs/lab04_techniques.yaml's comment is the estimator's (issue 36: the comment promised
 a step-down to "(4, 2, 1)" the code never did, and "fits up to micro-batch 7" where the notebook printed 6). Every
-"plan:" line and the "largest micro-batch" line are recomputed here with labutils.estimate for the full-size config
+"plan:" line and the "largest micro-batch" line are recomputed here with labutils.estimator.estimate for the full-size config
 on an 8 GB card (the card table's 7.78 GiB). Breaks when the config, the estimator or the comment changes alone."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import labutils as lu
-from labutils import estimate as est
-from labutils.cards import card_total_bytes
+from labutils.estimator import estimate as est
+from labutils.core.cards import card_total_bytes
 
 PATH = Path(__file__).resolve().parent.parent / "configs" / "lab04_techniques.yaml"
 PLAN = re.compile(r"^#\s+plan: (?P<what>[a-z0-9 +]+), (?P<m>\d+) x (?P<a>\d+): peak (?P<gib>[0-9.]+) GiB, "

@@ -1,6 +1,6 @@
-"""The lab registry (labutils.labs, issue 43): the one list of labs, what each trains and which claims it owns.
+"""The lab registry (labutils.labs.registry, issue 43): the one list of labs, what each trains and which claims it owns.
 
-The oracles: the repository's own notebooks and configs, the claims of labutils.claims, and what each lab's smoke run
+The oracles: the repository's own notebooks and configs, the claims of labutils.verdicts.claims, and what each lab's smoke run
 recorded. What would fail them: a notebook the registry does not know (or an entry without one) that regenerate
 runs anyway, a claim owned by two labs or by none, a lab that records another lab's claims again (lab 04 built the
 C1-C7 table from the other labs' results files: a later lab's claim never appeared there).
@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from labutils import claims as cl
-from labutils import cli, labs
-from labutils import regenerate as rg
-from labutils import timeplan
+from labutils.verdicts import claims as cl
+from labutils.tools import cli
+from labutils.labs import registry as labs
+from labutils.tools import regenerate as rg
+from labutils.tools import timeplan
 
 REPO = Path(__file__).resolve().parent.parent
 

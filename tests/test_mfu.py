@@ -11,10 +11,10 @@ from conftest import COMPILED_TINY, INDUCTOR, tiny_config
 
 import labutils as lu
 from tests import fake_cuda
-from labutils.cli import main
-from labutils.flops import account_flops, flops_per_token, model_flops_per_token
+from labutils.tools.cli import main
+from labutils.core.flops import account_flops, flops_per_token, model_flops_per_token
 
-lt = importlib.import_module("labutils.train")  # the module (labutils.train is the function)
+lt = importlib.import_module("labutils.core.train")  # the module (labutils.core.train is the function)
 
 
 # torch's own inductor imports torch/utils/mkldnn.py, which uses the deprecated torch.jit.script_method: not ours
@@ -115,7 +115,7 @@ def test_bench_refuses_steps_at_or_below_the_warmup(root, capsys, monkeypatch):
 @INDUCTOR
 @TORCH_INTERNAL
 def test_bench_compares_eager_and_compiled(ragged_corpus):
-    from labutils.bench import bench
+    from labutils.tools.bench import bench
 
     cfg = tiny_config(ragged_corpus, **COMPILED_TINY)
     out = bench(cfg, repeats=1, device="cpu", verbose=False)

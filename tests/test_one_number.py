@@ -122,7 +122,7 @@ def lab04_problems(data: dict, nb: dict | None) -> list[str]:
     """The lab's budget ("an 8 GB card", on a CPU simulated): one number, ``notes.budget_bytes``. Every budget
     printed in the executed notebook and C6's conditions show that number, except in the cells that plan the
     full-size model on a real card (their source says "full-size plan", their lines say so)."""
-    from labutils.memory import fmt_bytes
+    from labutils.core.memory import fmt_bytes
 
     budget = (data.get("notes") or {}).get("budget_bytes")
     if budget is None:

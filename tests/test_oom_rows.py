@@ -14,14 +14,14 @@ import torch
 from transformers import GPT2LMHeadModel
 
 import labutils as lu
-import labutils.accumulation as acc
-import labutils.checkpoint_measure as cm
-import labutils.checkpointing as ck
-import labutils.precision as lp
+import labutils.labs.lab02.accumulation as acc
+import labutils.labs.lab03.checkpoint_measure as cm
+import labutils.labs.lab03.checkpointing as ck
+import labutils.labs.lab01.precision as lp
 from conftest import tiny_config
-from labutils.memory import oom_caught
-from labutils.profiling_claims import c6_claim
-from labutils.profiling_runs import leak_curves
+from labutils.core.memory import oom_caught
+from labutils.labs.lab04.profiling_claims import c6_claim
+from labutils.labs.lab04.profiling_runs import leak_curves
 
 CUBLAS = "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
 NOT_OOM = "shape mismatch: mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)"

@@ -9,13 +9,13 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import labutils as lu
-from labutils import checkpointing as ck
-from labutils.data import build_dataset
-from labutils.estimate import Plan, estimate_plan, parameter_count
-from labutils.flops import flops_per_token, model_flops_per_token
-from labutils.hub import gpt2_tokenizer
-from labutils.model_spec import PRESETS, spec_of
-from labutils.models import checkpointed_layers, disable_checkpointing
+from labutils.labs.lab03 import checkpointing as ck
+from labutils.core.data import build_dataset
+from labutils.estimator.estimate import Plan, estimate_plan, parameter_count
+from labutils.core.flops import flops_per_token, model_flops_per_token
+from labutils.models.hub import gpt2_tokenizer
+from labutils.models.spec import PRESETS, spec_of
+from labutils.models.gpt2 import checkpointed_layers, disable_checkpointing
 
 from conftest import tiny_config
 
@@ -119,7 +119,7 @@ def test_checkpointing_gives_the_same_gradients_as_none(family):
 
 
 def test_what_stays_gpt2_only_refuses_in_one_line():
-    from labutils.reference import from_hf
+    from labutils.models.reference import from_hf
 
     model = llama()
     for call in (lambda: estimate_plan(Plan(model=model)), lambda: parameter_count(model.config),
@@ -156,7 +156,7 @@ def test_fsdp_wraps_the_model_s_own_block_class():
     from types import SimpleNamespace
 
     from accelerate.utils import FullyShardedDataParallelPlugin
-    from labutils.distributed import wrap_blocks
+    from labutils.tools.distributed import wrap_blocks
 
     model = llama()
     with pytest.raises(ValueError, match="GPT2Block"):

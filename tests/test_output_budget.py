@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from labutils.labs import IDS
+from labutils.labs.registry import IDS
 
 REPO = Path(__file__).resolve().parent.parent
 LABS = IDS
@@ -113,7 +113,7 @@ def test_printed_output_budget(lab):
 def test_every_lab_states_the_same_8gb_card():
     """Issue 43: in smoke "an 8 GB card" was 30.91 / 29.58 / 15.04 / 13.59 MiB in labs 01-04, each lab scaling the
     card over its own rows (and lab 01 recorded no size at all). Each lab now records the same budget and the same
-    sentence (labutils.scale_model), and prints that sentence. Breaks if a lab computes or words its own."""
+    sentence (labutils.labs.scale_model), and prints that sentence. Breaks if a lab computes or words its own."""
     seen = {}
     for lab in LABS_WITH_BUDGET:
         run, stem = _regen(lab)
@@ -127,11 +127,11 @@ def test_every_lab_states_the_same_8gb_card():
 
 @pytest.mark.parametrize("lab", [pytest.param(lab, marks=pytest.mark.regen_labs(lab)) for lab in LABS_WITH_BUDGET])
 def test_smoke_is_a_scale_model_of_8gb(lab):
-    """The oracle is the estimator's full-mode prediction for the card (labutils.estimate.fits with the card table's
+    """The oracle is the estimator's full-mode prediction for the card (labutils.estimator.estimate.fits with the card table's
     total), recomputed here from each row's recorded full-mode config, against the status the smoke run measured."""
     import labutils as lu
-    from labutils.cards import card_total_bytes
-    from labutils.estimate import estimate_memory, fits
+    from labutils.core.cards import card_total_bytes
+    from labutils.estimator.estimate import estimate_memory, fits
 
     run, stem = _regen(lab)
     results = json.loads((run.out / f"{stem}.json").read_text(encoding="utf-8"))

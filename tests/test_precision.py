@@ -1,15 +1,15 @@
-"""Tests for labutils.precision, labutils.amp_memory and labutils.amp_speed_memory (lab 01's helpers)."""
+"""Tests for labutils.labs.lab01.precision, labutils.labs.lab01.amp_memory and labutils.labs.lab01.amp_speed_memory (lab 01's helpers)."""
 import math
 
 import pytest
 import torch
 
 import labutils as lu
-import labutils.amp_speed_memory as am
-import labutils.claims as cl
-import labutils.device as dev
-import labutils.precision as lp
-from labutils.models import gpt2_config
+import labutils.labs.lab01.amp_speed_memory as am
+import labutils.verdicts.claims as cl
+import labutils.core.device as dev
+import labutils.labs.lab01.precision as lp
+from labutils.models.gpt2 import gpt2_config
 
 
 def test_format_rows_match_finfo():

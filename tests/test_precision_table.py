@@ -1,4 +1,4 @@
-"""The precision table (labutils.precisions) is the one home of every precision decision (issue 43): the labs,
+"""The precision table (labutils.core.precisions) is the one home of every precision decision (issue 43): the labs,
 the time plan and the training loop ask it, so a CPU with native BF16 gets the same answer from each of them.
 
 The oracles: oneDNN's own BF16 check (the one hardware query, replaced to give each answer a CPU can give), the
@@ -15,11 +15,12 @@ import pytest
 import torch
 
 import labutils as lu
-from labutils import precisions as pr
-from labutils import regenerate as rg
-from labutils import labs, timeplan
+from labutils.core import precisions as pr
+from labutils.tools import regenerate as rg
+from labutils.labs import registry as labs
+from labutils.tools import timeplan
 
-train = importlib.import_module("labutils.train")  # the module: `labutils.train` is also the function
+train = importlib.import_module("labutils.core.train")  # the module: `labutils.core.train` is also the function
 
 LABS = labs.IDS
 H100, T4 = "NVIDIA H100 80GB HBM3", "Tesla T4"
@@ -76,7 +77,7 @@ def test_no_notebook_decides_a_precision_itself():
 
 
 def test_a_t4_plan_trains_fp16_where_an_h100_plan_trains_bf16():
-    """The plan for a card by name uses the labs' rule with that card's formats (labutils.peaks): a T4 has no
+    """The plan for a card by name uses the labs' rule with that card's formats (labutils.core.peaks): a T4 has no
     BF16, so its labs train FP16 (and no TF32); an H100's train BF16. Failed before: every GPU planned BF16."""
     assert lu.peak_tflops(T4, "bf16") is None and lu.peak_tflops(H100, "bf16")
     assert labs.lab_precision("cuda", T4) == "fp16" and labs.lab_precision("cuda", H100) == "bf16"

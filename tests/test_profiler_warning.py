@@ -6,7 +6,7 @@ import warnings
 
 import torch.profiler.profiler
 
-from labutils import env
+from labutils.core import env
 
 # the text torch 2.11.0+cu130 printed on the H200 (sentences run together: #180387 added the spaces in 2.12)
 PRINTED_BY_2_11 = ("Warning: Profiler clears events at the end of each cycle.Only events from the current cycle will be "

@@ -4,10 +4,10 @@ import re
 import torch
 
 import labutils as lu
-from labutils import claims as cl
-from labutils.profiling_claims import c6_claim
+from labutils.verdicts import claims as cl
+from labutils.labs.lab04.profiling_claims import c6_claim
 from test_combined_loop import one_loop_from_notebook
-from labutils.profiling_runs import MeasuredRuns, as_counted, stage_table, technique_rows
+from labutils.labs.lab04.profiling_runs import MeasuredRuns, as_counted, stage_table, technique_rows
 
 TECHNIQUES = "configs/lab04_techniques.yaml"
 GiB = 2**30
@@ -81,9 +81,9 @@ def test_lab04_rows_on_a_pretend_gpu(monkeypatch):
     lab 03's and section 8's cap), not the card's total; its rows carry no smoke columns."""
     from types import SimpleNamespace
 
-    from labutils import device as dev
-    from labutils.profiling_runs import add_stage_estimates, cpu_budget_kwargs, largest_batch_rows
-    from labutils.scale_model import lab_budget
+    from labutils.core import device as dev
+    from labutils.labs.lab04.profiling_runs import add_stage_estimates, cpu_budget_kwargs, largest_batch_rows
+    from labutils.labs.scale_model import lab_budget
     from tests import fake_cuda
 
     monkeypatch.setattr(dev, "_state", {})
@@ -113,7 +113,7 @@ def test_steps_are_counted_from_1_in_the_table_and_in_the_estimators_phases():
     """Issue 36: the estimator said the peak comes during "step 1 backward" while the stage table, numbered from 1,
     showed that peak in its step 2. The estimator's replay numbers its steps from 0: lab 04 shows every phase
     counted from 1 (as_counted), like its table and figures. Breaks if either side is shifted alone."""
-    from labutils import estimate as est
+    from labutils.estimator import estimate as est
 
     cfg = lu.load_config("configs/lab04_profile.yaml", mode="smoke")
     e = est.estimate_memory(cfg, device="cpu")

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 import fake_cuda
-from labutils import device as dev
-from labutils.profiling import PhaseMarks, trace_summary
+from labutils.core import device as dev
+from labutils.labs.lab04.profiling import PhaseMarks, trace_summary
 
 MiB = 2**20
 MODEL_FRAME = [{"filename": "/home/student/lab/model.py", "line": 12, "name": "forward"}]
@@ -73,7 +73,7 @@ def test_operator_table_leaves_the_ranges_out():
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from labutils.profiling import operators_only
+    from labutils.labs.lab04.profiling import operators_only
 
     model, x = torch.nn.Linear(8, 8), torch.randn(4, 8)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -94,7 +94,7 @@ def test_operator_table_keeps_the_memory_columns():
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from labutils.profiling import operators_only, profiler_op_rows
+    from labutils.labs.lab04.profiling import operators_only, profiler_op_rows
 
     model, x = torch.nn.Linear(64, 64), torch.randn(32, 64)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from labutils import cli, regenerate as rg, report as rp
+from labutils.tools import cli, regenerate as rg, report as rp
 
 from test_regenerate import FIX, outside_markers, write_notebooks
 

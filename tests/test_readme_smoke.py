@@ -1,6 +1,6 @@
 """The README's smoke row says what the notebooks run (issue 24: it said "步數 ≤ 4" while lab 01 runs 24 steps).
 
-Oracles outside the README: the smoke caps labutils.config applies (SMOKE_CAPS), the tiny model's shape
+Oracles outside the README: the smoke caps labutils.core.config applies (SMOKE_CAPS), the tiny model's shape
 (models.PRESETS), and the notebooks' own code: every literal `"train.steps": N` a code cell sets, and lab 02's
 learning-rate plan, whose step counts are computed by the notebook's own assignments (executed here on the smoke
 config). Breakage that fails it: a notebook (or the cap) running more steps than the README row says, a row that
@@ -15,8 +15,8 @@ from pathlib import Path
 import nbformat
 
 import labutils as lu
-from labutils.config import SMOKE_CAPS
-from labutils.models import PRESETS
+from labutils.core.config import SMOKE_CAPS
+from labutils.models.gpt2 import PRESETS
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""The reference (labutils.reference, a nanoGPT-style GPT-2) against the course's model: the same weights give the
+"""The reference (labutils.models.reference, a nanoGPT-style GPT-2) against the course's model: the same weights give the
 same loss (an outside oracle for the weight port: transformers' GPT-2 computes it), and compiled, the course's fast
 model moves the reference's bytes (inductor's own byte count of the kernels it generated)."""
 import logging
@@ -7,9 +7,9 @@ import pytest
 import torch
 from conftest import INDUCTOR
 
-from labutils import reference as R
-from labutils.config import load_config
-from labutils.models import load_model
+from labutils.models import reference as R
+from labutils.core.config import load_config
+from labutils.models.gpt2 import load_model
 
 FAST_MODEL = {"model.activation": "gelu_pytorch_tanh", "model.pad_vocab_to": 64,
               "model.attn_implementation": "sdpa_causal"}

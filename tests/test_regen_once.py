@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from labutils import regenerate as rg
-from labutils.notebook_runner import Outcome
+from labutils.tools import regenerate as rg
+from labutils.tools.notebook_runner import Outcome
 from tests.regen_once import Run
 
 

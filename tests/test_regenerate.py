@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from labutils import cli, regenerate as rg, report as rp
-from labutils.claims import OWNER
-from labutils.labs import IDS
+from labutils.tools import cli, regenerate as rg, report as rp
+from labutils.verdicts.claims import OWNER
+from labutils.labs.registry import IDS
 
 REPO = Path(__file__).resolve().parent.parent
 FIX = Path(__file__).resolve().parent / "fixtures"
@@ -30,7 +30,7 @@ LABS = list(IDS)
 # collected by `pytest --nbval-lax tests`, and 92 fails on purpose).
 TINY = {
     "91-Tiny": [
-        "import os\nimport matplotlib.pyplot as plt\nimport labutils as lu\nfrom labutils.device import detect_mode\n"
+        "import os\nimport matplotlib.pyplot as plt\nimport labutils as lu\nfrom labutils.core.device import detect_mode\n"
         "mode, reason = detect_mode()\nprint(mode, reason, os.getcwd())\n"
         "_ = os.write(2, b'written to the kernel process stderr, below the notebook\\n')  # like C++ library logs",
         "rows = [{'run': 'a', 'cwd_is_its_folder': os.path.exists('91-Tiny.ipynb'),\n"
@@ -347,7 +347,7 @@ def check_claims(data: dict):
     import torch
     from tests import fake_cuda
     hardware = torch.cuda.get_device_name(0) if fake_cuda.real_gpu_present() else "cpu"
-    from labutils.claims import VERDICTS
+    from labutils.verdicts.claims import VERDICTS
 
     assert data["claims"], f"{data['notebook']} recorded no claims"
     for e in data["claims"]:

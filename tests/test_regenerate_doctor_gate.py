@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labutils import cli
-from labutils.doctor_checks import Checks
-from labutils.doctor_speed import mfu_verdict
+from labutils.tools import cli
+from labutils.tools.doctor_checks import Checks
+from labutils.tools.doctor_speed import mfu_verdict
 from tests.test_doctor import OTHER_FAIL, PASSED, _doctor_process
 
 FAST = "fast path MFU (fast_config.yaml)"

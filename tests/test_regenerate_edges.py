@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from labutils import cli
+from labutils.tools import cli
 from tests.test_cli_inputs import full_disk  # noqa: F401 - a fixture
 from tests.test_kernel_failures import RECORD, write
 

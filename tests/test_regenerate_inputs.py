@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from labutils import cli, regenerate as rg, report as rp
-from labutils.labs import IDS
+from labutils.tools import cli, regenerate as rg, report as rp
+from labutils.labs.registry import IDS
 from tests.test_regenerate import write_notebooks
 
 REPO = Path(__file__).resolve().parent.parent

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from labutils import notebook_runner as nr, regenerate as rg
+from labutils.tools import notebook_runner as nr, regenerate as rg
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -172,7 +172,7 @@ def test_only_the_kernel_poll_of_a_killed_kernel_is_silenced(caplog):
     import asyncio
     import gc
 
-    from labutils import notebook_runner
+    from labutils.tools import notebook_runner
 
     notebook_runner.quiet_kernel_poll()
     notebook_runner.quiet_kernel_poll()  # once: a second call adds no second filter

@@ -1,5 +1,5 @@
 """Issue 43: "an 8 GB card" means one thing in every lab. Each lab used to scale the card over its own rows, so in
-smoke the card was 30.91 / 29.58 / 15.04 / 13.59 MiB in labs 01-04; now labutils.scale_model computes one size
+smoke the card was 30.91 / 29.58 / 15.04 / 13.59 MiB in labs 01-04; now labutils.labs.scale_model computes one size
 from every lab's budgeted runs, and a config's ``smoke:`` section (labs 03 and 04: GPT-2 medium's larger state, as
 data on the device) is what makes one size possible. Estimator arithmetic only: no training here (the session's
 smoke run checks what the labs measured: tests/test_output_budget.py)."""
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import labutils as lu
-import labutils.scale_model as sm
-from labutils.labs import IDS
-from labutils.cards import CUDA_CONTEXT_BYTES, card_total_bytes
+import labutils.labs.scale_model as sm
+from labutils.labs.registry import IDS
+from labutils.core.cards import CUDA_CONTEXT_BYTES, card_total_bytes
 
 CPU = torch.device("cpu")
 LABS = IDS

@@ -2,16 +2,16 @@
 published maths ("before": gelu_new, unpadded vocabulary, sdpa) against the same maths with the fast kernels
 ("after": gelu_pytorch_tanh, vocabulary padded to 64, sdpa_causal), both under bf16 autocast (CPU autocast runs
 bfloat16 on every CPU, emulated or native), each profiled step in its own profiler session
-(labutils.profiling.profile_each_step), so each op gets a noise of its own. The oracles are the profiler's own
+(labutils.labs.lab04.profiling.profile_each_step), so each op gets a noise of its own. The oracles are the profiler's own
 events, autocast's documented CPU op lists and hand-made per-step times, not the bookkeeping's own arithmetic."""
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import labutils as lu
-import labutils.amp_speed_memory as am
-from labutils.profiling import op_change_rows, profile_each_step, timed_steps
-from labutils.profiling_runs import setup_training
+import labutils.labs.lab01.amp_speed_memory as am
+from labutils.labs.lab04.profiling import op_change_rows, profile_each_step, timed_steps
+from labutils.labs.lab04.profiling_runs import setup_training
 
 from conftest import tiny_config
 

@@ -1,6 +1,6 @@
 """Status that never hides a failure (issue 14, class 4 and the CPU OOM row of class 7).
 
-One rule for every precision (labutils.train.divergence): a run is "diverged" when its loss is non-finite on
+One rule for every precision (labutils.core.train.divergence): a run is "diverged" when its loss is non-finite on
 each of its last min(3, steps) steps, or when fp16 skipped every one of at least 5 steps. JSON output is strict:
 non-finite numbers are written as null, never as a bare NaN that JSON parsers reject.
 """
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import labutils as lu
-from labutils.results import write_json
-from labutils.train import ALL_SKIPPED_MIN, STATUSES, divergence
+from labutils.core.results import write_json
+from labutils.core.train import ALL_SKIPPED_MIN, STATUSES, divergence
 
 from conftest import tiny_config
 
@@ -100,7 +100,7 @@ NOTEBOOKS = sorted(Path(__file__).resolve().parent.parent.glob("[0-9][0-9]-*.ipy
 
 
 # the doctor's checks (doctor.py, doctor_checks.py, doctor_speed.py) have their own status vocabulary (pass / fail / skip), not a run's
-@pytest.mark.parametrize("path", sorted(p for p in LABUTILS.glob("*.py") if not p.name.startswith("doctor")) + NOTEBOOKS,
+@pytest.mark.parametrize("path", sorted(p for p in LABUTILS.rglob("*.py") if not p.name.startswith("doctor")) + NOTEBOOKS,
                          ids=lambda p: p.name)
 def test_status_values_are_one_spelling_everywhere(path):
     """Status values are lower case ("oom", "diverged"...) in labutils and in every lab: a comparison with

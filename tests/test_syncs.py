@@ -36,7 +36,7 @@ def infrastructure(frame) -> bool:
     f = frame.filename
     return ("test_syncs.py" in f or "torch/_dynamo/" in f or f.endswith(("torch/_compile.py", "torch/_ops.py"))
             or "torch/utils/_python_dispatch.py" in f
-            or (f.endswith("labutils/memory.py") and frame.name == "__torch_dispatch__"))
+            or (f.endswith("labutils/core/memory.py") and frame.name == "__torch_dispatch__"))
 
 
 class HostReads(TorchDispatchMode):
@@ -78,7 +78,7 @@ def host_reads(monkeypatch):
         yield mode
 
 
-# The course's own causal attention (labutils.models.causal_sdpa_attention, config key model.attn_implementation):
+# The course's own causal attention (labutils.models.gpt2.causal_sdpa_attention, config key model.attn_implementation):
 # transformers builds no mask for it and SDPA gets is_causal=True, so the model's forward reads nothing back.
 # The stock "sdpa" path reads its mask or position ids back every forward (test_stock_sdpa_reads_back_every_step).
 CAUSAL = "sdpa_causal"
@@ -111,7 +111,7 @@ def test_one_host_read_per_step(precision, host_reads):
     per_step = run_counted(cfg, host_reads)
     for step in (1, 2):
         reads = per_step.get(step, [])
-        assert len(reads) == 1 and reads[0].startswith("tolist at labutils/train.py"), (step, reads)
+        assert len(reads) == 1 and reads[0].startswith("tolist at labutils/core/train.py"), (step, reads)
 
 
 def test_stock_sdpa_reads_back_every_step(host_reads):

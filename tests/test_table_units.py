@@ -1,7 +1,7 @@
 """Tables show each memory column in the unit its values call for; the rows (what gets recorded) keep raw numbers."""
 import pytest
 
-from labutils.results import adapt_byte_units, byte_unit, format_table
+from labutils.core.results import adapt_byte_units, byte_unit, format_table
 
 MiB, GiB = 2**20, 2**30
 

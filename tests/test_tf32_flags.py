@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import labutils as lu
-from labutils import env as lenv
+from labutils.core import env as lenv
 
 from conftest import tiny_config
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import labutils as lu
-from labutils.data import IGNORE_INDEX
-from labutils.flops import attention_kernel
-from labutils.run_result import finish_timing
+from labutils.core.data import IGNORE_INDEX
+from labutils.core.flops import attention_kernel
+from labutils.core.run_result import finish_timing
 
 from conftest import tiny_config
 
@@ -63,8 +63,8 @@ def test_one_step_time_the_median_and_every_speed_reads_it():
     """The H200 run's lab 01 table gave fp16 a 1.34x speed-up (median over median) but 1.19x in tokens/s (a mean):
     one slow step moved the mean. Now the run's step time is the median of its timed steps, and tokens/s, target
     tokens/s and the speed-up of two runs agree. Breaks if any speed goes back to a mean (here: 2.33 s vs 1 s)."""
-    import labutils.amp_speed_memory as am
-    lt = importlib.import_module("labutils.train")  # (labutils.train is also the function lu.train)
+    import labutils.labs.lab01.amp_speed_memory as am
+    lt = importlib.import_module("labutils.core.train")  # (labutils.core.train is also the function lu.train)
 
     cfg = tiny_config(train__steps=4, train__timing_warmup_steps=1)
 

@@ -1,4 +1,4 @@
-"""The time plan of the full regeneration (issue 39, labutils.timeplan): within the 8-minute goal on an H100, its
+"""The time plan of the full regeneration (issue 39, labutils.tools.timeplan): within the 8-minute goal on an H100, its
 FLOP arithmetic the runs' own, its runs the labs' own, and what a full run records (results/<gpu>/run.json).
 
 The oracles: each lab's own ledger of what it trained (``runs`` in its results JSON, one row per ``lu.train``, with
@@ -13,9 +13,9 @@ import re
 import pytest
 
 import labutils as lu
-from labutils import cli, timeplan
-from labutils import regenerate as rg
-from labutils.labs import IDS, lab as registry_lab
+from labutils.tools import cli, timeplan
+from labutils.tools import regenerate as rg
+from labutils.labs.registry import IDS, lab as registry_lab
 from tests import fake_cuda
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -35,7 +35,7 @@ def test_the_whole_course_is_planned_within_eight_minutes_on_an_h100(capsys):
 
 def test_plan_reads_this_gpu_under_the_pretend_gpu(monkeypatch, capsys):
     """Without --gpu the plan is for the card torch names (a run plans for the GPU it runs on)."""
-    from labutils import device as dev
+    from labutils.core import device as dev
 
     monkeypatch.setattr(dev, "_state", {})
     fake_cuda.install(monkeypatch, "h100")
@@ -46,15 +46,15 @@ def test_plan_reads_this_gpu_under_the_pretend_gpu(monkeypatch, capsys):
 
 def test_plan_refuses_a_card_it_has_no_peak_for(capsys):
     assert cli.main(["regenerate", "--plan", "--gpu", "Nonexistent X9"]) == 2
-    assert "labutils.peaks" in capsys.readouterr().err
+    assert "labutils.core.peaks" in capsys.readouterr().err
     assert cli.main(["regenerate", "--gpu", H100]) == 2  # --gpu without --plan
 
 
 def test_a_run_the_cap_does_not_fit_costs_one_step():
     """Lab 02's direct 32 x 1 runs out of memory on an 8 GB card (the estimator): the plan charges its first step,
     not forty; without the cap, all of them. Fails if the plan ignored the cap regenerate applies."""
-    from labutils.cards import card_total_bytes
-    from labutils.estimate import estimate_memory, fits
+    from labutils.core.cards import card_total_bytes
+    from labutils.estimator.estimate import estimate_memory, fits
 
     cfg = lu.load_config("configs/lab02_accumulation.yaml", mode="full").override(
         {"train.micro_batch_size": 32, "train.accumulation_steps": 1})

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import labutils as lu
-from labutils.cli import main
-from labutils.train import NonFiniteLossError
+from labutils.tools.cli import main
+from labutils.core.train import NonFiniteLossError
 
 from conftest import COMPILED_TINY, INDUCTOR, tiny_config
 
@@ -186,7 +186,7 @@ def test_progress_bars_follow_lab_progress(capsys, monkeypatch, setting, bar_sho
 
 
 def test_regenerate_kernels_run_without_progress_bars():
-    from labutils import regenerate as rg
+    from labutils.tools import regenerate as rg
     assert rg.kernel_env("/tmp/r", smoke=True, gpu_memory_gb=None, base={"LAB_PROGRESS": "1"})["LAB_PROGRESS"] == "0"
 
 

@@ -54,7 +54,7 @@ def test_tree_state_sees_an_ignored_file(tmp_path):
 def test_default_folders_outside_the_repository(monkeypatch, tmp_path):
     """Without regenerate (nbval, JupyterLab) smoke results and a lab's artifacts go to a temp folder; the old
     defaults (runs/smoke/, runs/lab04/) were relative paths, i.e. inside the repository when run from its root."""
-    from labutils import results
+    from labutils.core import results
 
     monkeypatch.delenv("LAB_RESULTS_DIR", raising=False)
     monkeypatch.delenv(results.ARTIFACTS_ENV, raising=False)

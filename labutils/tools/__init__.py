@@ -1,0 +1,1 @@
+"""The commands: run, doctor, bench, estimate, regenerate (with its plan and report), distributed."""

@@ -1,0 +1,492 @@
+"""``python -m labutils regenerate``: re-execute the lab notebooks, collect their results, render the README tables.
+
+    python -m labutils regenerate                       # full run on a GPU: results/ and README.md
+    python -m labutils regenerate --smoke --only 03     # does lab 03 still run? results in a temp folder
+    python -m labutils regenerate --gpu-memory-gb 0     # no cap: use the whole card
+    python -m labutils regenerate --rehearse --bench 1  # make gpu-results' whole path at smoke sizes, in a temp dir
+
+Each notebook runs top to bottom in its own fresh kernel (so one lab's CUDA memory never leaks into the next,
+and ``LAB_GPU_MEMORY_GB`` is applied to a clean process), with the notebook's own folder as working directory and
+``LAB_RESULTS_DIR`` pointing at a private staging folder. Its last cell, ``lu.record_results(...)``, writes
+``<stem>.json`` and ``figures/<stem>-*.png`` there; we check them (written at all? the mode we asked for?) and
+only then move them into the output folder. So a failed notebook keeps the previous results, and a "full" run
+whose notebook fell back to smoke (no GPU after all) never lands smoke numbers in ``results/``.
+
+Executed copies (with outputs and tracebacks) go to ``<out>/executed/``, a lab's traces and snapshots to
+``<out>/artifacts/<lab>/`` (``LAB_ARTIFACTS_DIR``); the repository's notebooks are only read, and a smoke run with
+``--out`` outside the repository leaves its working tree, ignored files included, as it was. Running one notebook
+(fresh kernel, signals, timeouts) is :mod:`labutils.tools.notebook_runner`; rendering the results into
+``README-results.md`` and the README's marked sections is :mod:`labutils.tools.report`. This module runs the labs in
+turn, keeps what they record, and is the command line.
+
+Nothing a user types loses work: bad options, an --out that cannot be written, a corrupt results file or broken
+README markers are refused (exit 2, one line) before any notebook runs. Results are keyed by the notebook that
+wrote them (``<stem>.json``), so a stale ``NN-Old_Name.json`` never shadows a lab. The README is rewritten only
+between well-formed markers, keeping every other byte, its line endings, its mode, and a symlink as a symlink.
+Ctrl-C / SIGTERM stop the run within seconds (the kernel is killed, no further notebook starts, nothing
+half-written is left) with exit code 130 / 143 and one line saying what finished and what did not.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ..labs.registry import mismatch
+from .notebook_runner import (FULL_CELL_TIMEOUT, REPO_ROOT, SMOKE_CELL_TIMEOUT, Interrupted, Outcome, SignalGuard,
+                              execute_notebook, read_notebook)
+from .report import (ResultsError, lab_id, load_results, marker_spans, read_readme, readme_blocks,
+                     render_results, results_shape_error, update_readme)
+from ..core.results import ARTIFACTS_ENV, RESULTS_DIR, write_atomic, write_keeping_file
+
+NOTEBOOK_GLOB = "[0-9][0-9]-*.ipynb"
+
+
+def find_notebooks(folder: str | os.PathLike, only: str | list[str] | None = None) -> list[Path]:
+    """The lab notebooks in ``folder`` (``NN-Name.ipynb``; the repository's: exactly the registry's labs), optionally
+    only the labs listed ("01,3" or [...])."""
+    notebooks = sorted(Path(folder).glob(NOTEBOOK_GLOB))
+    if Path(folder).resolve() == REPO_ROOT and (why := mismatch(nb.stem for nb in notebooks)):
+        raise ValueError(f"{folder}: {why}")
+    labs = {lab_id(nb.stem): nb for nb in notebooks}
+    if len(labs) < len(notebooks):
+        ids = [lab_id(nb.stem) for nb in notebooks]
+        twice = ", ".join(sorted({i for i in ids if ids.count(i) > 1}))
+        raise ValueError(f"{folder}: several notebooks for lab {twice}"
+                         "; results are keyed by lab number, so keep one notebook per NN-")
+    if only is None:
+        return notebooks
+    allowed = (f"allowed: lab numbers {', '.join(labs) or 'none'} or the notebooks' names "
+               f"({', '.join(nb.stem for nb in notebooks) or 'none'}), comma-separated")
+    wanted = [w.strip() for w in (only.split(",") if isinstance(only, str) else only) if w.strip()]
+    if not wanted:
+        raise ValueError(f"--only {only!r}: names no lab; {allowed}")
+    by_name = {n: nb for nb in notebooks for n in (nb.stem, nb.name)}
+    chosen, unknown = [], []
+    for w in wanted:  # a number, or a notebook's exact name: "01-Nonsense.ipynb" is not lab 01
+        nb = labs.get(w.zfill(2)) if w.isdigit() else by_name.get(w)
+        (chosen.append(nb) if nb else unknown.append(w))
+    if unknown:
+        raise ValueError(f"--only {','.join(unknown)}: no such lab notebook in {folder}; {allowed}")
+    return sorted(set(chosen))
+
+
+FINAL_ENV = "LAB_RESULTS_FINAL_DIR"  # where promote() moves a lab's results: the path its last cell prints
+
+
+def kernel_env(results_dir: str | os.PathLike, smoke: bool, gpu_memory_gb: float | None,
+               base: dict | None = None) -> dict:
+    """The kernel's environment: ours, plus where to record results, the mode and the memory cap."""
+    env = dict(os.environ if base is None else base)
+    env["LAB_RESULTS_DIR"] = str(results_dir)
+    env["LAB_PROGRESS"] = "0"  # no tqdm bars in executed copies: saved, a bar reads "0%|" (env.progress_bars)
+    if smoke:
+        env["LAB_SMOKE"] = "1"
+    else:
+        env.pop("LAB_SMOKE", None)  # an exported LAB_SMOKE=1 must not quietly turn a full run into a smoke run
+    if gpu_memory_gb:
+        env["LAB_GPU_MEMORY_GB"] = f"{gpu_memory_gb:g}"
+    else:
+        env.pop("LAB_GPU_MEMORY_GB", None)  # 0 = the whole card
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"  # an exported MPLBACKEND=Agg would warn on plt.show
+    return env
+
+
+OUT_FOLDERS = ("figures", "executed", "artifacts")  # what regenerate writes into, and deletes from, inside --out
+
+
+def linked_folder(out: Path) -> str | None:
+    """Why one of the folders regenerate writes into inside ``out`` cannot be used: a symlink (it would write, or
+    delete a lab's old figures, outside ``out``) or not a folder. None when all are fine (or absent)."""
+    for sub in OUT_FOLDERS:
+        p = out / sub
+        if p.is_symlink():
+            return (f"{p} is a symlink (to {os.readlink(p)}); regenerate never follows links inside --out, so "
+                    "nothing outside it is written or deleted: remove the link or choose another --out")
+        if p.exists() and not p.is_dir():
+            return f"{p} is not a folder: move it away or choose another --out"
+    return None
+
+
+def promote(staging: Path, out: Path, stem: str, expected_mode: str) -> tuple[Path | None, str | None]:
+    """Check what a notebook recorded in ``staging`` and move it into ``out``.
+
+    Results are keyed by the notebook that wrote them: only ``<stem>.json`` (the notebook's own name) is kept.
+    Returns (json path, None) or (None, why nothing was kept).
+    """
+    found = sorted(staging.glob("*.json"))
+    if not found:
+        return None, "no results recorded (the notebook's last cell should call lu.record_results)"
+    if [js.stem for js in found] != [stem]:
+        names = ", ".join(js.stem for js in found)
+        return None, (f"recorded as {names}, not {stem!r}: not kept (record_results' first argument must be the "
+                      "notebook's own name, so that results are keyed by the notebook that wrote them)")
+    js = found[0]
+    try:
+        data = json.loads(js.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as exc:
+        return None, f"{js.name} is not readable JSON ({str(exc).splitlines()[0][:120]}): not kept"
+    shape = results_shape_error(data)
+    if shape:
+        return None, f"{js.name}: {shape}: not kept"
+    if data.get("mode") != expected_mode:
+        mode = data.get("mode")
+        return None, (f"{js.name} was recorded in {mode} mode, not {expected_mode}: not kept"
+                      + (" (no CUDA GPU in the kernel?)" if expected_mode == "full" else ""))
+    figures = data.get("figures") or []
+    missing = [f for f in figures if not (staging / f).is_file()]
+    if missing:
+        return None, f"{js.name} lists figures that were not written: {', '.join(missing)}"
+    linked = linked_folder(out)
+    if linked:  # appeared since the check before the run: never followed (it could delete files elsewhere)
+        return None, f"{linked}: not kept"
+    (out / "figures").mkdir(parents=True, exist_ok=True)
+    for old in (out / "figures").glob(f"{stem}-*.png"):  # this lab's figures from an earlier run
+        old.unlink(missing_ok=True)  # missing_ok: a run beside this one may have moved it already
+    for fig in figures:
+        (out / fig).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staging / fig, out / fig)
+    os.replace(js, out / js.name)  # the JSON last: it is what says the lab's results are complete
+    return out / f"{stem}.json", None
+
+
+# ---------------------------------------------------------------------------------------------------- the command
+def regenerate(notebooks: list[Path], out: Path, *, smoke: bool, gpu_memory_gb: float | None,
+               readme: Path | None = None, timeout: int | None = None, log=print,
+               stems: list[str] | None = None) -> list[Outcome]:
+    """Execute ``notebooks``, keep what they record in ``out``, write ``out/README-results.md`` and, when
+    ``readme`` is given (full runs into results/ only), update its marked sections. Returns one Outcome each.
+
+    ``stems``: the notebooks whose results are rendered (default: those run); results are keyed by them.
+    SIGINT/SIGTERM (main thread) stop it: the running notebook's kernel is killed, nothing more is run or
+    rendered, and :class:`Interrupted` propagates with what finished and what did not."""
+    out.mkdir(parents=True, exist_ok=True)
+    mode = "smoke" if smoke else "full"
+    timeout = timeout or (SMOKE_CELL_TIMEOUT if smoke else FULL_CELL_TIMEOUT)
+    stems = stems or [nb.stem for nb in notebooks]
+    tty = sys.stdout.isatty()
+    outcomes = []
+    with SignalGuard() as guard:
+        current, rendered = None, False
+        try:
+            for i, nb in enumerate(notebooks, 1):
+                current = nb.stem
+                head = f"[{i}/{len(notebooks)}] {nb.stem:<28}"
+                log(f"{head} running", end="\r" if tty else "\n", flush=True)
+                progress = (lambda idx, n: print(f"{head} running cell {idx}", end="\r", flush=True)) if tty else None
+                staging = None
+                try:
+                    staging = Path(tempfile.mkdtemp(dir=out, prefix=f".staging-{nb.stem}-"))
+                    # LAB_RESULTS_READ_DIR: where a lab finds the labs before it (lab 04's `estimate`: lab 01's speeds)
+                    env = kernel_env(staging, smoke, gpu_memory_gb) | {
+                        "LAB_RESULTS_READ_DIR": str(out), FINAL_ENV: str(out), ARTIFACTS_ENV: str(out / "artifacts")}
+                    o = execute_notebook(nb, env, timeout=timeout, executed_dir=out / "executed", on_cell=progress,
+                                         guard=guard, cwd=nb.parent)  # its own folder's configs, as a student's
+                    if o.ok:
+                        with guard.critical():  # results move in whole or not at all
+                            o.json_path, why = promote(staging, out, nb.stem, mode)
+                        if o.json_path is None:
+                            o.ok, o.error = False, why
+                        elif why:
+                            log(f"  note: {why}")
+                finally:
+                    if staging is not None:
+                        shutil.rmtree(staging, ignore_errors=True)
+                with guard.critical():
+                    outcomes.append(o)
+                    current = None
+                status = "ok" if o.ok else "FAILED"
+                log(f"{head} {status:<6} {o.seconds:7.1f} s" + ("" if o.ok else f"  {o.where()[1:].lstrip()}")
+                    + " " * 12)
+
+            with guard.critical():
+                results = load_results(out, stems)
+                write_atomic(out / "README-results.md", render_results(results).encode("utf-8"))
+                log(f"wrote {out / 'README-results.md'} ({len(results)} labs)")
+                if readme is not None:
+                    _update_readme_file(readme, out, results, outcomes, log)
+                rendered = True
+        except Interrupted as exc:
+            exc.rendered = rendered
+            exc.finished, exc.current = list(outcomes), current
+            exc.not_started = [nb.stem for nb in notebooks[len(outcomes) + (current is not None):]]
+            raise
+    return outcomes
+
+
+def _update_readme_file(readme: Path, out: Path, results: dict, outcomes: list[Outcome], log) -> None:
+    if not readme.exists():
+        log(f"warning: {readme} not found: README not updated")
+        return
+    try:
+        text = read_readme(readme)
+        prefix = Path(os.path.relpath(out.resolve(), readme.parent.resolve())).as_posix()  # the link's folder
+        blocks, refused = readme_blocks(results, "" if prefix == "." else f"{prefix}/")
+        present = set(marker_spans(text))
+        missing = sorted(set(blocks) - present)
+        new = update_readme(text, {k: v for k, v in blocks.items() if k in present})
+    except ValueError as exc:  # broken markers: the results are saved; say so, fail the run
+        log(f"error: {readme.name} not updated: {exc}")
+        outcomes.append(Outcome(readme.name, ok=False, seconds=0.0, error=str(exc)))
+        return
+    if new != text:
+        write_keeping_file(readme, new)
+    log(f"updated {readme.name}: labs {', '.join(sorted(set(blocks) - set(missing))) or 'none'}"
+        + (f"; no markers for {', '.join(missing)}" if missing else "")
+        + (f"; refused non-full results of {', '.join(refused)}" if refused else ""))
+
+
+def _cuda_available() -> bool:
+    from ..core import device as dev
+
+    return dev.cuda_available()
+
+
+def _gpu_name() -> str | None:
+    """This machine's GPU as torch names it, or None (no CUDA GPU that answers)."""
+    from ..core import device as dev
+
+    try:
+        return dev.name("cuda") if dev.cuda_available() else None
+    except (RuntimeError, AssertionError):  # a CPU build of torch, a driver that does not answer
+        return None
+
+
+def summary_line(outcomes: list[Outcome], seconds: float) -> str:
+    failed = [o for o in outcomes if not o.ok]
+    took = f"{int(seconds // 60)} min {seconds % 60:.0f} s" if seconds >= 60 else f"{seconds:.1f} s"
+    lines = [f"summary: {len(outcomes) - len(failed)} ok, {len(failed)} failed, {took} in all"]
+    for o in failed:
+        lines.append(f"  {o.stem} failed{o.where()}")
+        if o.executed_path:
+            lines.append(f"    executed copy with the traceback: {o.executed_path}")
+        if o.kernel_log:
+            lines.append(f"    the kernel process's own output: {o.kernel_log}")
+    return "\n".join(lines)
+
+
+_OOM = re.compile(r"\bstatus oom\b|OutOfMemoryError|out of memory", re.I)
+
+
+def _not_a_gate(row: dict, gpu_memory_gb: float | None) -> str | None:
+    """Why a failed doctor row does not stop the notebooks, or None when it does. The doctor marks a missed MFU
+    goal ``"gates_regenerate": False``. And the fast path running out of memory under the cap regenerate gave
+    the doctor is not judged: configs/fast_config.yaml is sized for the whole card, the labs never use it, and
+    the cap is regenerate's own choice (``--gpu-memory-gb``). Without a cap it is a real finding, and an
+    out-of-memory in any other check (the labs' own paths) still stops them."""
+    if row.get("gates_regenerate", True) is False:
+        return row.get("detail", "")
+    if gpu_memory_gb and str(row.get("name", "")).startswith("fast path") and _OOM.search(str(row.get("detail"))):
+        return (f"not judged: out of memory under the {gpu_memory_gb:g} GiB cap (--gpu-memory-gb); the fast config "
+                f"is sized for the whole card and the labs do not use it ({str(row.get('detail', ''))[:160]})")
+    return None
+
+
+def command_env(gpu_memory_gb: float | None, smoke_sizes: bool = False) -> dict:
+    """The doctor's and the bench's environment: the notebooks' card (``LAB_GPU_MEMORY_GB``), so both fit the fast
+    config to one budget and compile one step (issue 43: 4 x 4 capped, 16 x 1 not); a rehearsal's smoke sizes."""
+    env = {k: v for k, v in os.environ.items() if k != "LAB_GPU_MEMORY_GB"}
+    if smoke_sizes:
+        env["LAB_SMOKE"] = "1"
+    if gpu_memory_gb:
+        env["LAB_GPU_MEMORY_GB"] = f"{gpu_memory_gb:g}"
+    return env
+
+
+def run_doctor_first(out: Path, gpu_memory_gb: float | None, smoke_sizes: bool = False) -> int:
+    """``python -m labutils doctor`` in its own process, with the notebooks' memory budget; its JSON goes to
+    ``<out>/doctor.json``. Returns 0 to go on, else the doctor's exit code: a failed row stops the notebooks
+    unless :func:`_not_a_gate` says why not (a missed fast-path MFU goal; the fast path out of memory under the
+    cap): a real finding, printed here again, but the labs do not need the fast path. Any other failure, or a
+    doctor without a readable report, stops them."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = command_env(gpu_memory_gb, smoke_sizes)
+    print("regenerate: checking this machine first (python -m labutils doctor)", flush=True)
+    report = out / "doctor.json"
+    report.unlink(missing_ok=True)  # a crashed doctor also exits 1: never judge it by an earlier run's report
+    code = subprocess.run([sys.executable, "-m", "labutils", "doctor", "--json", str(report)],
+                          cwd=REPO_ROOT, env=env).returncode
+    if code != 1:  # 0: all passed; anything else: the doctor itself broke
+        return code
+    try:
+        failed = [r for r in json.loads(report.read_text(encoding="utf-8"))["checks"] if r["status"] == "fail"]
+        why = [_not_a_gate(r, gpu_memory_gb) for r in failed]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return code
+    if not failed or any(w is None for w in why):
+        return code
+    for r, w in zip(failed, why):
+        print(f"regenerate: doctor finding that does not stop the notebooks: {r['name']}: {w}", flush=True)
+    return 0
+
+
+def card_folder(name: str) -> str:
+    """results/<this>: one folder per card ("NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3"), so a run on another
+    card adds its own folder and never overwrites this one."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
+
+
+def run_bench(out: Path, repeats: int, gpu_memory_gb: float | None = None, smoke_sizes: bool = False) -> float:
+    """``python -m labutils bench configs/fast_config.yaml --repeats N --json <out>/bench.json`` (``--bench N``): the
+    fast path and the reference side by side on this card, after the labs (a command stopped at its time limit
+    loses the bench, not the labs), under the doctor's budget (:func:`command_env`). Its verdict is printed, never a
+    gate. Returns seconds. A rehearsal (``smoke_sizes``) runs LAB_SMOKE=1, ``train.compile=false``: the path, not the
+    compiler (minutes on a CPU)."""
+    t0 = time.perf_counter()
+    cmd = ["bench", "configs/fast_config.yaml", "--repeats", str(repeats), "--json", str(out / "bench.json")]
+    print(f"regenerate: the fast path against the reference (python -m labutils {' '.join(cmd[:4])})", flush=True)
+    cmd += ["--set", "train.compile=false"] if smoke_sizes else []
+    code = subprocess.run([sys.executable, "-m", "labutils", *cmd], cwd=REPO_ROOT,
+                          env=command_env(gpu_memory_gb, smoke_sizes)).returncode
+    if code:
+        print(f"regenerate: bench exited {code} (its output is above)", flush=True)
+    return time.perf_counter() - t0
+
+
+def write_run_record(out: Path, gpu: str | None, plan: dict | None, actual: dict, outcomes: list[Outcome],
+                     mode: str = "full") -> None:
+    """``<out>/run.json``: the card, torch, CUDA, the date and commit, the mode ("full", or "rehearsal": smoke sizes,
+    whose times are not the plan's), and each part's predicted and actual time."""
+    from ..core.env import environment
+
+    env = environment(mode="full")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                            text=True).stdout.strip() or None
+    predicted = None if plan is None else {"doctor": plan["doctor_seconds"], **{p["lab"]: p["seconds"] for p in
+                                                                               plan["labs"]}}
+    if plan is not None and plan.get("bench"):
+        predicted["bench"] = plan["bench"]["seconds"]
+    record = {"gpu": gpu, "torch": env.get("torch"), "cuda": env.get("cuda"), "date": env.get("date"),
+              "commit": commit, "mode": mode, "labs": {o.stem: "ok" if o.ok else "FAILED" for o in outcomes},
+              "seconds": actual, "predicted_seconds": predicted}
+    write_atomic(out / "run.json", (json.dumps(record, indent=2) + "\n").encode("utf-8"))
+
+
+def print_plan(gpu: str, labs: list[str], doctor: bool, gpu_memory_gb: float | None,
+               bench_repeats: int | None = None) -> dict:
+    from .timeplan import course_plan, plan_lines
+
+    plan = course_plan(gpu, labs, doctor=doctor, card_gb=gpu_memory_gb or None, bench_repeats=bench_repeats)
+    print("\n".join(plan_lines(plan)), flush=True)
+    return plan
+
+
+def _refuse(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def cli_regenerate(args) -> int:
+    """Everything a user typed is checked first (exit 2, one line); only then does any notebook run."""
+    from ..core.results import OutputPathError, check_output_dir
+
+    smoke, rehearse = bool(args.smoke), bool(getattr(args, "rehearse", False))
+    results_default = REPO_ROOT / RESULTS_DIR
+    if smoke and rehearse:
+        return _refuse("--rehearse already runs smoke sizes (the full run's path, smoke-sized): leave --smoke out")
+    if getattr(args, "gpu", None) and not getattr(args, "plan", False):
+        return _refuse("--gpu NAME only goes with --plan (a run plans for the GPU it runs on)")
+    gpu = getattr(args, "gpu", None) or _gpu_name()
+    if getattr(args, "plan", False):
+        from ..core.peaks import peak_tflops
+        if gpu is None or peak_tflops(gpu, "fp32") is None:
+            return _refuse(f"--plan: {'no CUDA GPU here: name one with --gpu' if gpu is None else repr(gpu)}: the "
+                           "plan needs a GPU in labutils.core.peaks' table, as torch names it, e.g. --gpu "
+                           "'NVIDIA H100 80GB HBM3', 'NVIDIA A100-SXM4-80GB', 'NVIDIA GeForce RTX 3070'")
+    out = (Path(args.out).expanduser().resolve() if args.out else None if smoke or rehearse or args.plan
+           else results_default / card_folder(gpu) if gpu else results_default)
+    if (smoke or rehearse) and out and (out == results_default or results_default in out.parents):
+        return _refuse(f"--{'smoke' if smoke else 'rehearse'} --out {args.out}: smoke results never go into "
+                       f"{RESULTS_DIR}/ (use a temporary folder, or leave --out out)")
+    if out == REPO_ROOT:
+        return _refuse(f"--out {args.out}: not the repository root (the results would litter it); use "
+                       f"{RESULTS_DIR}/ or another folder")
+    in_results = out is not None and (out == results_default or results_default in out.parents)
+    if out is not None and REPO_ROOT in out.parents and not in_results:  # configs/, .git/, labutils/...
+        return _refuse(f"--out {args.out}: inside the repository ({REPO_ROOT}); regenerate writes only to "
+                       f"{RESULTS_DIR}/ (full runs) or to a folder outside the repository")
+    gb = args.gpu_memory_gb
+    if gb is not None and not (gb >= 0):  # the CLI's type already refuses these; regenerate() may be called too
+        return _refuse(f"--gpu-memory-gb {gb:g}: must be >= 0 (0 = no cap: the whole card)")
+    folder = Path(args.notebooks).expanduser().resolve() if getattr(args, "notebooks", None) else REPO_ROOT
+    if not folder.is_dir():
+        return _refuse(f"--notebooks {args.notebooks}: not a folder")
+    try:
+        every = find_notebooks(folder)
+        notebooks = find_notebooks(folder, args.only)
+        if out is not None:
+            check_output_dir(out, "--out")
+            linked = linked_folder(out)
+            if linked:
+                return _refuse(linked)
+        for nb in notebooks:  # all of them now: a merge conflict in lab 04 must not wait for labs 01-03 to run
+            read_notebook(nb)
+    except (ValueError, OutputPathError) as exc:
+        return _refuse(str(exc))
+    if not notebooks:
+        return _refuse(f"no lab notebooks ({NOTEBOOK_GLOB}) in {folder}")
+    stems = [nb.stem for nb in every]
+    if getattr(args, "plan", False):
+        print_plan(gpu, [lab_id(nb.stem) for nb in notebooks], not args.skip_doctor, gb, getattr(args, "bench", None))
+        return 0
+    readme = REPO_ROOT / "README.md" if not smoke and not rehearse and in_results and folder == REPO_ROOT else None
+    try:  # refuse now, not after the run: a corrupt results file
+        if out is not None and out.is_dir():
+            load_results(out, stems)
+    except ResultsError as exc:
+        return _refuse(str(exc))
+    if readme is not None and readme.exists():  # ... or README markers that would refuse the rendering
+        try:
+            marker_spans(read_readme(readme))
+        except ValueError as exc:
+            return _refuse(f"{exc}" if str(exc).startswith(str(readme)) else f"{readme}: {exc}")
+    if not smoke and not rehearse and not _cuda_available():
+        return _refuse("a full run needs a CUDA GPU (without one every notebook falls back to the tiny smoke "
+                       "configuration); to check that the notebooks run, use --smoke")
+    out = out or Path(tempfile.mkdtemp(prefix="lab-smoke-results-"))
+    cap = f"memory cap {gb:g} GiB" if gb else "no memory cap"
+    where = " (temporary folder)" if (smoke or rehearse) and not args.out else ""
+    kind = "smoke" if smoke else "rehearsal (the full run's path at smoke sizes)" if rehearse else "full"
+    print(f"regenerate: {len(notebooks)} notebook(s), {kind} mode, {cap}, results -> {out}{where}", flush=True)
+    t0 = time.perf_counter()
+    plan, actual = None, {}
+    if not smoke and gpu:
+        plan = print_plan(gpu, [lab_id(nb.stem) for nb in notebooks], not args.skip_doctor, gb,
+                          getattr(args, "bench", None))
+    if rehearse:  # the README's markers are read and written as a full run would, in a copy
+        readme = out / "README.md"
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(REPO_ROOT / "README.md", readme)
+    if not smoke and not getattr(args, "skip_doctor", False):
+        code = run_doctor_first(out, gb, smoke_sizes=rehearse)
+        actual["doctor"] = time.perf_counter() - t0
+        if code != 0:
+            print(f"regenerate: `python -m labutils doctor` failed (exit {code}; its table is above, its JSON in "
+                  f"{out / 'doctor.json'}): no notebook was run. Fix what failed, or pass --skip-doctor to run "
+                  f"the labs anyway.", file=sys.stderr)
+            return 1
+    try:
+        outcomes = regenerate(notebooks, out, smoke=smoke or rehearse, gpu_memory_gb=gb, readme=readme, stems=stems)
+    except Interrupted as exc:
+        print(exc.summary(), file=sys.stderr, flush=True)
+        return exc.exit_code
+    actual.update({lab_id(o.stem): o.seconds for o in outcomes})
+    if getattr(args, "bench", None):
+        actual["bench"] = run_bench(out, args.bench, gb, smoke_sizes=rehearse)
+    if plan is not None and not rehearse:
+        from .timeplan import against_actual
+
+        print("\n".join(against_actual(plan, actual)), flush=True)
+    elif rehearse:
+        print("regenerate: rehearsal at smoke sizes: the times are not the plan's (it is for the full run)")
+    if not smoke:
+        write_run_record(out, gpu, plan, actual, outcomes, mode="rehearsal" if rehearse else "full")
+    print(summary_line(outcomes, time.perf_counter() - t0))
+    return 0 if all(o.ok for o in outcomes) else 1
