@@ -22,7 +22,7 @@ from ..core.precisions import amp_precision
 from .lab04.profiling_runs import SWEEP_BATCHES
 
 CARD_GB, MiB, GiB = 8.0, 2**20, 2**30
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 # lab 02's sweeps: section 2's direct E x 1 and accumulated 2 x E/2; section 4's MICRO x k; section 6's m x TARGET/m
 LAB02 = {"micro": 2, "accum_steps": (1, 4, 8, 16), "proof_batches": (32, 16, 8, 4)}
 LABS = {"01": "fp32_config.yaml", "02": "lab02_accumulation.yaml", "03": "lab03_checkpointing.yaml",
