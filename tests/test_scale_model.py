@@ -51,10 +51,11 @@ def test_without_labs_03_04_smoke_sections_no_one_size_exists(root, tmp_path, mo
     """What the smoke sections are for: without them lab 04's 2 x 2 accumulation, which does not fit the card, needs
     less smoke memory than lab 02's 8 x 4, which does, so no one size reproduces both. Breaks if the rule quietly
     picks a size that misclassifies a run instead of naming the two."""
+    (tmp_path / "configs").mkdir()
     for f in (root / "configs").glob("*.yaml"):
         text = f.read_text(encoding="utf-8")
-        (tmp_path / f.name).write_text(text.split("\nsmoke:")[0] + "\n", encoding="utf-8")
-    monkeypatch.setattr(sm, "CONFIGS", tmp_path)
+        (tmp_path / "configs" / f.name).write_text(text.split("\nsmoke:")[0] + "\n", encoding="utf-8")
+    monkeypatch.chdir(tmp_path)  # the registry names its configs as the notebooks do: configs/NAME.yaml
     sm.course.cache_clear()
     try:
         with pytest.raises(ValueError, match="lab 02 '8 x 4' fits the card and lab 04 'accumulation x2' does not"):

@@ -6,13 +6,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import math
+
+from ..core.cards import card_total_bytes
 from ..core.config import load_config
+from ..estimator.estimate import estimate_memory, fits
 from ..models.gpt2 import PRESETS
 from ..core.peaks import peak_tflops
 from ..core.precisions import NAMES, choose, get
-from .scale_model import course, lab_rows
 
 LAB01_ALWAYS = ("fp32", "fp16")  # lab 01 runs these even where emulated: the baseline, the GradScaler's format
+# lab 02's sweeps: section 2's direct E x 1 and accumulated 2 x E/2; section 4's MICRO x k; section 6's m x TARGET/m
+LAB02 = {"micro": 2, "accum_steps": (1, 4, 8, 16), "proof_batches": (32, 16, 8, 4)}
+LAB04_SWEEP = (1, 2, 4, 8, 16)  # lab 04 section 5's batch-size sweep
 
 
 def native_where(device: str, gpu_name: str | None):
@@ -29,6 +35,48 @@ def lab_precision(device: str, gpu_name: str | None = None, emulated_ok: bool = 
     return choose(native_where(device, gpu_name), device == "cuda", emulated_ok)[0]
 
 
+def _budget01(amp: str, amp_fast: str) -> dict:
+    """The batch sweep: FP32 and AMP at 1, B and 2B (the rows each lab runs under the card's budget: {group:
+    (config, {label: overrides}, smoke overrides)}; the same overrides in full mode and in smoke)."""
+    b = load_config("configs/fp32_config.yaml", mode="full").train.micro_batch_size
+    return {"": ("configs/fp32_config.yaml", {f"{p} x {m}": {"train.precision": p, "train.micro_batch_size": m}
+                                              for p in ("fp32", amp) for m in (1, b, 2 * b)}, {})}
+
+
+def _budget02(amp: str, amp_fast: str) -> dict:
+    micro, exact, proof = LAB02["micro"], {"train.precision": "fp32", "model.dropout": 0.0}, LAB02["proof_batches"]
+    target = micro * max(LAB02["accum_steps"])
+    splits = [(f"direct {e} x 1", e, 1, exact) for e in proof] + [(f"accumulated 2 x {e // 2}", 2, e // 2, exact)
+                                                                  for e in proof]
+    splits += [(f"{micro} x {k}", micro, k, {}) for k in LAB02["accum_steps"]]
+    splits += [(f"{2 ** i} x {target // 2 ** i}", 2 ** i, target // 2 ** i, {})
+               for i in range(1, int(math.log2(target)) + 1)]
+    return {"": ("configs/lab02_accumulation.yaml", {label: {"train.micro_batch_size": m, "train.accumulation_steps": k,
+                                                             **extra} for label, m, k, extra in splits},
+                 {"train.precision": amp_fast})}
+
+
+def _budget03(amp: str, amp_fast: str) -> dict:
+    """At the config's micro-batch it fits the card only with checkpointing."""
+    b = load_config("configs/lab03_checkpointing.yaml", mode="full").train.micro_batch_size
+    return {"": ("configs/lab03_checkpointing.yaml", {
+        "no checkpointing, micro-batch 1": {"train.micro_batch_size": 1},
+        f"no checkpointing, micro-batch {b}": {"train.micro_batch_size": b},
+        f"checkpointing, micro-batch {b}": {"train.micro_batch_size": b, "train.gradient_checkpointing": True}}, {})}
+
+
+def _budget04(amp: str, amp_fast: str) -> dict:
+    """Section 8, all at the config's effective batch (accumulation 2 x 2: the yaml says why); section 5's sweep."""
+    b = load_config("configs/lab04_techniques.yaml", mode="full").train.micro_batch_size
+    acc, mp = {"train.micro_batch_size": b // 2, "train.accumulation_steps": 2}, {"train.precision": amp}
+    ck = {"train.gradient_checkpointing": True}
+    return {"": ("configs/lab04_techniques.yaml", {
+        "baseline (fp32)": {}, amp: mp, "checkpointing": ck, "accumulation x2": acc,
+        f"{amp} + checkpointing": {**mp, **ck}, "all together": {**mp, **ck, **acc}}, {}),
+        "section 5": ("configs/lab04_profile.yaml",
+                      {f"micro-batch {m}": {"train.micro_batch_size": m} for m in LAB04_SWEEP}, {})}
+
+
 def _lab01(mode: str, device: str, gpu_name: str | None = None) -> list:
     """Lab 01: the two-step check of amp_step against lu.train, the precisions (the others where native), the
     batch sweep's points other than the config's own micro-batch, and fp16 again with the injected overflow."""
@@ -41,7 +89,7 @@ def _lab01(mode: str, device: str, gpu_name: str | None = None) -> list:
     runs += [(p, cfgs[p]) for p in NAMES if p in LAB01_ALWAYS or native_here(p)[0]]
     runs += [(label, c.override({**o, "train.steps": 12, "train.timing_warmup_steps": min(c.train.timing_warmup_steps,
                                                                                           11)}))  # the batch sweep
-             for label, o in lab_rows("01", amp).items()
+             for label, o in _budget01(amp, amp)[""][1].items()
              if o["train.micro_batch_size"] != (c := cfgs[o["train.precision"]]).train.micro_batch_size]
     return runs + [("fp16 + injected overflow", cfgs["fp16"])]
 
@@ -55,12 +103,15 @@ def _lab02(mode: str, device: str, gpu_name: str | None = None) -> list:
              "train.steps": min(cfg.train.steps, 2)}
     runs = [(f"train_step check {p}", cfg.override({**check, "train.precision": p}))
             for p in dict.fromkeys([amp, "fp16"])]
-    runs += [(label, cfg.override(o)) for label, o in lab_rows("02", amp).items() if label[0].isdigit()]  # 4 and 6
+    rows = _budget02(amp, amp)[""][1]
+    runs += [(label, cfg.override(o)) for label, o in rows.items() if label[0].isdigit()]  # sections 4 and 6
     ratio, w0, s0 = 4, cfg.train.warmup_steps, cfg.train.steps
     w1 = max(2, round(w0 / ratio))
     s1 = max(w1, s0 // ratio)
-    m_big = max(r["overrides"]["train.micro_batch_size"] for r in course("bf16", "bf16")["rows"]  # on an 8 GB card
-                if r["lab"] == "02" and r["full_fits"] and r["row"] in {f"{m} x {32 // m}" for m in (2, 4, 8, 16, 32)})
+    full, card = load_config("configs/lab02_accumulation.yaml", mode="full"), card_total_bytes(8)[0]
+    m_big = max(o["train.micro_batch_size"] for label, o in rows.items() if label[0].isdigit() and  # fits 8 GB
+                o["train.accumulation_steps"] * o["train.micro_batch_size"] == 32 and
+                fits(estimate_memory(full.override({**o, "train.precision": "bf16"})), card))
     def lr(B, steps, warmup):
         m = min(m_big, B)
         return cfg.override({"train.micro_batch_size": m, "train.accumulation_steps": B // m, "train.steps": steps,
@@ -83,7 +134,7 @@ def _lab03(mode: str, device: str, gpu_name: str | None = None) -> list:
     runs = [(f"pair {b} {on}", cfg.override({"train.micro_batch_size": b, "train.steps": pair_steps,
                                               **(ck if on else {})}))
             for b in sorted({1, B}) for on in (False, True)]
-    runs += [(f"scale model {i}", cfg.override(o)) for i, o in enumerate(lab_rows("03", "bf16").values())]
+    runs += [(f"scale model {i}", cfg.override(o)) for i, o in enumerate(_budget03(None, None)[""][1].values())]
     card = card_total_bytes(8)[0]
     probe = cfg.override({"train.steps": 2, "train.timing_warmup_steps": min(cfg.train.timing_warmup_steps, 1)})
     for on in (False, True):
@@ -109,10 +160,11 @@ def _lab04(mode: str, device: str, gpu_name: str | None = None) -> list:
     cfg = load_config("configs/lab04_profile.yaml", mode=mode)
     tech = load_config("configs/lab04_techniques.yaml", mode=mode)
     amp = lab_precision(device, gpu_name)  # lab 04's AMP
-    rows = lab_rows("04", amp)
+    budget = _budget04(amp, amp)
+    rows = budget[""][1]
     mp, ck, acc = rows[amp], rows["checkpointing"], rows["accumulation x2"]
     runs = [(f"sweep {label}", cfg.override({**o, "train.steps": 2, "train.timing_warmup_steps": 1}))
-            for label, o in lab_rows("04 section 5", amp).items()]
+            for label, o in budget["section 5"][1].items()]
     runs += [(name, tech.override(o)) for name, o in rows.items()]
     runs += [(f"loss {loss}", tech.override({**mp, **ck, "model.loss": loss})) for loss in ("full", "chunked")]
     return runs + [("lu.train vs one_loop", tech.override({**mp, **ck, **acc, "train.steps": 3}))]
@@ -127,17 +179,18 @@ class Lab:
     runs: Callable[..., list]         # (mode, device, gpu_name=None) -> [(label, config[, loads a model])]: what
                                       # its cells train, where they run (a card by name: the time plan)
     claims: tuple[str, ...] = ()      # the claims it owns (labutils.verdicts.claims): it measures and records them
+    budget: Callable[..., dict] | None = None  # (amp, amp_fast) -> its runs under the card's budget (labs.scale_model)
 
 
 LABS = (
     Lab("01", "01-Mixed_Precision", "Mixed precision",
-        tuple(f"configs/{p}_config.yaml" for p in ("fp32", "fp16", "bf16")), _lab01, ("C1", "C2")),
+        tuple(f"configs/{p}_config.yaml" for p in ("fp32", "fp16", "bf16")), _lab01, ("C1", "C2"), _budget01),
     Lab("02", "02-Gradient_Accumulation", "Gradient accumulation", ("configs/lab02_accumulation.yaml",), _lab02,
-        ("C3",)),
+        ("C3",), _budget02),
     Lab("03", "03-Gradient_Checkpointing", "Gradient checkpointing", ("configs/lab03_checkpointing.yaml",), _lab03,
-        ("C4", "C5")),
+        ("C4", "C5"), _budget03),
     Lab("04", "04-Memory_Profiling", "Memory profiling",
-        ("configs/lab04_profile.yaml", "configs/lab04_techniques.yaml"), _lab04, ("C6", "C7")),
+        ("configs/lab04_profile.yaml", "configs/lab04_techniques.yaml"), _lab04, ("C6", "C7"), _budget04),
 )
 IDS = tuple(lab.id for lab in LABS)
 

@@ -17,7 +17,6 @@ from ...models.gpt2 import padded_vocab_size, vocab_size
 from ...core.train import autocast_for, make_optimizer, prepare, run
 
 GiB, MiB = 2**30, 2**20
-SWEEP_BATCHES = (1, 2, 4, 8, 16)  # section 5's batch-size sweep (each size a row of the card's scale model)
 
 
 def as_counted(phase: str) -> str:
