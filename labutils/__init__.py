@@ -78,7 +78,7 @@ if _sys.argv[:1] == ["-m"] and _signal.getsignal(_signal.SIGINT) is _signal.defa
     # traceback from inside torch; nothing is written yet. cli.main takes Ctrl-C over once it runs.
     _signal.signal(_signal.SIGINT, lambda *_: (print("interrupted", file=_sys.stderr, flush=True), _os._exit(130)))
 
-from .core import device, precisions  # noqa: E402
+from .core import device, precisions, results  # noqa: E402
 from .core.config import ConfigError, load_config
 from .core.data import LMDataset
 from .core.figures import legend_outside, step_axis, step_numbers

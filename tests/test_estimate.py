@@ -245,7 +245,7 @@ def test_cpu_replay_matches_the_tracker_on_the_fast_keys(over, one_thread):
     unpadded vocabulary (logits, wte and the hook's CopySlices backward: -2.6 % and -4.2 % in cases 1 and 3); a
     4-D mask booked for sdpa_causal on padded data (+8 % in case 4, where checkpointing keeps it)."""
     def padded(model):
-        assert lu.models.real_vocab_size(model) < model.get_output_embeddings().weight.shape[0]
+        assert lu.models.gpt2.real_vocab_size(model) < model.get_output_embeddings().weight.shape[0]
 
     predicted, measured, phase = replay_and_tracker(over, padded)
     assert abs(predicted - measured) <= 0.005 * measured, (predicted, measured, phase)

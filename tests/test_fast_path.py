@@ -160,7 +160,7 @@ def test_padded_vocabulary_by_a_constant_bias(dtype):
     assert not head._forward_hooks and not head._forward_pre_hooks
     assert set(fast.state_dict()) == set(ref.state_dict())
     assert all(p is not head.bias for p in fast.parameters())
-    assert head.bias[:257].abs().max() == 0 and (head.bias[257:] == lu.models.PAD_LOGIT).all()
+    assert head.bias[:257].abs().max() == 0 and (head.bias[257:] == lu.models.gpt2.PAD_LOGIT).all()
     ids = torch.randint(0, 257, (2, 20), generator=torch.Generator().manual_seed(4))
     with torch.autocast("cpu", dtype=dtype):
         out_ref, out = ref(input_ids=ids, labels=ids), fast(input_ids=ids, labels=ids)

@@ -88,7 +88,7 @@ def test_fast_config_flops_match_torch_counter():
 def test_causal_kernels_count_the_scores_a_causal_mask_keeps():
     """HFU of causal flash: the attention matmuls shrink to the share of T x T scores a causal mask keeps.
     Oracle: torch's own tril count. Breaks if the discount touched the weight matmuls or missed the recompute."""
-    t, spec = 1024, lu.models.PRESETS["gpt2"]
+    t, spec = 1024, lu.models.gpt2.PRESETS["gpt2"]
     n_layer, d = spec.n_layer, spec.d_model
     kept = torch.ones(t, t).tril().sum().item() / t**2
     full = flops_per_token("gpt2", t, fused_attention=True)

@@ -129,7 +129,7 @@ m = loaded.model
 wte = m.get_input_embeddings().weight
 ids = torch.randint(0, 50257, (2, 16))
 logits = m(input_ids=ids).logits
-print(json.dumps({"weights": loaded.weights, "rows": wte.shape[0], "real": lu.models.real_vocab_size(m),
+print(json.dumps({"weights": loaded.weights, "rows": wte.shape[0], "real": lu.models.gpt2.real_vocab_size(m),
                   "kept": bool(torch.equal(wte[:50257], ckpt)), "tied": m.lm_head.weight is wte,
                   "act": m.config.activation_function,
                   "padded_win": int((logits.argmax(-1) >= 50257).sum())}))

@@ -56,15 +56,15 @@ def test_an_oom_row_names_the_cap_not_the_whole_cards_free_memory():
     with oom_caught() as oom:
         raise torch.OutOfMemoryError(H200_OOM)
     assert oom.error == "CUDA out of memory. Tried to allocate 394.00 MiB (7.04 GiB allowed by the memory cap)"
-    assert "132.14" not in lu.memory.oom_text(torch.OutOfMemoryError(H200_OOM))
+    assert "132.14" not in lu.core.memory.oom_text(torch.OutOfMemoryError(H200_OOM))
 
 
 def test_budget_words_name_the_emulated_card_when_capped(monkeypatch):
     """Breaks if a capped run says "this device" (the H200 run) instead of the card it behaves as."""
     monkeypatch.setattr(lu.device, "current_budget", lambda: {"card_gib": 8.0})
-    assert lu.memory.budget_words() == "the 8 GB card's memory budget"
+    assert lu.core.memory.budget_words() == "the 8 GB card's memory budget"
     monkeypatch.setattr(lu.device, "current_budget", lambda: None)
-    assert lu.memory.budget_words() == "the memory this run could use"
+    assert lu.core.memory.budget_words() == "the memory this run could use"
 
 
 def test_oom_caught_raises_any_other_error():
