@@ -111,18 +111,18 @@ def normalise(gpu_name: str) -> str:
 
 def peak_info(gpu_name: str | None, precision: str) -> tuple[float | None, str]:
     """(dense peak TFLOP/s or None, where it comes from or why there is none)."""
-    get(precision)  # a ValueError naming the allowed ones
+    column = get(precision).peak  # a ValueError naming the allowed ones
     if not gpu_name:
         return None, "no GPU: MFU is defined against a GPU's peak"
     name = normalise(gpu_name)
     for pattern, row in DATACENTER:
         if re.fullmatch(pattern, name):
-            value = row[precision]
+            value = row[column]
             return value, (row["source"] if value is not None else f"{gpu_name} has no {precision} tensor cores "
                                                                      f"({row['source']})")
     if name in GEFORCE:
         arch, cores, mhz = GEFORCE[name]
-        rate = PER_CORE_CLOCK[arch][precision]
+        rate = PER_CORE_CLOCK[arch][column]
         if rate is None:
             return None, f"{gpu_name} ({arch}) has no {precision} tensor cores"
         laptop = "laptop" in name

@@ -22,6 +22,8 @@ class Precision:
     bytes: int                     # bytes per element of the matmuls' inputs (the copies autocast makes)
     color: str                     # its colour in every figure
     native: Callable               # device -> (runs natively?, why), from labutils.core.device_facts
+    peak: str                      # the datasheet column it computes at (labutils.core.peaks)
+    rtol: float                    # a matmul's relative error vs float64 its mantissa allows (doctor's check)
 
     @property
     def amp(self) -> bool:
@@ -34,10 +36,11 @@ class Precision:
 
 
 PRECISIONS: dict[str, Precision] = {p.name: p for p in (
-    Precision("fp32", "FP32 (TF32 off)", None, False, False, 4, "#3498db", lambda device=None: (True, "everywhere")),
-    Precision("tf32", "TF32", None, True, False, 4, "#9b59b6", facts.tf32_support),
-    Precision("fp16", "FP16 + GradScaler", torch.float16, False, True, 2, "#e74c3c", facts.fp16_support),
-    Precision("bf16", "BF16", torch.bfloat16, False, False, 2, "#2ecc71", facts.bf16_support),
+    Precision("fp32", "FP32 (TF32 off)", None, False, False, 4, "#3498db", lambda device=None: (True, "everywhere"),
+              "fp32", 1e-5),
+    Precision("tf32", "TF32", None, True, False, 4, "#9b59b6", facts.tf32_support, "tf32", 5e-3),
+    Precision("fp16", "FP16 + GradScaler", torch.float16, False, True, 2, "#e74c3c", facts.fp16_support, "fp16", 5e-3),
+    Precision("bf16", "BF16", torch.bfloat16, False, False, 2, "#2ecc71", facts.bf16_support, "bf16", 3e-2),
 )}
 NAMES = tuple(PRECISIONS)
 AMP_NAMES = tuple(n for n, p in PRECISIONS.items() if p.amp)

@@ -34,7 +34,7 @@ def matmul_verdict(label: str, tflops: float, rel_error: float, fp32_tflops: flo
                    floor: float | None, why: str, cuda: bool) -> tuple[bool, str]:
     """The product is right (vs float64) to what the format allows; TF32 really engaged (its 10-bit mantissa
     shows) and FP32 strict; on CUDA, faster than strict FP32 by ``floor``. CPU timing judges no speed."""
-    limit = {"fp32": 1e-5, "tf32": 5e-3, "fp16": 5e-3, "bf16": 3e-2}[label]
+    limit = get(label).rtol
     ok = tflops > 0 and rel_error <= limit
     detail = f"relative error vs float64 {rel_error:.1e} (limit {limit:g})"
     if get(label).tf32 and rel_error <= 1e-5:
