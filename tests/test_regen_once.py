@@ -13,7 +13,7 @@ from tests.regen_once import Run
 def run_with(outcomes) -> Run:
     head = "\n".join(f"[{i}/{len(outcomes)}] {o.stem:<28} {'ok' if o.ok else 'FAILED'}   1.0 s"
                      for i, o in enumerate(outcomes, 1))
-    return Run(["01", "02"], Path("/nowhere"), 1, head + "\n" + rg.summary_line(outcomes, 2.0) + "\n", "", {}, {}, "", "")
+    return Run([o.stem[:2] for o in outcomes], Path("/nowhere"), 1, head + "\n" + rg.summary_line(outcomes, 2.0) + "\n", "", {}, {}, "", "")
 
 
 def test_a_notebook_passes_only_on_its_own_ok_line():
