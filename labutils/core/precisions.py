@@ -43,6 +43,7 @@ PRECISIONS: dict[str, Precision] = {p.name: p for p in (
     Precision("bf16", "BF16", torch.bfloat16, False, False, 2, "#2ecc71", facts.bf16_support, "bf16", 3e-2),
 )}
 NAMES = tuple(PRECISIONS)
+BASELINE = "fp32"  # what every speed-up and memory saving of the course is measured against
 AMP_NAMES = tuple(n for n, p in PRECISIONS.items() if p.amp)
 
 

@@ -11,7 +11,7 @@ import torch
 from ..core import device as dev
 from ..verdicts.claims import MIN_TIMED_STEPS
 from .doctor_checks import Checks, expect
-from ..core.precisions import PRECISIONS, get
+from ..core.precisions import BASELINE, PRECISIONS, get
 
 
 def _matmul_speed_floor(label: str, gpu_name: str, capability: tuple[int, int]) -> tuple[float | None, str]:
@@ -41,11 +41,11 @@ def matmul_verdict(label: str, tflops: float, rel_error: float, fp32_tflops: flo
         ok, detail = False, detail + "; an FP32-sized error: TF32 not engaged"
     if not cuda:
         return ok, detail + "; CPU timing: speed not judged"
-    if label != "fp32" and floor is not None and fp32_tflops:
+    if label != BASELINE and floor is not None and fp32_tflops:
         fast = tflops >= floor * fp32_tflops
         ok = ok and fast
         detail += f"; {tflops / fp32_tflops:.2f}x fp32 (needs >= {floor:g}x: {why})"
-    elif label != "fp32":
+    elif label != BASELINE:
         detail += f"; {why}"
     return ok, detail
 
@@ -63,7 +63,7 @@ def check_matmul(c: Checks, device: torch.device) -> None:
             row["value"] = tflops
             floor, why = _matmul_speed_floor(label, dev.name(device), dev.capability(device)) if cuda else (None, "")
             expect(row, *matmul_verdict(label, tflops, err, fp32_tflops, floor, why, cuda))
-            if label == "fp32":
+            if label == BASELINE:
                 fp32_tflops = tflops
 
 

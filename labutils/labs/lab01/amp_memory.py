@@ -10,7 +10,7 @@ import torch
 
 from ...core.env import matmul_precision, seed_everything
 from ...core.memory import MemoryTracker, cpu_budget_kwargs, is_weight_copy, state_bytes
-from ...core.precisions import PRECISIONS, dtype_name, get, scaler
+from ...core.precisions import BASELINE, PRECISIONS, dtype_name, get, scaler
 from ...core.results import byte_unit
 
 HALF_DTYPES = tuple(p.autocast for p in PRECISIONS.values() if p.amp)
@@ -201,14 +201,14 @@ def plot_batch_sweep(rows: list[dict], amp: str, budget_bytes: int | None, timed
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    unit, size = byte_unit([r[f"{p}_peak_bytes"] for r in rows for p in ("fp32", amp)] + [budget_bytes])
-    for p in ("fp32", amp):
+    unit, size = byte_unit([r[f"{p}_peak_bytes"] for r in rows for p in (BASELINE, amp)] + [budget_bytes])
+    for p in (BASELINE, amp):
         ok = [r for r in rows if r[f"{p}_status"] == "ok"]
         oom = [r["micro_batch"] for r in rows if r[f"{p}_status"] == "oom"]
         axes[0].plot([r["micro_batch"] for r in ok], [r[f"{p}_peak_bytes"] / size for r in ok], "o-",
                      color=get(p).color, label=p)
         if oom and budget_bytes:  # x and + stay apart where both precisions ran out at one micro-batch
-            axes[0].scatter(oom, [budget_bytes / size] * len(oom), marker="x" if p == "fp32" else "+", s=120,
+            axes[0].scatter(oom, [budget_bytes / size] * len(oom), marker="x" if p == BASELINE else "+", s=120,
                             color=get(p).color, label=f"{p}: out of memory")
         axes[2].plot([r["micro_batch"] for r in ok], [r[f"{p}_target_tokens_per_s"] for r in ok], "o-",
                      color=get(p).color, label=p)
@@ -236,7 +236,7 @@ def sweep_sentence(rows: list[dict], amp: str, mem: dict) -> str:
     holds then (``mem``: :func:`measure_step_memory` results), the OOM rows."""
     saved = [r for r in rows if r["memory_saving"] is not None]
     text = f"{amp} saves " + ", ".join(f"{r['memory_saving']:.0%} at micro-batch {r['micro_batch']}" for r in saved)
-    small = min((m for m in mem.values() if m["precision"] == "fp32"), key=lambda m: m["micro_batch"], default=None)
+    small = min((m for m in mem.values() if m["precision"] == BASELINE), key=lambda m: m["micro_batch"], default=None)
     if small is not None:
         state = (small["weights"] + small["gradients"] + small["optimizer"]) / small["peak"]
         acts = (small["activations_fp32"] + small["activations_half"]) / small["peak"]

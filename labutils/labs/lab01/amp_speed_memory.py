@@ -17,7 +17,7 @@ from ...core.memory import fmt_bytes
 from .op_profile import (OpProfile, gpu_busy, op_group, op_group_rows, op_profile, plot_op_groups,  # noqa: F401
                          profile_reading, step_time_rows, top_op_rows)
 from ...core.peaks import peak_info
-from ...core.precisions import get
+from ...core.precisions import BASELINE, get
 
 SPEED_TABLE = "precision_comparison"   # the results table that holds the one speed-up per precision (rows keyed
 SPEEDUP = "speedup_vs_fp32"            # by "run" = the precision), in this column; labutils.estimator.advise reads it too
@@ -108,7 +108,7 @@ def comparison_display(rows: list[dict]) -> list[dict]:
     return [{"run": r["run"], "status": r["status"], "final loss": r["final_loss"],
              "median step [ms]": "-" if r["median_step_ms"] is None else
              f"{r['median_step_ms']:.3g} +- {pct(r['step_noise'])}",
-             "speed-up vs FP32": speed_words(r[SPEEDUP], r["speedup_noise"]) if r["run"] != "fp32" else "1 (baseline)",
+             "speed-up vs FP32": speed_words(r[SPEEDUP], r["speedup_noise"]) if r["run"] != BASELINE else "1 (baseline)",
              "peak_memory_bytes": r["peak_memory_bytes"], "saving vs FP32": pct(r["memory_saving_vs_fp32"])}
             for r in rows]
 
@@ -116,8 +116,8 @@ def comparison_display(rows: list[dict]) -> list[dict]:
 def speed_sentence(rows: list[dict], timed_on: str, emulated: dict) -> str:
     """The line under the comparison: the largest loss difference to FP32, where it was timed, and which of the runs
     this device only emulates (``emulated``: {precision: reason})."""
-    base = next(r for r in rows if r["run"] == "fp32")
-    diffs = [abs(r["final_loss"] - base["final_loss"]) for r in rows if r["status"] == "ok" and r["run"] != "fp32"]
+    base = next(r for r in rows if r["run"] == BASELINE)
+    diffs = [abs(r["final_loss"] - base["final_loss"]) for r in rows if r["status"] == "ok" and r["run"] != BASELINE]
     text = (f"final losses within {max(diffs):.4f} of FP32's (same data and seed)" if diffs and base["final_loss"]
             is not None else "no run to compare with FP32")
     text += f"; times: {timed_on}"
@@ -150,7 +150,7 @@ def speed_reading_rows(speed_rows: list[dict], big: dict, precisions: list, hard
     rows = []
     for r in speed_rows:
         p, x, noise = r["precision"], r[SPEEDUP], r["speedup_noise"]
-        if p == "fp32" or p not in precisions or x is None:
+        if p == BASELINE or p not in precisions or x is None:
             continue
         mm_x = big[f"{p}_tflops"] / big["fp32_tflops"]
         if noise is not None and abs(x - 1) <= noise:
