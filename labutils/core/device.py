@@ -1,20 +1,14 @@
 """Every difference between a CUDA GPU and the CPU that labutils needs, in one place.
 
-No other labutils module calls ``torch.cuda`` but :mod:`labutils.core.device_facts`, its lowest layer, whose names it
-imports (which device, its name, capability and formats); a lab notebook may, where that API is its lesson (each
-such call is also one of ``python -m labutils doctor``'s checks). Each function takes a device (``torch.device``,
-"cuda", "cuda:1", "cpu" or None = the default device) and does the CPU equivalent, or returns None, where CUDA has
-no counterpart. CUDA functions always get an explicit device *index*: ``torch.device("cuda")`` has none, and
-several ``torch.cuda`` functions refuse it.
+No other labutils module calls ``torch.cuda`` but :mod:`labutils.core.device_facts`, its lowest layer; a lab
+notebook may, where that API is its lesson (each such call is also a ``doctor`` check). Each function takes a device
+(``torch.device``, "cuda", "cuda:1", "cpu" or None = the default) and does the CPU equivalent, or returns None, where
+CUDA has no counterpart. CUDA functions always get an explicit device *index* (several refuse ``"cuda"``).
 
-Memory budget ("behave like a G-GB card", :func:`card_budget`): the allocator is capped at what torch reports on
-such a card (:mod:`labutils.core.cards`: an "8 GB" GeForce reports 7.78 GiB) minus what lives outside the allocator on
-*this* GPU (CUDA context, library handles, lazily loaded kernels), measured with ``cudaMemGetInfo``; cuBLAS
-workspaces count against the cap like tensors (aten/src/ATen/cuda/CublasHandlePool.cpp takes them from the caching
-allocator). Memory that other processes hold on the GPU is named in the budget's notice, not taken from the cap.
-
-API versions above the floor in pyproject.toml (torch 2.6): ``torch.cuda.get_per_process_memory_fraction`` (2.8;
-older torch: we remember what we set); ``torch._C._host_emptyCache`` is absent from CPU builds.
+Memory budget (:func:`card_budget`, "behave like a G-GB card"): the allocator is capped at what torch reports on such
+a card (:mod:`labutils.core.cards`) minus what lives outside the allocator on *this* GPU (CUDA context, library
+handles, kernels), measured with ``cudaMemGetInfo``; cuBLAS workspaces count against the cap like tensors. Memory
+that other processes hold is named in the budget's notice, not taken from the cap.
 """
 from __future__ import annotations
 

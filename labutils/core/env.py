@@ -43,7 +43,6 @@ quiet_false_profiler_warning()
 # the device module's answers under the names the labs use; every CUDA/CPU difference stays in labutils.core.device
 default_device = device.default_device
 set_memory_budget = device.card_budget       # make this GPU behave like a ``gb`` GB card; None on CPU or gb None
-memory_budget_bytes = device.cap_bytes       # what the allocator may hold: the cap if set, else the card's total
 
 
 def _fp32_precision_switches() -> dict:
@@ -67,16 +66,9 @@ def _read_or_none(read):
 def matmul_precision(tf32: bool):
     """Switch TF32 for float32 matmuls/convolutions on (tf32=True) or explicitly off, restoring afterwards.
 
-    Inside, every reader agrees, legacy and new: ``torch.backends.cuda.matmul.allow_tf32``,
-    ``torch.get_float32_matmul_precision()`` ("high" / "highest"), ``torch.backends.cudnn.allow_tf32``, and on
-    torch >= 2.9 ``torch.backends.cuda.matmul.fp32_precision`` and ``cudnn.conv`` / ``cudnn.rnn.fp32_precision``
-    ("tf32" / "ieee"). Setting only the new API leaves torch's legacy state behind: ATen's Context keeps the
-    legacy matmul precision and cuDNN flag beside the new per-backend values, and its legacy getters
-    (``allowTF32CuBLAS``, ``float32MatmulPrecision``, ``allowTF32CuDNN``) raise "mix of the legacy and new
-    APIs" when they disagree. The legacy setters (there since torch 1.7) update both sides
-    (``setAllowTF32CuBLAS``: legacy precision + cuda/matmul; ``setAllowTF32CuDNN``: legacy flag + cuda/conv and
-    cuda/rnn, "none" when off), so they go first; then conv and rnn get an explicit "ieee" when off.
-    """
+    Inside, every reader agrees, legacy (``allow_tf32``, ``get_float32_matmul_precision``) and new (torch >= 2.9's
+    ``fp32_precision``): ATen's legacy getters raise "mix of the legacy and new APIs" when the two disagree. The
+    legacy setters update both sides, so they go first; then cuDNN conv and rnn get an explicit "ieee" when off."""
     b = torch.backends
     matmul, cudnn = b.cuda.matmul, b.cudnn
     switches = _fp32_precision_switches()
@@ -106,11 +98,7 @@ PROGRESS_ENV = "LAB_PROGRESS"
 
 def progress_bars() -> bool:
     """Whether training shows tqdm progress bars: yes, unless ``$LAB_PROGRESS`` is 0 / false / no / off.
-
-    ``regenerate`` sets it to 0 for the kernels it runs: a bar in a notebook is a widget whose saved text is the
-    state it was drawn in ("0%|"), so an executed copy read later would show that. A kernel cannot tell an
-    interactive frontend from a batch executor (both are ipykernel behind the same protocol), so the one that
-    will save the outputs says so instead of the kernel guessing."""
+    ``regenerate`` sets it to 0: a saved notebook would show a bar in the state it was drawn in ("0%|")."""
     return os.environ.get(PROGRESS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 

@@ -27,12 +27,9 @@ def model_flops_per_token(model, seq_length: int, vocab: int | None = None) -> f
     """Model FLOPs per token of one training step (forward + backward), no recompute: the numerator of MFU, for
     ``model`` (a preset's name, a config or a model: :func:`labutils.models.spec.spec_of`).
 
-    PaLM's definition (Chowdhery et al. 2022, appendix B): 6N + 12 * L * T * d, where N counts the weights that
-    take part in matmuls (each block's Q, K, V, output and MLP matrices, GPT-2's 12d^2, and the LM head's
-    d x vocab) and 12 * L * T * d is the two attention matmuls (Q K^T and A V, full T x T as eager attention
-    computes them; d: the heads' width). Biases, norms, activations, softmax and embeddings are not matmuls and
-    are left out, as torch's FLOP counter does. ``vocab``: the LM head's rows (default: the real vocabulary).
-    """
+    PaLM's definition (Chowdhery et al. 2022, appendix B): 6N + 12 * L * T * d, N the weights in matmuls (blocks and
+    LM head), 12 * L * T * d the two full T x T attention matmuls. Biases, norms, activations, softmax and embeddings
+    are left out, as torch's FLOP counter does. ``vocab``: the LM head's rows (default: the real vocabulary)."""
     s = spec_of(model)
     blocks = s.n_layer * (s.block_matmul_weights + 2 * seq_length * s.attn_width)  # one forward's multiply-adds
     head = s.d_model * (vocab or s.vocab)
@@ -66,16 +63,11 @@ def flops_per_token(model, seq_length: int, recompute: bool = False, *, every_n_
                     vocab: int | None = None) -> float:
     """Executed training FLOPs per position (forward + backward + recompute): what the GPU really computes.
 
-    ``recompute``: activation checkpointing on (every ``every_n_layers``-th block; see
-    :func:`recomputed_flops_per_token` for the early stop and why ``dropout`` matters). ``fused_attention``:
-    SDPA's fused kernels (flash / memory-efficient, CUDA) recompute the T x T scores in backward: one more
-    matmul, 2 * T * d per layer and token, as torch's FLOP counter also counts. ``causal_skip``: the fused
-    kernel ran with ``is_causal=True`` and no mask, so every attention matmul (forward, backward, the recompute)
-    covers only :func:`causal_score_fraction` of the scores; this is the GPU's real work (HFU), which torch's
-    counter (it counts the full T x T) does not model. ``vocab``: the LM head's rows (padded or not). The chunked
-    loss (``model.loss: chunked``) runs the head's three matmuls once each, as the full loss does: nothing to add.
-    Without recompute and with eager attention this equals :func:`model_flops_per_token`.
-    """
+    ``recompute``: checkpointing every ``every_n_layers``-th block (:func:`recomputed_flops_per_token`).
+    ``fused_attention``: SDPA's fused kernels recompute the T x T scores in backward, 2 * T * d more per layer and token.
+    ``causal_skip``: a fused kernel with ``is_causal=True`` computes only :func:`causal_score_fraction` of the scores
+    (the GPU's real work, HFU; torch's counter counts them all). ``vocab``: the LM head's rows (padded or not).
+    Without recompute and with eager attention this equals :func:`model_flops_per_token`."""
     s = spec_of(model)
     n_layer, d = s.n_layer, s.attn_width
     flops = model_flops_per_token(s, seq_length, vocab)

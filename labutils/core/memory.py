@@ -1,12 +1,10 @@
 """Memory measurement for a region of code: the same meaning on CUDA and on CPU.
 
-On CUDA the caching allocator is asked (allocated, reserved, and the peaks of both; the peak counters are reset
-when the region starts). A memory cap (``set_per_process_memory_fraction``) limits *reserved*, which also holds
-cached free blocks: a run fails when reserved would pass the cap, even with peak allocated below it. On CPU there is
-no allocator to ask, and process RSS counts the Python heap and freed-but-cached pages, so the tracker counts the
-bytes of live tensor storages itself: storages alive when the region starts (found through the garbage collector)
-plus every storage an operator creates inside it (seen through a ``TorchDispatchMode``, like
-``torch.distributed._tools.mem_tracker``), minus those freed. Same meaning as ``torch.cuda.max_memory_allocated``.
+On CUDA the caching allocator is asked (allocated, reserved, and their peaks, reset when the region starts); a cap
+limits *reserved*, cached free blocks included. On CPU, where RSS counts the Python heap and cached pages, the
+tracker counts live tensor storages itself: those alive at the start (found through the garbage collector) plus
+every storage an operator creates inside (seen through a ``TorchDispatchMode``), minus those freed. Same meaning
+as ``torch.cuda.max_memory_allocated``.
 """
 from __future__ import annotations
 

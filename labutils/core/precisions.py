@@ -40,7 +40,6 @@ PRECISIONS: dict[str, Precision] = {p.name: p for p in (
     Precision("bf16", "BF16", torch.bfloat16, False, False, 2, "#2ecc71", facts.bf16_support),
 )}
 NAMES = tuple(PRECISIONS)
-AMP_NAMES = tuple(n for n, p in PRECISIONS.items() if p.amp)
 
 
 def get(name: str) -> Precision:
