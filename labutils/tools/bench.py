@@ -1,21 +1,16 @@
 """``python -m labutils bench CONFIG``: the course's path against a reference, a nanoGPT-style GPT-2.
 
-The course's path is the one loop (:func:`labutils.core.train.train`). The reference (:mod:`labutils.models.reference`: its own
-``nn.Linear`` blocks, causal SDPA, tanh GELU, tied head, the full loss) holds the *same weights* and is driven by a
-bare loop: its own data path (the run's micro-batches on the device before the clock starts), nanoGPT's AdamW, no
-scheduler. Both run the config's precision, compile setting, batch and steps, fitted to this card as ``run`` fits
-them (:func:`labutils.core.train.for_this_card`). The ratio, course throughput over reference throughput, prices what the
-course adds: transformers' model code and the loop's bookkeeping. No checkpointing or padded-vocabulary mask on the
-reference side (nanoGPT has neither): with ``train.gradient_checkpointing`` the ratio includes the recompute.
+The course's path is the one loop (:func:`labutils.core.train.train`); the reference
+(:mod:`labutils.models.reference`) holds the *same weights* and is driven by a bare loop (its micro-batches on the
+device before the clock starts, nanoGPT's AdamW, no scheduler, no checkpointing). Both run the config's precision,
+compile setting, batch and steps, fitted to this card as ``run`` fits them
+(:func:`labutils.core.train.for_this_card`). The ratio, course over reference throughput, prices what the course
+adds: transformers' model code and the loop's bookkeeping.
 
-One statistic, one rule. Both sides time each step up to the one host read that ends it (the course's loop reads
-loss, grad norm and scale in one transfer; the reference its loss); a run's step time is the median of its timed
-steps (after the warm-up, at least 2, and any step that compiled: :func:`labutils.core.run_result.first_timed_step`).
-Each side gets ``repeats`` fresh runs in ABBA order, a side's step time is the median over its runs (spread beside
-it), and each repeat's neighbouring pair gives one ratio, judged against :data:`GOAL` by :func:`judge`; only a GPU
-run is judged (MFU: :func:`mfu_goal`). The sections (:func:`bench`) include the other ``model.loss``: what
-fast_config.yaml picks its loss by. Each run records its compile status and the allocator's retries (a run near a
-memory cap slows down); an out-of-memory run is a row (status "oom", the error) and ends its section.
+A run's step time is the median of its timed steps (:func:`labutils.core.run_result.first_timed_step`); each side
+gets ``repeats`` fresh runs in ABBA order, and each repeat's neighbouring pair gives one ratio, judged against
+:data:`GOAL` by :func:`judge` on a GPU only (MFU: :func:`mfu_goal`). An out-of-memory run is a row (status "oom")
+and ends its section.
 """
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
 """Beyond one GPU: the same loop on an existing engine (DDP, FSDP, DeepSpeed ZeRO) through Hugging Face accelerate.
 
 ``accelerate launch --config_file configs/accelerate/<x>.yaml -m labutils run CONFIG`` starts N processes;
-:func:`maybe_accelerator` sees the launch and builds an ``Accelerator`` from the *YAML config*
-(precision -> ``mixed_precision``, accumulation -> ``gradient_accumulation_steps``), and the loop in
-``labutils.core.train`` hands autocast, loss scaling, accumulation (no_sync) and clipping to the engine instead of
-doing them itself, so nothing is done twice.
-
-Exactness across processes: every step, the global window (micro x accum x world samples) is split among the
-ranks; each rank normalises its token-loss sum by ``global_targets / (accum * world)`` because the engine divides
-the loss by ``accum`` and data parallelism averages gradients over ``world``. The result is the gradient of
-the token-mean over the whole global window, as in one process.
+:func:`maybe_accelerator` builds an ``Accelerator`` from the YAML config, and the loop hands autocast, loss scaling,
+accumulation and clipping to the engine instead of doing them itself. Each rank normalises its token-loss sum by
+``global_targets / (accum * world)`` (the engine divides by ``accum``, data parallelism averages over ``world``),
+so the gradient is the token-mean over the whole global window, as in one process.
 """
 from __future__ import annotations
 

@@ -5,26 +5,17 @@
     python -m labutils regenerate --gpu-memory-gb 0     # no cap: use the whole card
     python -m labutils regenerate --rehearse --bench 1  # make gpu-results' whole path at smoke sizes, in a temp dir
 
-Each notebook runs top to bottom in its own fresh kernel (so one lab's CUDA memory never leaks into the next,
-and ``LAB_GPU_MEMORY_GB`` is applied to a clean process), with the notebook's own folder as working directory and
-``LAB_RESULTS_DIR`` pointing at a private staging folder. Its last cell, ``lu.record_results(...)``, writes
-``<stem>.json`` and ``figures/<stem>-*.png`` there; we check them (written at all? the mode we asked for?) and
-only then move them into the output folder. So a failed notebook keeps the previous results, and a "full" run
-whose notebook fell back to smoke (no GPU after all) never lands smoke numbers in ``results/``.
+Each notebook runs in its own fresh kernel (:mod:`labutils.tools.notebook_runner`), in its own folder, with
+``LAB_RESULTS_DIR`` pointing at a private staging folder; what its ``lu.record_results(...)`` writes there is checked
+(written at all? the mode we asked for?) and only then moved into the output folder. So a failed notebook keeps the
+previous results, and a "full" run that fell back to smoke never lands smoke numbers in ``results/``. Executed
+copies go to ``<out>/executed/``, traces and snapshots to ``<out>/artifacts/<lab>/``; the repository's notebooks are
+only read. Rendering is :mod:`labutils.tools.report`.
 
-Executed copies (with outputs and tracebacks) go to ``<out>/executed/``, a lab's traces and snapshots to
-``<out>/artifacts/<lab>/`` (``LAB_ARTIFACTS_DIR``); the repository's notebooks are only read, and a smoke run with
-``--out`` outside the repository leaves its working tree, ignored files included, as it was. Running one notebook
-(fresh kernel, signals, timeouts) is :mod:`labutils.tools.notebook_runner`; rendering the results into
-``README-results.md`` and the README's marked sections is :mod:`labutils.tools.report`. This module runs the labs in
-turn, keeps what they record, and is the command line.
-
-Nothing a user types loses work: bad options, an --out that cannot be written, a corrupt results file or broken
-README markers are refused (exit 2, one line) before any notebook runs. Results are keyed by the notebook that
-wrote them (``<stem>.json``), so a stale ``NN-Old_Name.json`` never shadows a lab. The README is rewritten only
-between well-formed markers, keeping every other byte, its line endings, its mode, and a symlink as a symlink.
-Ctrl-C / SIGTERM stop the run within seconds (the kernel is killed, no further notebook starts, nothing
-half-written is left) with exit code 130 / 143 and one line saying what finished and what did not.
+Bad options, an unwritable --out, a corrupt results file or broken README markers are refused (exit 2, one line)
+before any notebook runs. The README is rewritten only between well-formed markers, keeping every other byte, its
+line endings, mode and symlink. Ctrl-C / SIGTERM stop the run within seconds (exit 130 / 143), leaving nothing
+half-written and saying what finished.
 """
 from __future__ import annotations
 

@@ -1,18 +1,13 @@
 """How long the instructors' full run takes on a card: predicted before it starts (``regenerate --plan``).
 
-A lab's cost is its training runs (the ``runs`` of its entry in :mod:`labutils.labs.registry`, in full mode) plus a fresh
-kernel's fixed cost. One run costs ``steps x max(compute, host)``:
+A lab's cost is its training runs (its entry in :mod:`labutils.labs.registry`, full mode) plus a fresh kernel's
+fixed cost. One run costs ``steps x max(compute, host)``: compute is the step's executed FLOPs
+(:func:`labutils.core.flops.flops_per_token`) over the card's dense peak (:mod:`labutils.core.peaks`) times
+:data:`ACHIEVED`; host is eager PyTorch's launch time, :data:`HOST_BLOCK_S` per block and micro-batch (more under
+autocast and checkpointing) plus :data:`HOST_STEP_S` per optimizer step.
 
-* compute: the step's executed FLOPs (:func:`labutils.core.flops.flops_per_token`, checkpointing's recompute and the
-  fused attention's included) over the card's dense peak in that precision (:mod:`labutils.core.peaks`) times
-  :data:`ACHIEVED`, the share of the peak such a step reaches;
-* host: eager PyTorch's Python and kernel-launch time, which sets the pace of a model this small on a fast card:
-  :data:`HOST_BLOCK_S` per transformer block and micro-batch (forward + backward), more under autocast (casts) and
-  with checkpointing (the recompute launches again), plus :data:`HOST_STEP_S` per optimizer step.
-
-The constants are assumptions from the one full GPU run so far (an H200, torch 2.11, 2026-11-26, GPT-2 small at
-8 x 256 tokens: its step times are quoted beside them). Every full ``regenerate`` prints the prediction first and
-each part's real time beside it at the end (and in run.json): that is how they are checked, and corrected.
+The constants are assumptions from one full GPU run (H200, torch 2.11, GPT-2 small at 8 x 256: its step times
+beside them); every full ``regenerate`` prints the prediction and each part's real time, which is how they are checked.
 """
 from __future__ import annotations
 
