@@ -44,10 +44,8 @@ def graph_breaks() -> Counter:
 def backend_problem(device, backend: str = DEFAULT_BACKEND) -> str | None:
     """Why torch.compile's ``backend`` cannot work on ``device`` (one line), or None when it can.
 
-    Compiles and runs ``gelu(x * 2) + 1`` on an 8-element tensor on the device with that backend: inductor reaches
-    its device scheduling (Triton on CUDA, the C++ compiler on the CPU) as it would for the model. Only
-    ``BackendCompilerFailed`` (what dynamo raises when the backend fails) counts as "cannot work"; anything else
-    propagates. Cheap after the first time: the probe's kernel is in inductor's on-disk cache."""
+    Compiles and runs ``gelu(x * 2) + 1`` on the device, reaching inductor's device scheduling (Triton on CUDA, the C++
+    compiler on the CPU) as the model would. Only ``BackendCompilerFailed`` counts; anything else propagates."""
     from torch._dynamo.exc import BackendCompilerFailed
 
     def probe(x):

@@ -89,9 +89,8 @@ class LMDataset:
                          self.targets, self.packed, self.real)
 
     def batch(self, indices) -> dict[str, torch.Tensor]:
-        """The samples ``indices`` as model inputs. Packed data has no padding, so no ``attention_mask``: nothing
-        to gather, and no mask for transformers to read back to the host. On a GPU the indices travel from pinned
-        memory without waiting for the device (``torch.as_tensor(..., device="cuda")`` would sync the host)."""
+        """The samples ``indices`` as model inputs; packed data gets no ``attention_mask``. On a GPU the indices travel
+        from pinned memory without syncing the host."""
         idx = torch.as_tensor(indices, dtype=torch.long)
         if self.input_ids.is_cuda:
             idx = idx.pin_memory().to(self.input_ids.device, non_blocking=True)

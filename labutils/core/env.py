@@ -18,10 +18,8 @@ from . import device
 from .device import detect_mode
 
 
-# torch 2.10 and 2.11 warn "Profiler clears events at the end of each cycle" on every torch.profiler.profile(), even
-# one with no schedule and so no cycles to clear (pytorch/pytorch#180348; fixed in 2.12 by #180387): the first
-# profile of every lab printed it on the H200 run (torch 2.11). Every profile in the course is one cycle, so on those
-# two versions that one message is filtered; on others torch warns only when events are really cleared, and it shows.
+# torch 2.10 and 2.11 warn "Profiler clears events at the end of each cycle" on every profile, even one with no
+# cycles to clear (pytorch/pytorch#180348, fixed in 2.12): filtered on those two versions only.
 FALSE_PROFILER_WARNING = "Warning: Profiler clears events at the end of each cycle"
 
 
@@ -46,9 +44,8 @@ set_memory_budget = device.card_budget       # make this GPU behave like a ``gb`
 
 
 def _fp32_precision_switches() -> dict:
-    """The new API's per-backend switches this torch has (torch >= 2.9: ``fp32_precision`` on cuBLAS matmul,
-    cuDNN conv and RNN, oneDNN matmul); {} on torch 2.6-2.8. Each is checked on its own: reading
-    ``torch.backends.cudnn.conv`` on torch < 2.9 raises AttributeError."""
+    """The new API's per-backend ``fp32_precision`` switches this torch has (torch >= 2.9: cuBLAS matmul, cuDNN conv
+    and RNN, oneDNN matmul); {} on torch 2.6-2.8, where reading ``torch.backends.cudnn.conv`` raises."""
     b = torch.backends
     found = {"cuda.matmul": b.cuda.matmul, "cudnn.conv": getattr(b.cudnn, "conv", None),
              "cudnn.rnn": getattr(b.cudnn, "rnn", None), "mkldnn.matmul": getattr(b.mkldnn, "matmul", None)}

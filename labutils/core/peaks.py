@@ -49,9 +49,8 @@ DATACENTER = [
     (r"h200 nvl", _dc(60.0, 417.5, 835.5, 835.5, H200 + ", NVL: FP32 60, TF32 835*, BF16/FP16 1,671*")),
 ]
 
-# FLOPs per CUDA core per clock (dense), GeForce parts. Whitepapers: "NVIDIA Turing GPU Architecture" (2018),
-# "NVIDIA Ampere GA102 GPU Architecture" (2020), "NVIDIA Ada GPU Architecture" (2022), "NVIDIA RTX Blackwell
-# GPU Architecture" (2025): tables of peak FP32, TF32 and FP16/BF16-with-FP32-accumulate TFLOP/s per card.
+# FLOPs per CUDA core per clock (dense), GeForce parts: NVIDIA's Turing (2018), Ampere GA102 (2020), Ada (2022)
+# and RTX Blackwell (2025) architecture whitepapers' tables of peak TFLOP/s per card.
 PER_CORE_CLOCK = {
     "turing": {"fp32": 2, "tf32": None, "fp16": 8, "bf16": None},
     "ampere": {"fp32": 2, "tf32": 2, "fp16": 4, "bf16": 4},
