@@ -69,9 +69,8 @@ def check_driver(c: Checks) -> None:
 
 
 def run_doctor(device=None, verbose: bool = True) -> dict:
-    """All checks on ``device`` (default: the GPU if there is one). Returns ``{"checks": [...], "summary",
-    "seconds", "checks_seconds", "compile_seconds", "env"}``: ``compile_seconds`` is what torch.compile took (the
-    fast path's compiling steps), apart from the checks' own time."""
+    """All checks on ``device`` (default: the GPU if there is one). Returns ``{"checks": [...], "summary", "seconds",
+    "checks_seconds", "compile_seconds", "env"}`` (``compile_seconds``: the fast path's compiling, apart)."""
     from ..core.env import environment, seed_everything
     from ..core.memory import release
 

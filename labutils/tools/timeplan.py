@@ -33,10 +33,9 @@ COMMAND_S = 10 * 60        # one command on a lent GPU (regenerate, then bench) 
 
 
 def run_cost(cfg, gpu_name: str | None, device: str = "cuda", loads: bool = True, card_bytes: int | None = None):
-    """FLOPs and predicted seconds of ``lu.run(cfg)`` on ``gpu_name`` (``device="cpu"``: the FLOPs a CPU run counts,
-    no fused attention, for checking against a smoke run's own counts; its seconds mean nothing). ``loads``: the run
-    builds its model (``lu.run``); False for a run on a model already loaded (lab 03's scans, sweeps). ``card_bytes``:
-    the memory cap the run is under; one the estimator says does not fit stops in its first step (an "oom" row)."""
+    """FLOPs and predicted seconds of ``lu.run(cfg)`` on ``gpu_name`` (``device="cpu"``: the FLOPs a CPU run counts, to
+    check against a smoke run). ``loads``: False for a run on a model already loaded. ``card_bytes``: the memory cap;
+    a run the estimator says does not fit stops in its first step (an "oom" row)."""
     t, m, d = cfg.train, cfg.model, cfg.data
     fused = device == "cuda" and m.attn_implementation in ("sdpa", "sdpa_causal")
     per_token = flops_per_token(m.name, d.seq_length, recompute=t.gradient_checkpointing,
@@ -77,9 +76,8 @@ def bench_plan(gpu_name: str, repeats: int, card_bytes: int | None = None) -> di
 
 def course_plan(gpu_name: str, labs=IDS, doctor: bool = True, card_gb: float | None = 8,
                 bench_repeats: int | None = None) -> dict:
-    """The whole regeneration on ``gpu_name``: the doctor (checks, then compiling the fast path) and each lab, under
-    regenerate's memory cap (``card_gb``: a card of that size, as ``--gpu-memory-gb``; None: no cap); with
-    ``bench_repeats``, the bench that follows them (``--bench N``)."""
+    """The whole regeneration on ``gpu_name``: the doctor and each lab under regenerate's memory cap (``card_gb``, as
+    ``--gpu-memory-gb``; None: no cap); with ``bench_repeats``, the bench that follows them (``--bench N``)."""
     from ..core.cards import card_total_bytes
 
     card = card_total_bytes(card_gb)[0] if card_gb else None
