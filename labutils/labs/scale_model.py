@@ -87,10 +87,9 @@ def course(amp: str, amp02: str) -> dict:
 
 
 def lab_budget(lab: str, device) -> dict:
-    """Lab ``lab``'s ``bytes`` (on a GPU what the allocator may hold on the card, the CUDA context measured here taken
-    off; on a CPU its scale model), ``card_bytes`` (torch's total on one), ``line`` (what every lab prints and records),
-    ``rows`` (:func:`lab_rows`) and ``scale_rows`` (:func:`course`'s rows of this lab), recorded as its table
-    ``scale_model``."""
+    """Lab ``lab``'s ``bytes`` (GPU: what the allocator may hold on the card, less the CUDA context measured here; CPU:
+    its scale model), ``card_bytes`` (torch's total on one), ``line`` (what every lab prints and records), ``rows``
+    (:func:`lab_rows`) and ``scale_rows`` (:func:`course`'s rows of this lab), its table ``scale_model``."""
     (total, rule), cuda = cards.card_total_bytes(CARD_GB), torch.device(device).type == "cuda"
     amp = amp_precision(device)[0]
     tensors, sm = dev.card_allocator_bytes(CARD_GB, device) if cuda else total - cards.CUDA_CONTEXT_BYTES, \

@@ -114,8 +114,8 @@ def conditions(*, model: str | None, batch: str | None, sequence: int | None, pr
 def claim_entry(claim_id: str, values: dict | None, cond: dict, *, reason: str | None = None,
                 not_measured: str | None = None, prediction: dict | None = None, extra: dict | None = None,
                 prediction_for: str | None = None, evidence=None) -> dict:
-    """One ``claims`` entry: id, claim, expected, measured (values with units), verdict, why, conditions, parts
-    (each quantity's own verdict and clause), compares (each quantity's pair of runs), evidence, lab (its owner).
+    """One ``claims`` entry: id, claim, expected, measured (values with units), verdict, why, conditions, parts (each
+    quantity's own verdict and clause), compares (each quantity's pair of runs), evidence, lab (its owner).
 
     ``values``: {quantity: number}; none gives ``not measured`` (``not_measured``: why not). ``evidence``: one
     :class:`Evidence` or {quantity: Evidence} (hardware defaults to ``cond["hardware"]``). ``reason``: a clause from the

@@ -219,8 +219,7 @@ def _conditions(cfg, info: dict, batch: int, budget_text: str) -> dict:
 def claim_c4(cfg, info: dict, *, pair, b0: int, b1: int, budget: int, state_bytes: int, flops_ratio: float,
              hw: str, dropout: float | None = None) -> dict:
     """Claim C4 (30-50 % less memory for +20-30 % time) on section 2's ``pair`` (without, with checkpointing), headed by
-    what checkpointing buys (the largest micro-batch within ``budget``); ``state_bytes`` (16N) goes with the
-    evidence."""
+    what it buys (the largest micro-batch within ``budget``); ``state_bytes`` (16N) goes with the evidence."""
     headline = (f"within {fmt(budget)} the largest micro-batch is {b0} without checkpointing and {b1} with it"
                 + (f" ({b1 / b0:.1f}x the sequences per step)" if b0 else ""))
     extra = {"headline": headline, "recompute_flops_overhead": flops_ratio - 1,
