@@ -355,8 +355,8 @@ def current_budget() -> dict | None:
 
 @contextlib.contextmanager
 def memory_cap(budget_bytes: int | None, device=None):
-    """Inside the block the allocator may hold at most ``budget_bytes`` (never more than a cap already set), caches
-    emptied on both sides. Yields None on CUDA; on CPU ``budget_bytes``, for ``MemoryTracker(cpu_budget_bytes=...)``."""
+    """Inside the block the allocator holds at most ``budget_bytes`` (never above a cap already set; restored after),
+    caches emptied on both sides. Yields None on CUDA, ``budget_bytes`` on CPU (for ``MemoryTracker``)."""
     if budget_bytes is None or not is_cuda(device):
         yield budget_bytes
         return
