@@ -1,8 +1,7 @@
 """labutils: what the four labs share, imported with one line: ``import labutils as lu``.
 
 A map, one line a module. A lab imports its own module by name (``import labutils.labs.lab03.checkpointing as ck``);
-``lu.`` holds what every lab uses. The modules import each other without cycles, and none uses another's
-private names (tests/test_structure.py checks both).
+``lu.`` holds what every lab uses. No import cycles, no use of another module's private names (tests/test_structure.py).
 
 core/  the one training loop and what it measures with (every lab and command builds on these)
   config              YAML -> typed dataclasses, with the mode's defaults, --set overrides, strict validation

@@ -1,17 +1,12 @@
 """The memory of common GPUs as torch reports it: what ``--gpu-memory-gb G`` models.
 
-A card sold as "8 GB" does not give torch 8 GiB: ``torch.cuda.get_device_properties(i).total_memory`` (the
-"X GiB total capacity" of every CUDA out-of-memory message) is what the driver leaves after its own
-reservations (ECC, firmware, the display on a desktop card), and it moves a little between drivers. The numbers
-below are read from real out-of-memory messages in public issues (each row names them), never computed. Where
-sources disagree the smallest is kept: a row that fits under the smallest fits on every such card.
+A card sold as "8 GB" gives torch less: ``get_device_properties(i).total_memory`` (the "X GiB total capacity" of a
+CUDA out-of-memory message) is what the driver leaves after its reservations, and it moves a little between drivers.
+The numbers below are read from real out-of-memory messages in public issues (each row names them), never computed;
+where sources disagree the smallest is kept, so a row fits every such card. Windows (WDDM) reports the round size
+and takes the driver's share from *free* memory instead; the Linux figure is the smaller, so it holds on both.
 
-Windows (WDDM) is different: there torch reports the round size (e.g. "8.00 GiB total capacity", many issues
-show it) and the driver takes its share from *free* memory instead; the Linux figure below is the smaller one,
-so a budget built on it holds on both.
-
-``card_total_bytes(G)`` is what a G-GB card gives torch: the table's smallest total among the cards sold as
-G GB; for a G that no card in the table is sold as, the nearest card (by size sold as, with a torch figure)
+``card_total_bytes(G)``: the table's smallest total among cards sold as G GB; for any other G, the nearest card
 scaled by G / its size (``rule`` says which happened).
 """
 from __future__ import annotations
@@ -76,11 +71,9 @@ BY_KEY = {c.key: c for c in CARDS}
 
 
 def card_total_bytes(gb: float) -> tuple[int, str]:
-    """(bytes torch would report on a card sold as ``gb`` GB, the rule that gave it).
-
-    In the table: the smallest torch total among the cards sold as ``gb`` GB ("80" -> the H100's 79.11 GiB,
-    below the A100 80GB's 79.25). Otherwise: the nearest card with a torch figure (by size sold as; the smaller
-    on a tie), scaled by ``gb`` / its size."""
+    """(bytes torch would report on a card sold as ``gb`` GB, the rule that gave it): the table's smallest total among
+    cards sold as ``gb`` GB ("80" -> the H100's 79.11 GiB), else the nearest card with a torch figure (the smaller on a
+    tie) scaled by ``gb`` / its size."""
     if not gb > 0:
         raise ValueError(f"a card size must be > 0 GB, got {gb!r}")
     known = [c for c in CARDS if c.total_bytes is not None]

@@ -1,22 +1,14 @@
 """``train.compile: true`` that really compiles, says how much it compiled, and falls back to eager out loud.
 
-Three things torch.compile does quietly, and what the training loop does about each (torch 2.13's sources):
-
-* **Skip marks that outlive a dispatch mode.** When dynamo meets a frame while a non-infra ``TorchDispatchMode`` is
-  active (labutils' CPU memory tracker :class:`labutils.core.memory.LiveStorages`, ``FlopCounterMode``, any user's mode),
-  it does not compile it (``torch/_dynamo/convert_frame.py``: "non-infra torch dispatch mode present"), and the
-  default ``ConvertFrameReturn`` marks the *code object* as skipped (``FrameAction.SKIP``, ``apply_to_code=True``)
-  for the rest of the process: every later run of the same model classes is eager, tracked or not. Before it
-  compiles, :func:`compile_for_training` calls ``torch._dynamo.reset()``, which resets the code state of every frame
-  dynamo has seen (``reset_code_caches``), so no earlier tracked / FLOP-counted run decides for this one. (It also
-  drops earlier runs' compiled graphs: each run compiles its own, and its graph count and compile time are its own.)
-* **A backend that cannot work.** With no Triton on a CUDA device (native Windows) inductor's scheduler raises
-  ``TritonMissing`` at the first call, wrapped in dynamo's ``BackendCompilerFailed``; with no C++ compiler the CPU
-  path raises ``InvalidCxxCompiler``. :func:`backend_problem` compiles and runs a two-op function with the backend on
-  the device first (torch's own code path, no prediction of ours); if that fails the run trains eagerly with one
-  warning and records why (``RunResult.compile_fallback``), so a table can skip the compiled row with the reason.
-* **Counting.** dynamo's own counters; a run with ``compile: true`` that compiled no graph warns and says so in
-  ``compile_fallback``: it is never reported as compiled.
+* **Skip marks that outlive a dispatch mode.** dynamo does not compile a frame met under a non-infra
+  ``TorchDispatchMode`` (the CPU memory tracker :class:`labutils.core.memory.LiveStorages`, ``FlopCounterMode``)
+  and marks its code object skipped for the rest of the process. :func:`compile_for_training` therefore calls
+  ``torch._dynamo.reset()`` first, so no earlier tracked run decides for this one (each run compiles its own graphs,
+  and its graph count and compile time are its own).
+* **A backend that cannot work** (no Triton on CUDA, no C++ compiler on CPU): :func:`backend_problem` compiles and
+  runs a two-op function first; if that fails the run trains eagerly with one warning and records why
+  (``RunResult.compile_fallback``).
+* **Counting.** dynamo's own counters; a run that compiled no graph warns and says so in ``compile_fallback``.
 """
 from __future__ import annotations
 
@@ -52,10 +44,8 @@ def graph_breaks() -> Counter:
 def backend_problem(device, backend: str = DEFAULT_BACKEND) -> str | None:
     """Why torch.compile's ``backend`` cannot work on ``device`` (one line), or None when it can.
 
-    Compiles and runs ``gelu(x * 2) + 1`` on an 8-element tensor on the device with that backend: inductor reaches
-    its device scheduling (Triton on CUDA, the C++ compiler on the CPU) as it would for the model. Only
-    ``BackendCompilerFailed`` (what dynamo raises when the backend fails) counts as "cannot work"; anything else
-    propagates. Cheap after the first time: the probe's kernel is in inductor's on-disk cache."""
+    Compiles and runs ``gelu(x * 2) + 1`` on the device, reaching inductor's device scheduling (Triton on CUDA, the C++
+    compiler on the CPU) as the model would. Only ``BackendCompilerFailed`` counts; anything else propagates."""
     from torch._dynamo.exc import BackendCompilerFailed
 
     def probe(x):

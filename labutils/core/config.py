@@ -231,9 +231,8 @@ def _section(cfg: Config, section: str):
 
 
 def validate(cfg: Config) -> Config:
-    """Check every key of ``cfg`` (types, allowed values, ranges) and raise :class:`ConfigError` with one line
-    naming the source, key, value and what is allowed. The one check of the YAML path, ``override`` and
-    ``labutils.core.train.run`` / ``train``: a config changed in code after loading is checked as a file is."""
+    """Check every key of ``cfg`` (types, allowed values, ranges); raise :class:`ConfigError` with one line naming the
+    source, key, value and what is allowed. The one check for files, overrides and configs changed in code."""
     if not isinstance(cfg, Config):
         raise ConfigError("config", None, cfg, "must be a labutils Config (labutils.load_config)")
     if cfg.mode not in ("full", "smoke"):
@@ -350,9 +349,8 @@ def _override_items(overrides, source: str) -> list[tuple[str, Any]]:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, except that a key repeated in one mapping is an error (YAML says keys are unique;
-    PyYAML silently keeps the last one). Merge keys (``<<: *anchor``) work as in PyYAML's safe loader: the
-    mapping's own keys win over merged ones, and are the only ones checked for repeats."""
+    """PyYAML's safe loader, except that a key repeated in one mapping is an error (PyYAML silently keeps the last).
+    Merge keys (``<<: *anchor``) work as in PyYAML; only the mapping's own keys are checked for repeats."""
 
     def construct_mapping(self, node, deep=False):
         seen = {}
@@ -409,10 +407,8 @@ def _read_yaml(path: Path) -> dict:
 
 
 def load_config(path: str | os.PathLike | None = None, overrides=None, mode: str | None = None) -> Config:
-    """Read a YAML config, apply the mode's defaults, then explicit overrides, and validate.
-
-    ``mode`` is "full" or "smoke"; None decides from the environment (see :func:`labutils.core.device.detect_mode`).
-    """
+    """Read a YAML config, apply the mode's defaults, then explicit overrides, and validate. ``mode``: "full", "smoke",
+    or None to decide from the environment (:func:`labutils.core.device.detect_mode`)."""
     if mode is None:
         from .device import detect_mode  # imports torch: only when the mode is not given
         mode = detect_mode()[0]

@@ -1,15 +1,12 @@
 """Data: an offline corpus, tokenised into fixed-length samples, and a sampler that is exact for accumulation.
 
-- ``builtin`` corpus: the English prose of Python's own documentation (``pydoc_data``), shipped with Python,
-  so nothing is downloaded. A ``.txt`` path: documents separated by blank lines.
-- ``pack=False`` (the spec's way): one document per sample, truncated and right-padded; padding positions get
-  label -100 and attention mask 0, so they never count in the loss. ``pack=True``: documents joined by EOS
-  and cut into full blocks (no padding at all: batches carry no attention mask, so none reaches SDPA and its
-  flash kernel is eligible).
-  Labs that measure speed or memory pack; lab 02 pads, because the padding pitfall is its lesson.
-- :meth:`LMDataset.windows` yields, for every optimizer step, the ``micro x accum`` samples of that step split
-  into micro-batches. The samples of a step depend only on the seed and the effective batch size, not on how
-  it is split, which is what makes (8 x 1), (2 x 4) and (1 x 8) comparable exactly.
+- ``builtin`` corpus: the English prose of Python's own documentation (``pydoc_data``): nothing is downloaded.
+  A ``.txt`` path: documents separated by blank lines.
+- ``pack=False``: one document per sample, truncated and right-padded (label -100, attention mask 0).
+  ``pack=True``: documents joined by EOS and cut into full blocks, no padding and no attention mask (so SDPA's
+  flash kernel is eligible). Labs that measure speed or memory pack; lab 02 pads, as padding is its lesson.
+- :meth:`LMDataset.windows` yields, per optimizer step, its ``micro x accum`` samples split into micro-batches;
+  they depend only on the seed and the effective batch, so (8 x 1), (2 x 4) and (1 x 8) compare exactly.
 """
 from __future__ import annotations
 
@@ -92,9 +89,8 @@ class LMDataset:
                          self.targets, self.packed, self.real)
 
     def batch(self, indices) -> dict[str, torch.Tensor]:
-        """The samples ``indices`` as model inputs. Packed data has no padding, so no ``attention_mask``: nothing
-        to gather, and no mask for transformers to read back to the host. On a GPU the indices travel from pinned
-        memory without waiting for the device (``torch.as_tensor(..., device="cuda")`` would sync the host)."""
+        """The samples ``indices`` as model inputs; packed data gets no ``attention_mask``. On a GPU the indices travel
+        from pinned memory without syncing the host."""
         idx = torch.as_tensor(indices, dtype=torch.long)
         if self.input_ids.is_cuda:
             idx = idx.pin_memory().to(self.input_ids.device, non_blocking=True)

@@ -1,20 +1,14 @@
 """Every difference between a CUDA GPU and the CPU that labutils needs, in one place.
 
-No other labutils module calls ``torch.cuda`` but :mod:`labutils.core.device_facts`, its lowest layer, whose names it
-imports (which device, its name, capability and formats); a lab notebook may, where that API is its lesson (each
-such call is also one of ``python -m labutils doctor``'s checks). Each function takes a device (``torch.device``,
-"cuda", "cuda:1", "cpu" or None = the default device) and does the CPU equivalent, or returns None, where CUDA has
-no counterpart. CUDA functions always get an explicit device *index*: ``torch.device("cuda")`` has none, and
-several ``torch.cuda`` functions refuse it.
+No other labutils module calls ``torch.cuda`` but :mod:`labutils.core.device_facts`, its lowest layer; a lab
+notebook may, where that API is its lesson (each such call is also a ``doctor`` check). Each function takes a device
+(``torch.device``, "cuda", "cuda:1", "cpu" or None = the default) and does the CPU equivalent, or returns None, where
+CUDA has no counterpart. CUDA functions always get an explicit device *index* (several refuse ``"cuda"``).
 
-Memory budget ("behave like a G-GB card", :func:`card_budget`): the allocator is capped at what torch reports on
-such a card (:mod:`labutils.core.cards`: an "8 GB" GeForce reports 7.78 GiB) minus what lives outside the allocator on
-*this* GPU (CUDA context, library handles, lazily loaded kernels), measured with ``cudaMemGetInfo``; cuBLAS
-workspaces count against the cap like tensors (aten/src/ATen/cuda/CublasHandlePool.cpp takes them from the caching
-allocator). Memory that other processes hold on the GPU is named in the budget's notice, not taken from the cap.
-
-API versions above the floor in pyproject.toml (torch 2.6): ``torch.cuda.get_per_process_memory_fraction`` (2.8;
-older torch: we remember what we set); ``torch._C._host_emptyCache`` is absent from CPU builds.
+Memory budget (:func:`card_budget`, "behave like a G-GB card"): the allocator is capped at what torch reports on such
+a card (:mod:`labutils.core.cards`) minus what lives outside the allocator on *this* GPU (CUDA context, library
+handles, kernels), measured with ``cudaMemGetInfo``; cuBLAS workspaces count against the cap like tensors. Memory
+that other processes hold is named in the budget's notice, not taken from the cap.
 """
 from __future__ import annotations
 
@@ -75,9 +69,8 @@ def driver_gpus() -> list[dict] | None:
 
 
 def unusable_gpu() -> dict | None:
-    """None unless the NVIDIA driver sees a GPU (:func:`driver_gpus`) that torch cannot use: then ``{"gpus",
-    "driver", "torch_cuda", "fix", "message"}``. pip's default torch is a CUDA 13 build: on a driver too old for
-    it, torch sees no GPU and the labs would quietly run on the CPU."""
+    """None unless the NVIDIA driver sees a GPU (:func:`driver_gpus`) that torch cannot use (e.g. a driver too old for
+    pip's CUDA 13 torch): then ``{"gpus", "driver", "torch_cuda", "fix", "message"}``."""
     if cuda_available():
         return None
     gpus = driver_gpus()
@@ -152,10 +145,9 @@ def total_memory(device=None) -> int | None:
 
 
 def empty_caches(device=None) -> None:
-    """Return cached blocks to the driver: the device allocator's, pinned host memory (``save_on_cpu``'s caching
-    host allocator, which ``empty_cache`` never frees) and the cuBLAS workspaces (allocated tensors, one per
-    thread's handle and stream: cleared, they come back at the next matmul, inside whatever region measures it,
-    instead of passing for memory an earlier section left)."""
+    """Return cached blocks to the driver: the device allocator's, pinned host memory (``save_on_cpu``'s, which
+    ``empty_cache`` never frees) and the cuBLAS workspaces (they come back at the next matmul, inside whatever region
+    measures it, instead of passing for memory an earlier section left)."""
     if not cuda_available():
         return
     synchronize(device)
@@ -204,10 +196,9 @@ def cap_bytes(device=None) -> int | None:
 
 
 def gpu_processes(device=None) -> tuple[list[tuple[int, int]] | None, str]:
-    """([(pid, bytes)], how) of the processes using this GPU, as NVML lists them (``torch.cuda.list_gpu_processes``);
-    (None, why) when it cannot tell: nvidia-ml-py missing, NVML refusing (WSL, some containers: they raise, or
-    report no memory per process), or an empty list while this process holds a CUDA context (it is on the GPU, so
-    the list is not the GPU's). ([], ...) on the CPU, or before this process made a context."""
+    """([(pid, bytes)], how) of the processes using this GPU, as NVML lists them; (None, why) when it cannot tell
+    (nvidia-ml-py missing, NVML refusing, or a list without this process although it holds a CUDA context).
+    ([], ...) on the CPU, or before this process made a context."""
     held = torch.cuda.is_initialized()  # this process held a CUDA context before this call (resolving makes one)
     if not is_cuda(device):
         return [], "no GPU"
@@ -227,10 +218,9 @@ def gpu_processes(device=None) -> tuple[list[tuple[int, int]] | None, str]:
 
 
 def other_processes(device=None) -> dict:
-    """Memory that *other* processes hold on this GPU: ``{"bytes", "processes": [(pid, bytes)], "how"}``;
-    ``bytes`` None when NVML cannot list processes (see :func:`gpu_processes`), or when its list does not hold
-    this process's pid: in a container without ``--pid=host`` NVML lists the *host's* pids, so this process
-    would pass for another one (its context and everything its allocator reserved counted as "other")."""
+    """Memory that *other* processes hold on this GPU: ``{"bytes", "processes": [(pid, bytes)], "how"}``; ``bytes`` None
+    when NVML cannot list processes (:func:`gpu_processes`) or its list lacks this process's pid (a container without
+    ``--pid=host`` lists the host's pids: this process would pass for another one)."""
     procs, how = gpu_processes(device)
     if procs is None:
         return {"bytes": None, "processes": [], "how": how}
@@ -243,10 +233,9 @@ def other_processes(device=None) -> dict:
 
 
 def outside_allocator_bytes(device=None, refresh: bool = False) -> tuple[int, str]:
-    """(bytes, how measured) of GPU memory this process uses outside the caching allocator (CUDA context, library
-    handles, kernels): once per process, after CUDA and cuBLAS init, (total - free) - reserved - what other
-    processes hold (counted in when NVML's list is missing or not comparable; the budget's notice says so).
-    Lazily loaded kernels add more in the first training step: ``refresh=True`` (:func:`follow_outside`)."""
+    """(bytes, how measured) of GPU memory this process uses outside the caching allocator, once per process after
+    CUDA and cuBLAS init: (total - free) - reserved - what other processes hold (when NVML can tell). Lazily loaded
+    kernels add more in the first training step: ``refresh=True`` (:func:`follow_outside`)."""
     if not is_cuda(device):
         return 0, "no CUDA context on the CPU"
     i = _index(device)
@@ -332,9 +321,8 @@ def card_budget(gb: float | None, device=None) -> dict | None:
 
 
 def follow_outside(device=None) -> dict | None:
-    """After the first training step: measure what lives outside the allocator again and, if it grew (lazily
-    loaded kernels), lower the budget's cap by as much. Never raises the cap. Returns the budget (None without
-    one, or on CPU)."""
+    """After the first training step: if what lives outside the allocator grew (lazily loaded kernels), lower the
+    budget's cap by as much; never raise it. Returns the budget (None without one, or on CPU)."""
     budget = _state.get("budget")
     if budget is None or not is_cuda(device):
         return None
@@ -367,9 +355,8 @@ def current_budget() -> dict | None:
 
 @contextlib.contextmanager
 def memory_cap(budget_bytes: int | None, device=None):
-    """Inside the block the allocator may hold at most ``budget_bytes`` (never more than a cap already set),
-    restored afterwards, caches emptied on both sides. Yields None on CUDA; on CPU ``budget_bytes``, for
-    ``MemoryTracker(cpu_budget_bytes=...)``."""
+    """Inside the block the allocator holds at most ``budget_bytes`` (never above a cap already set; restored after),
+    caches emptied on both sides. Yields None on CUDA, ``budget_bytes`` on CPU (for ``MemoryTracker``)."""
     if budget_bytes is None or not is_cuda(device):
         yield budget_bytes
         return
@@ -384,10 +371,8 @@ def memory_cap(budget_bytes: int | None, device=None):
         set_cap_fraction(min(previous, budget["fraction"]) if budget else previous, device)
 
 
-# What a real card raises as a plain RuntimeError when memory runs out outside the caching allocator: a CUDA call
-# failing with cudaErrorMemoryAllocation ("CUDA error: out of memory": context creation, a lazily loaded kernel
-# module, cudaHostAlloc for pinned memory), cuBLAS / cuDNN handle or workspace creation. The CPU's allocator raises
-# a plain RuntimeError too (c10/core/impl/alloc_cpu.cpp: "DefaultCPUAllocator: can't allocate memory: ...").
+# What a plain RuntimeError says when memory runs out outside the caching allocator (a CUDA call, pinned host
+# memory, cuBLAS / cuDNN handles or workspaces) or in the CPU's allocator ("DefaultCPUAllocator: can't allocate").
 OOM_MESSAGES = ("out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed", "cudahostalloc",
                 "defaultcpuallocator: can't allocate memory")
 
@@ -403,10 +388,9 @@ def is_oom(exc: BaseException) -> bool:
 
 # ------------------------------------------------------------------------------------------- allocator snapshots
 def record_history(enabled: bool = True, max_entries: int = 100_000, stacks: str = "python") -> bool:
-    """Start (or stop) recording allocator events for :func:`snapshot`. On CUDA, backward runs on autograd's own
-    thread, so its allocations have no Python frames (``labutils.labs.lab04.profiling`` labels them as backward's);
-    ``stacks="all"`` adds C++ frames that name the backward node, at the cost of symbolising them when the
-    snapshot is taken (slow on some systems). Returns False on CPU (nothing recorded)."""
+    """Start (or stop) recording allocator events for :func:`snapshot`. Backward's allocations on autograd's thread
+    have no Python frames; ``stacks="all"`` adds C++ frames that name the backward node (slow to symbolise on some
+    systems). Returns False on CPU (nothing recorded)."""
     if not cuda_available():
         return False
     if enabled:

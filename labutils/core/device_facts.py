@@ -19,9 +19,8 @@ def default_device() -> torch.device:
 
 
 def resolve(device=None) -> torch.device:
-    """A ``torch.device`` with an explicit index on CUDA: ``cuda`` -> this process's GPU, which is
-    ``LOCAL_RANK`` under a multi-GPU launch (before the launcher's library selects it) and the current one
-    otherwise."""
+    """A ``torch.device`` with an explicit index on CUDA: ``cuda`` -> this process's GPU (``LOCAL_RANK`` under a
+    multi-GPU launch, else the current one)."""
     device = torch.device(device) if device is not None else default_device()
     if device.type == "cuda" and device.index is None:
         local = os.environ.get("LOCAL_RANK", "")
@@ -41,9 +40,8 @@ def _card(device: torch.device) -> tuple[str, int]:
 
 
 def bf16_support(device=None) -> tuple[bool, str]:
-    """Native BF16 (no emulation) on this device, and a reason a student can read: one answer per machine, used
-    by every lab. CUDA: from Ampere (8.0) on. CPU: only with BF16 instructions; elsewhere CPU autocast still runs
-    bfloat16, emulated: correct, many times slower than FP32."""
+    """Native BF16 (no emulation) on this device, and a reason a student can read. CUDA: from Ampere (8.0) on. CPU:
+    only with BF16 instructions (elsewhere CPU autocast emulates bfloat16, many times slower than FP32)."""
     device = resolve(device)
     if device.type != "cuda":  # native only with BF16 instructions (AVX512-BF16 / AMX): oneDNN's own check
         native = False

@@ -18,10 +18,8 @@ from . import device
 from .device import detect_mode
 
 
-# torch 2.10 and 2.11 warn "Profiler clears events at the end of each cycle" on every torch.profiler.profile(), even
-# one with no schedule and so no cycles to clear (pytorch/pytorch#180348; fixed in 2.12 by #180387): the first
-# profile of every lab printed it on the H200 run (torch 2.11). Every profile in the course is one cycle, so on those
-# two versions that one message is filtered; on others torch warns only when events are really cleared, and it shows.
+# torch 2.10 and 2.11 warn "Profiler clears events at the end of each cycle" on every profile, even one with no
+# cycles to clear (pytorch/pytorch#180348, fixed in 2.12): filtered on those two versions only.
 FALSE_PROFILER_WARNING = "Warning: Profiler clears events at the end of each cycle"
 
 
@@ -43,13 +41,11 @@ quiet_false_profiler_warning()
 # the device module's answers under the names the labs use; every CUDA/CPU difference stays in labutils.core.device
 default_device = device.default_device
 set_memory_budget = device.card_budget       # make this GPU behave like a ``gb`` GB card; None on CPU or gb None
-memory_budget_bytes = device.cap_bytes       # what the allocator may hold: the cap if set, else the card's total
 
 
 def _fp32_precision_switches() -> dict:
-    """The new API's per-backend switches this torch has (torch >= 2.9: ``fp32_precision`` on cuBLAS matmul,
-    cuDNN conv and RNN, oneDNN matmul); {} on torch 2.6-2.8. Each is checked on its own: reading
-    ``torch.backends.cudnn.conv`` on torch < 2.9 raises AttributeError."""
+    """The new API's per-backend ``fp32_precision`` switches this torch has (torch >= 2.9: cuBLAS matmul, cuDNN conv
+    and RNN, oneDNN matmul); {} on torch 2.6-2.8, where reading ``torch.backends.cudnn.conv`` raises."""
     b = torch.backends
     found = {"cuda.matmul": b.cuda.matmul, "cudnn.conv": getattr(b.cudnn, "conv", None),
              "cudnn.rnn": getattr(b.cudnn, "rnn", None), "mkldnn.matmul": getattr(b.mkldnn, "matmul", None)}
@@ -67,16 +63,9 @@ def _read_or_none(read):
 def matmul_precision(tf32: bool):
     """Switch TF32 for float32 matmuls/convolutions on (tf32=True) or explicitly off, restoring afterwards.
 
-    Inside, every reader agrees, legacy and new: ``torch.backends.cuda.matmul.allow_tf32``,
-    ``torch.get_float32_matmul_precision()`` ("high" / "highest"), ``torch.backends.cudnn.allow_tf32``, and on
-    torch >= 2.9 ``torch.backends.cuda.matmul.fp32_precision`` and ``cudnn.conv`` / ``cudnn.rnn.fp32_precision``
-    ("tf32" / "ieee"). Setting only the new API leaves torch's legacy state behind: ATen's Context keeps the
-    legacy matmul precision and cuDNN flag beside the new per-backend values, and its legacy getters
-    (``allowTF32CuBLAS``, ``float32MatmulPrecision``, ``allowTF32CuDNN``) raise "mix of the legacy and new
-    APIs" when they disagree. The legacy setters (there since torch 1.7) update both sides
-    (``setAllowTF32CuBLAS``: legacy precision + cuda/matmul; ``setAllowTF32CuDNN``: legacy flag + cuda/conv and
-    cuda/rnn, "none" when off), so they go first; then conv and rnn get an explicit "ieee" when off.
-    """
+    Inside, every reader agrees, legacy (``allow_tf32``, ``get_float32_matmul_precision``) and new (torch >= 2.9's
+    ``fp32_precision``): ATen's legacy getters raise "mix of the legacy and new APIs" when the two disagree. The
+    legacy setters update both sides, so they go first; then cuDNN conv and rnn get an explicit "ieee" when off."""
     b = torch.backends
     matmul, cudnn = b.cuda.matmul, b.cudnn
     switches = _fp32_precision_switches()
@@ -106,11 +95,7 @@ PROGRESS_ENV = "LAB_PROGRESS"
 
 def progress_bars() -> bool:
     """Whether training shows tqdm progress bars: yes, unless ``$LAB_PROGRESS`` is 0 / false / no / off.
-
-    ``regenerate`` sets it to 0 for the kernels it runs: a bar in a notebook is a widget whose saved text is the
-    state it was drawn in ("0%|"), so an executed copy read later would show that. A kernel cannot tell an
-    interactive frontend from a batch executor (both are ipykernel behind the same protocol), so the one that
-    will save the outputs says so instead of the kernel guessing."""
+    ``regenerate`` sets it to 0: a saved notebook would show a bar in the state it was drawn in ("0%|")."""
     return os.environ.get(PROGRESS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 

@@ -27,12 +27,9 @@ def model_flops_per_token(model, seq_length: int, vocab: int | None = None) -> f
     """Model FLOPs per token of one training step (forward + backward), no recompute: the numerator of MFU, for
     ``model`` (a preset's name, a config or a model: :func:`labutils.models.spec.spec_of`).
 
-    PaLM's definition (Chowdhery et al. 2022, appendix B): 6N + 12 * L * T * d, where N counts the weights that
-    take part in matmuls (each block's Q, K, V, output and MLP matrices, GPT-2's 12d^2, and the LM head's
-    d x vocab) and 12 * L * T * d is the two attention matmuls (Q K^T and A V, full T x T as eager attention
-    computes them; d: the heads' width). Biases, norms, activations, softmax and embeddings are not matmuls and
-    are left out, as torch's FLOP counter does. ``vocab``: the LM head's rows (default: the real vocabulary).
-    """
+    PaLM's definition (Chowdhery et al. 2022, appendix B): 6N + 12 * L * T * d, N the weights in matmuls (blocks and
+    LM head), 12 * L * T * d the two full T x T attention matmuls. Biases, norms, activations, softmax and embeddings
+    are left out, as torch's FLOP counter does. ``vocab``: the LM head's rows (default: the real vocabulary)."""
     s = spec_of(model)
     blocks = s.n_layer * (s.block_matmul_weights + 2 * seq_length * s.attn_width)  # one forward's multiply-adds
     head = s.d_model * (vocab or s.vocab)
@@ -42,11 +39,8 @@ def model_flops_per_token(model, seq_length: int, vocab: int | None = None) -> f
 def recomputed_flops_per_token(model, seq_length: int, every_n_layers: int = 1, dropout: bool = True) -> float:
     """FLOPs per token that non-reentrant activation checkpointing re-runs in backward (0 with none).
 
-    Each checkpointed block (0, k, 2k, ... for ``every_n_layers=k``) re-runs its forward, but non-reentrant
-    checkpointing stops once every tensor the backward needs is back. A block's last matmul, the MLP's output
-    projection (GPT-2's c_proj), produces nothing backward needs unless a dropout follows it (its mask is drawn
-    after c_proj): with ``dropout`` (GPT-2's own 0.1) the whole forward is re-run, without it c_proj is skipped.
-    """
+    Each checkpointed block (0, k, 2k, ... for ``every_n_layers=k``) re-runs its forward up to the last tensor backward
+    needs: with ``dropout`` (GPT-2's 0.1, drawn after the MLP's c_proj) the whole forward, else all but c_proj."""
     s = spec_of(model)
     checkpointed = len(range(0, s.n_layer, every_n_layers))
     forward = 2 * (s.block_matmul_weights + 2 * seq_length * s.attn_width)  # one block's forward matmuls
@@ -55,9 +49,8 @@ def recomputed_flops_per_token(model, seq_length: int, every_n_layers: int = 1, 
 
 
 def causal_score_fraction(seq_length: int) -> float:
-    """The share of the T x T attention scores a causal kernel has to compute: the T(T+1)/2 a query may see.
-    Flash / memory-efficient attention with ``is_causal=True`` skip the tiles above the diagonal, so they do
-    about half the work eager attention does (a little more: tiles on the diagonal are computed whole)."""
+    """The share of the T x T attention scores a causal kernel computes, (T + 1) / 2T: fused kernels with
+    ``is_causal=True`` skip the tiles above the diagonal."""
     return (seq_length + 1) / (2 * seq_length)
 
 
@@ -66,16 +59,11 @@ def flops_per_token(model, seq_length: int, recompute: bool = False, *, every_n_
                     vocab: int | None = None) -> float:
     """Executed training FLOPs per position (forward + backward + recompute): what the GPU really computes.
 
-    ``recompute``: activation checkpointing on (every ``every_n_layers``-th block; see
-    :func:`recomputed_flops_per_token` for the early stop and why ``dropout`` matters). ``fused_attention``:
-    SDPA's fused kernels (flash / memory-efficient, CUDA) recompute the T x T scores in backward: one more
-    matmul, 2 * T * d per layer and token, as torch's FLOP counter also counts. ``causal_skip``: the fused
-    kernel ran with ``is_causal=True`` and no mask, so every attention matmul (forward, backward, the recompute)
-    covers only :func:`causal_score_fraction` of the scores; this is the GPU's real work (HFU), which torch's
-    counter (it counts the full T x T) does not model. ``vocab``: the LM head's rows (padded or not). The chunked
-    loss (``model.loss: chunked``) runs the head's three matmuls once each, as the full loss does: nothing to add.
-    Without recompute and with eager attention this equals :func:`model_flops_per_token`.
-    """
+    ``recompute``: checkpointing every ``every_n_layers``-th block (:func:`recomputed_flops_per_token`).
+    ``fused_attention``: SDPA's fused kernels recompute the T x T scores in backward (2 * T * d per layer and token).
+    ``causal_skip``: a fused kernel with ``is_causal=True`` computes only :func:`causal_score_fraction` of the scores
+    (the GPU's real work, HFU; torch's counter counts them all). ``vocab``: the LM head's rows (padded or not).
+    Without recompute and with eager attention this equals :func:`model_flops_per_token`."""
     s = spec_of(model)
     n_layer, d = s.n_layer, s.attn_width
     flops = model_flops_per_token(s, seq_length, vocab)
@@ -100,12 +88,9 @@ def attention_kernel(model, seq_length: int, padded: bool, precision: str = "fp3
                      device: torch.device | str = "cpu") -> str:
     """Which kernel ``scaled_dot_product_attention`` picks for this model's attention in a training step.
 
-    Asks torch's own dispatcher (``torch._fused_sdp_choice``, what SDPA calls to choose) with tensors shaped as
-    transformers hands them over (heads, head size: the model's spec): [batch, heads, seq, head_dim] in the
-    autocast dtype; with padding, a boolean mask and ``is_causal=False`` (transformers drops an all-ones mask and
-    passes ``is_causal=True``); the model's attention dropout while training. A padding mask or dropout rules
-    kernels out: on CUDA the flash kernel takes no mask; on the CPU its flash kernel takes no dropout.
-    """
+    Asks torch's own dispatcher (``torch._fused_sdp_choice``) with tensors shaped as transformers hands them over, in
+    the autocast dtype; with padding, a boolean mask and ``is_causal=False``; the attention dropout while training.
+    On CUDA the flash kernel takes no mask; on the CPU its flash kernel takes no dropout."""
     cfg = model.config
     impl = getattr(cfg, "_attn_implementation", "sdpa")
     if impl == CAUSAL_SDPA:
@@ -136,14 +121,11 @@ _KERNEL_OPS = {"aten::_scaled_dot_product_flash_attention": ("flash", None),
 
 
 class AttentionProbe:
-    """Which SDPA kernel really ran inside the ``with`` block, read from ``torch.profiler``'s aten ops (CPU-side
-    events only: cheap, and the same op names whether the model is eager or compiled; compiled code calls the
-    kernels through the dispatcher). ``.kernel``: "flash", "memory-efficient", "cuDNN", "math",
-    "flash (CPU kernel)"; "... (masked)" when that kernel got an attention mask; "eager (not SDPA)" when no SDPA
-    op ran; None before the block ends. Wrap one warm-up micro-batch (profiling costs time). While another profiler
-    runs (a student's ``torch.profiler.profile`` around ``lu.train``) the probe stays out of its way: kineto holds
-    one session at a time and a second one would end the first; ``.kernel`` stays None (the run keeps its
-    prediction, :func:`attention_kernel`)."""
+    """Which SDPA kernel really ran inside the ``with`` block, read from ``torch.profiler``'s CPU-side aten ops
+    (the same names eager or compiled). ``.kernel``: "flash", "memory-efficient", "cuDNN", "math",
+    "flash (CPU kernel)"; "... (masked)" when it got a mask; "eager (not SDPA)" when no SDPA op ran; None before the
+    block ends, or when another profiler already runs (kineto holds one session at a time). Wrap one warm-up
+    micro-batch."""
 
     def __init__(self):
         self.kernel, self.ops, self._prof = None, [], None

@@ -1,12 +1,10 @@
 """Memory measurement for a region of code: the same meaning on CUDA and on CPU.
 
-On CUDA the caching allocator is asked (allocated, reserved, and the peaks of both; the peak counters are reset
-when the region starts). A memory cap (``set_per_process_memory_fraction``) limits *reserved*, which also holds
-cached free blocks: a run fails when reserved would pass the cap, even with peak allocated below it. On CPU there is
-no allocator to ask, and process RSS counts the Python heap and freed-but-cached pages, so the tracker counts the
-bytes of live tensor storages itself: storages alive when the region starts (found through the garbage collector)
-plus every storage an operator creates inside it (seen through a ``TorchDispatchMode``, like
-``torch.distributed._tools.mem_tracker``), minus those freed. Same meaning as ``torch.cuda.max_memory_allocated``.
+On CUDA the caching allocator is asked (allocated, reserved, and their peaks, reset when the region starts); a cap
+limits *reserved*, cached free blocks included. On CPU, where RSS counts the Python heap and cached pages, the
+tracker counts live tensor storages itself: those alive at the start (found through the garbage collector) plus
+every storage an operator creates inside (seen through a ``TorchDispatchMode``), minus those freed. Same meaning
+as ``torch.cuda.max_memory_allocated``.
 """
 from __future__ import annotations
 
@@ -49,10 +47,9 @@ class LiveStorages(TorchDispatchMode):
     """Counts bytes of live CPU tensor storages; keeps a running peak (``with LiveStorages() as live: ...;
     live.peak``). What :class:`MemoryTracker` uses on the CPU; ``add_existing()`` also counts what was alive before.
 
-    It must see every operator, so it does not declare ``ignore_compile_internals``: torch.compile'd code met inside
-    it runs (and is measured) eagerly, and dynamo marks it skipped, which :mod:`labutils.core.compiling` clears. A
-    storage's death is queued by a C function (its weakref's callback is ``deque.append``) and counted at the next
-    allocation or reading: a Ctrl-C landing in a Python finaliser would be swallowed, the cell going on."""
+    It does not declare ``ignore_compile_internals`` (it must see every operator), so compiled code inside it runs
+    eagerly (:mod:`labutils.core.compiling`). A storage's death is queued by a C callback (``deque.append``) and
+    counted at the next allocation or reading, so a Ctrl-C never lands in a Python finaliser."""
 
     def __init__(self, budget_bytes: int | None = None):
         super().__init__()
@@ -122,11 +119,9 @@ class LiveStorages(TorchDispatchMode):
 class MemoryTracker:
     """``with MemoryTracker(device) as mt: ...`` then ``mt.peak_bytes``, ``mt.start_bytes``, ``mt.end_bytes``.
 
-    ``mt.mark("after forward")`` inside the region records a point of the timeline (label, current, peak).
-    On CPU, tracking costs some Python work per operator: fine for lessons and smoke runs, not for timing.
-    ``cpu_budget_bytes`` makes the CPU tracker raise ``torch.OutOfMemoryError`` when live tensors would exceed
-    it, so the out-of-memory paths of a lab also run (and are tested) on a machine without a GPU.
-    """
+    ``mt.mark("after forward")`` records a point of the timeline (label, current, peak). On CPU, tracking costs Python
+    work per operator (not for timing); ``cpu_budget_bytes`` makes it raise ``torch.OutOfMemoryError`` when live
+    tensors would exceed it, so a lab's out-of-memory paths also run without a GPU."""
     device: torch.device | str | None = None
     start_bytes: int = 0
     end_bytes: int = 0
@@ -252,10 +247,9 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None 
 
 
 def freeze_import_state() -> bool:
-    """``gc.freeze`` what exists now, if no tensor is alive (a frozen one would escape the CPU tracker's census),
-    so that each ``gc.collect()`` skips the imported modules' own state (hundreds of thousands of objects); unfrozen
-    at exit. Only in a notebook's kernel (:func:`labutils.setup`): beside regenerate's zmq sockets a freeze can end
-    in a libzmq abort at exit. Returns whether it froze."""
+    """``gc.freeze`` what exists now, if no tensor is alive (a frozen one would escape the CPU tracker), so each
+    ``gc.collect()`` skips the imported modules' state; unfrozen at exit. Only in a notebook's kernel
+    (:func:`labutils.setup`): beside regenerate's zmq sockets it can end in a libzmq abort. Returns whether it froze."""
     if any(issubclass(type(o), torch.Tensor) for o in gc.get_objects()):  # type(): no lazy-module side effects
         return False  # (a tensor in uncollected garbage counts too: no freeze, the safe side)
     # what every lab imports on first use, imported here so that it is frozen too: transformers' GPT-2 classes (its
@@ -287,10 +281,9 @@ def _bytes_in_use() -> int:
 
 
 def release_failed_cell() -> int:
-    """Free what the last cell that ended in an error (Ctrl-C included) left alive, say how much, return it. IPython
-    keeps the error (``sys.last_*``, its last ``ExecutionResult``, its traceback printer), and the traceback's frames
-    hold the locals of every function it went through: an interrupted run's model, optimizer and data, in every later
-    peak. ``sys.last_traceback = None`` frees nothing while the others hold it; clearing the frames does."""
+    """Free what the last cell that ended in an error (Ctrl-C included) left alive, say how much, return it: IPython
+    keeps the error, and its traceback's frames hold the locals (model, optimizer, data) of every function it went
+    through; clearing the frames frees them."""
     result = getattr(getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)(), "last_execution_result", None)
     errors = [getattr(sys, "last_value", None), getattr(sys, "last_exc", None), getattr(result, "error_in_exec", None)]
     tbs = [getattr(sys, "last_traceback", None)]
@@ -314,9 +307,8 @@ def release_failed_cell() -> int:
 
 
 def oom_text(exc: BaseException) -> str:
-    """An out-of-memory error as one short line for a table row or a sentence: what ran out, the request, and the
-    cap ("X allowed", present when a memory fraction is set), without the whole card's capacity and free memory
-    (under a cap they read as if the card were full); any other message: its first line."""
+    """An out-of-memory error as one short line: what ran out, the request, and the cap ("X allowed"), without the
+    card's capacity and free memory (under a cap they read as if the card were full); else the first line."""
     lines = str(exc).strip().splitlines()
     text = lines[0] if lines else type(exc).__name__
     head = re.match(r"(.*?out of memory\.)\s*(Tried to allocate [\d.]+ \w+)", text)

@@ -1,27 +1,15 @@
 """Dense peak TFLOP/s of NVIDIA GPUs per precision, from the vendor's datasheets: the denominator of MFU.
 
-``peak_tflops(gpu_name, precision)`` takes the name ``torch.cuda.get_device_name`` returns and one of the labs'
-precisions, as the labs use them:
+``peak_tflops(gpu_name, precision)`` takes the name ``torch.cuda.get_device_name`` returns and a lab precision:
+fp32 (CUDA cores, TF32 off), tf32 (TF32 tensor cores), fp16 / bf16 (tensor cores, FP32 accumulate: what autocast's
+matmuls use; half rate on GeForce cards). Dense figures only: training never uses the 2:4-sparsity ones. ``None``
+when the card lacks the format (V100, T4, Turing GeForce: no BF16 or TF32) or is not in the table: never a guess.
+Names are matched whole after dropping "NVIDIA", "GeForce", "Tesla" and separators, so "RTX 4060 Ti" is never read
+as "RTX 4060", "H100 NVL" never as the SXM part, and "A10G" never as "A10".
 
-    fp32   FP32 on the CUDA cores (TF32 off)
-    tf32   FP32 tensors, TF32 tensor-core math
-    fp16   FP16 tensor cores, FP32 accumulate (what autocast's matmuls use); half rate on GeForce cards
-    bf16   BF16 tensor cores, FP32 accumulate; half rate on GeForce cards
-
-Dense figures only: datasheets print the 2:4-sparsity figure (twice the dense one) with an asterisk, and
-training never uses it. It answers ``None`` when the card lacks the format (V100 and T4: no BF16 or TF32;
-Turing GeForce: no BF16 or TF32) and when the name is not in the table: never a guess. Names are matched
-whole (after dropping "NVIDIA", "GeForce", "Tesla" and separators), so "RTX 4060 Ti" is never read as
-"RTX 4060", "H100 NVL" never as the SXM part, and "A10G" never as "A10".
-
-Datacenter cards: the figures printed on each datasheet (cited per family below).
-GeForce cards: NVIDIA's spec pages give the CUDA-core count and boost clock of each card; per core and clock,
-the architecture whitepapers give 2 FP32 FLOPs (one FMA), and for GeForce tensor cores with FP32 accumulate
-4 FLOPs (Ampere, Ada, Blackwell: e.g. RTX 3090 35.6 FP32 / 71 FP16, RTX 4090 82.6 / 165.2, RTX 5090 104.8 /
-209.5 TFLOP/s in the whitepapers' tables) or 8 (Turing, 64 cores per SM: RTX 2080 Ti 13.4 / 53.8), and TF32
-at the FP32 rate (Ampere and later). The figure is at the rated boost clock; GPU Boost may run a card above it.
-Laptop parts: NVIDIA gives a boost-clock *range*, set by each laptop maker's power limit; the table uses the
-top of the range, so the peak is an upper bound for that chip and the MFU it gives a lower bound.
+Datacenter cards: each datasheet's figures. GeForce cards: CUDA cores x boost clock x FLOPs per core and clock from
+the architecture whitepapers (:data:`PER_CORE_CLOCK`); GPU Boost may run a card above that clock. Laptop parts: the
+top of NVIDIA's boost-clock range, so the peak is an upper bound for that chip and its MFU a lower bound.
 """
 from __future__ import annotations
 
@@ -61,9 +49,8 @@ DATACENTER = [
     (r"h200 nvl", _dc(60.0, 417.5, 835.5, 835.5, H200 + ", NVL: FP32 60, TF32 835*, BF16/FP16 1,671*")),
 ]
 
-# FLOPs per CUDA core per clock (dense), GeForce parts. Whitepapers: "NVIDIA Turing GPU Architecture" (2018),
-# "NVIDIA Ampere GA102 GPU Architecture" (2020), "NVIDIA Ada GPU Architecture" (2022), "NVIDIA RTX Blackwell
-# GPU Architecture" (2025): tables of peak FP32, TF32 and FP16/BF16-with-FP32-accumulate TFLOP/s per card.
+# FLOPs per CUDA core per clock (dense), GeForce parts: NVIDIA's Turing (2018), Ampere GA102 (2020), Ada (2022)
+# and RTX Blackwell (2025) architecture whitepapers' tables of peak TFLOP/s per card.
 PER_CORE_CLOCK = {
     "turing": {"fp32": 2, "tf32": None, "fp16": 8, "bf16": None},
     "ampere": {"fp32": 2, "tf32": 2, "fp16": 4, "bf16": 4},

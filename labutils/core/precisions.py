@@ -44,7 +44,6 @@ PRECISIONS: dict[str, Precision] = {p.name: p for p in (
 )}
 NAMES = tuple(PRECISIONS)
 BASELINE = "fp32"  # what every speed-up and memory saving of the course is measured against
-AMP_NAMES = tuple(n for n, p in PRECISIONS.items() if p.amp)
 
 
 def get(name: str) -> Precision:
@@ -61,10 +60,9 @@ def dtype_name(dtype) -> str:
 
 
 def choose(native: Callable[[str], tuple[bool, str]], gpu: bool, emulated_ok: bool = True) -> tuple[str, str]:
-    """The rule, given ``native(name) -> (bool, why)`` for the device (or a card by name: the time plan): BF16 where
-    native (FP32's exponent range, no scaler); else FP16 + GradScaler on a GPU (tensor cores since Volta); else (a
-    CPU without BF16) FP16 when ``emulated_ok`` (a lab that shows what autocast does), FP32 when not (a run that
-    should be fast: emulated 16-bit matmuls cost many times FP32's)."""
+    """The rule, given ``native(name) -> (bool, why)`` for the device (or a card by name): BF16 where native; else
+    FP16 + GradScaler on a GPU; else (a CPU without BF16) FP16 when ``emulated_ok`` (a lab showing what autocast
+    does), FP32 when not (emulated 16-bit matmuls cost many times FP32's)."""
     ok, why = native("bf16")
     if ok:
         return "bf16", why

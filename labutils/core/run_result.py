@@ -13,9 +13,8 @@ from .flops import account_flops
 from .precisions import get
 
 
-# Every lu.train of this process since the lab's setup cell (env.setup clears it), one row each: what the lab trained,
-# recorded with its results (record_results: "runs"), which is what regenerate's time plan (labutils.tools.timeplan) is
-# checked against.
+# Every lu.train of this process since the lab's setup cell (env.setup clears it), one row each: recorded with the
+# lab's results ("runs"), which regenerate's time plan (labutils.tools.timeplan) is checked against.
 RUN_LOG: list[dict] = []
 
 
@@ -40,12 +39,9 @@ ALL_SKIPPED_MIN = 5    # diverged: fp16 skipped every step of a run of at least 
 def divergence(losses: list, skipped: list, precision: str) -> str | None:
     """Why a finished run counts as diverged, or None. The one rule, whatever the precision:
 
-    - the loss is non-finite on each of the last ``min(NONFINITE_WINDOW, steps)`` steps: training did not
-      recover. (fp32/tf32/bf16 stop at the first non-finite loss, as nothing there can recover; fp16's GradScaler
-      skips a step whose gradients overflow and lowers the scale, so a transient overflow that recovers is ok);
-    - or every step was skipped (fp16, at least ``ALL_SKIPPED_MIN`` steps): no weight was ever updated, even
-      after the scale was halved that many times. A short run may spend its few steps calibrating the scale.
-    """
+    - the loss is non-finite on each of the last ``min(NONFINITE_WINDOW, steps)`` steps (fp16's GradScaler may skip an
+      overflowing step and recover; the other precisions stop at the first non-finite loss);
+    - or every step was skipped (fp16, at least ``ALL_SKIPPED_MIN`` steps): no weight was ever updated."""
     n = len(losses)
     if n == 0:
         return None
@@ -145,13 +141,11 @@ def first_timed_step(steps: int, warmup: int, compile_steps=(), slow_steps: int 
 def finish_timing(result: RunResult, cfg: Config, seq_length: int, device, first: int, compile_steps,
                    real_positions: int, compiling: CompileRun | None = None, model=None) -> None:
     """Step time and speeds over the timed steps ``first..`` (none: they stay None), compile seconds apart;
-    ``compiling``: the run's torch.compile (graph count, graph breaks, a loud warning if nothing compiled);
-    ``model``: the one trained, whose FLOPs are counted (None: the config's preset)."""
+    ``compiling``: the run's torch.compile; ``model``: the one trained, whose FLOPs are counted (None: the preset)."""
     timed = result.step_times[first:]
     result.timed_steps = len(timed)
-    # one step time, the course's one definition: the median of the timed steps (a slow outlier step, a GC pause,
-    # a host hiccup, moves a mean but not the median); throughput, TFLOP/s and MFU are all read from it, so a
-    # table's speed-up (median over median) and its tokens/s never disagree (the H200 run's fp16: 1.34x vs 1.19x)
+    # the course's one step time: the median of the timed steps (an outlier moves a mean, not the median);
+    # throughput, TFLOP/s and MFU are all read from it, so a table's speed-up and its tokens/s never disagree
     median = statistics.median(timed) if timed else None
     if compile_steps:  # what the compiling steps took beyond a timed step (all of it when none was timed)
         result.compile_seconds = max(0.0, sum(result.step_times[s] - (median or 0.0) for s in compile_steps))

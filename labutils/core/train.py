@@ -37,9 +37,8 @@ from .run_result import (ALL_SKIPPED_MIN, NONFINITE_WINDOW, STATUSES, NonFiniteL
                          RunResult, divergence, first_timed_step, finish_timing, log_run)
 
 def step_scheduler(scheduler) -> None:
-    """Advance the learning-rate schedule by one optimizer step, skipped or not, as every loop of the course does
-    (so they stay step-for-step identical). When fp16's GradScaler skips the first step, torch warns that
-    ``lr_scheduler.step()`` came before ``optimizer.step()``: expected here, so that one warning is not shown."""
+    """Advance the learning-rate schedule by one optimizer step, skipped or not, as every loop of the course does;
+    the warning torch gives when fp16's GradScaler skips the first step is expected here, so it is not shown."""
     import warnings
 
     with warnings.catch_warnings():
@@ -90,12 +89,10 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
           scaler_kwargs: dict | None = None) -> RunResult:
     """Train ``model`` for ``cfg.train.steps`` optimizer steps on ``dataset``; return what was measured.
 
-    ``inject_overflow_at``: steps at which one gradient is set to inf after backward (lab 01's demo and a test
-    of the fp16 skip path). ``on_step(step, result, model, optimizer, scaler)`` is called after every step.
-    ``scaler_kwargs``: fp16 only, passed to ``torch.amp.GradScaler`` (e.g. ``{"growth_interval": 10}``).
-    ``accelerator``: run under ``accelerate launch`` (see labutils.tools.distributed); the engine then does autocast,
-    loss scaling, accumulation and clipping, and each rank trains on its share of the global window.
-    """
+    ``inject_overflow_at``: steps at which one gradient is set to inf after backward (lab 01's demo).
+    ``on_step(step, result, model, optimizer, scaler)`` is called after every step. ``scaler_kwargs``: fp16 only, for
+    ``torch.amp.GradScaler``. ``accelerator`` (:mod:`labutils.tools.distributed`): the engine does autocast, loss
+    scaling, accumulation and clipping, and each rank trains on its share of the global window."""
     validate(cfg)  # a config changed in code (a notebook cell) is checked as a file is, before any work
     if accelerator is not None:
         return _train_accelerated(cfg, model, dataset, accelerator, env=env, progress=progress, desc=desc,
@@ -109,10 +106,9 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
     real_positions = 0
     windows = data.windows(t.micro_batch_size, t.accumulation_steps, t.seed)
     params = [p for p in model.parameters() if p.requires_grad]
-    # On CUDA the allocator counts for free: track every step, compiled or not. On CPU the tracker counts storages
-    # through torch's dispatcher (Python work per operator), so it covers the first two steps only (the second
-    # already holds optimizer state, and later steps repeat the same shapes) and those steps are left out of the
-    # timing; compiled steps it steps aside for (see cpu_compile_untracked), and the result says so.
+    # On CUDA the allocator counts for free: track every step. On CPU the tracker costs Python work per operator,
+    # so it covers the first two steps only (the second holds optimizer state), left out of the timing, and no
+    # compiled step (cpu_compile_untracked), which the result says.
     untracked_why = cpu_compile_untracked(device, compiled, track_memory, cpu_budget_bytes)
     tracker = (MemoryTracker(device, cpu_budget_bytes=cpu_budget_bytes)
                if track_memory and untracked_why is None else None)
@@ -236,12 +232,10 @@ def prepare(cfg: Config, device: torch.device | str | None = None, verbose: bool
 
 
 def for_this_card(cfg: Config, device: torch.device | str | None = None) -> tuple[Config, list[str]]:
-    """What ``run`` and ``bench`` train on this GPU, with one line per change: a mixed precision the GPU lacks
-    becomes the labs' choice (:func:`labutils.core.precisions.amp_precision`: bf16 -> fp16 + GradScaler where BF16 is not
-    native; a T4's ``torch.cuda.is_bf16_supported()`` says True, by emulation), and in full mode the micro-batch is
-    the largest the estimator fits on this card (its ``LAB_GPU_MEMORY_GB`` cap: :func:`labutils.estimator.advise.default_budget_bytes`,
-    which ``doctor`` and ``bench`` name), accumulating to the same effective batch. A key set with ``--set`` wins.
-    On the CPU: the config as it is."""
+    """What ``run`` and ``bench`` train on this GPU, with one line per change: a mixed precision the GPU lacks becomes
+    :func:`labutils.core.precisions.amp_precision`'s choice, and in full mode the micro-batch is the largest the
+    estimator fits on this card (:func:`labutils.estimator.advise.default_budget_bytes`), accumulating to the same
+    effective batch. A key set with ``--set`` wins. On the CPU: the config as it is."""
     device = torch.device(device or _env.default_device())
     if device.type != "cuda":
         return cfg, []
@@ -263,9 +257,8 @@ def for_this_card(cfg: Config, device: torch.device | str | None = None) -> tupl
 
 def run(cfg: Config, device: torch.device | str | None = None, *, progress: bool = True, desc: str | None = None,
         verbose: bool = True, **train_kw) -> RunResult:
-    """Load, train, measure and clean up one configuration. An out-of-memory error becomes a result with
-    ``status="oom"`` (and the memory it had reached), a non-finite loss one with ``status="diverged"``,
-    never a crash; memory is released either way."""
+    """Load, train, measure and clean up one configuration: an OOM becomes ``status="oom"`` (with the memory reached), a
+    non-finite loss ``status="diverged"``, never a crash; memory is released either way."""
     from ..tools.distributed import maybe_accelerator
 
     validate(cfg)  # before loading anything: a config changed in code is checked as a file is

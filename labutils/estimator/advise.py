@@ -1,10 +1,9 @@
 """What to run when a config does not fit, or could run faster: the advisor over the estimator (lab 04).
 
 :func:`recommend` tries every precision, checkpointing and micro-batch x accumulation with the config's effective
-batch, keeps what :func:`labutils.estimator.estimate.fits` the budget and ranks it by a rough step-time model
-(:func:`relative_step_time`). Precisions are ranked by a speed source, never by built-in numbers: lab 01's
-measurements on this GPU, else the card's peak table, else none (counted equal). :func:`cli_estimate` is
-``python -m labutils estimate``: the estimate, the advice and the per-GPU ZeRO table.
+batch, keeps what :func:`labutils.estimator.estimate.fits` and ranks it by :func:`relative_step_time`, precisions by
+lab 01's measurements on this GPU, else the card's peak table, else equal. :func:`cli_estimate` is
+``python -m labutils estimate``.
 """
 from __future__ import annotations
 
@@ -78,10 +77,9 @@ def candidate_plans(base: Plan, amp_dtype: str | None = None) -> list[Plan]:
 
 def recommend(cfg, budget_bytes: int, *, device: str = "cuda", amp_dtype: str | None = None,
               speeds: tuple[dict, str] | None = None) -> dict:
-    """The fastest configuration predicted to fit ``budget_bytes`` (a GPU's memory), keeping the config's
-    effective batch (micro x accumulation) as the target. Returns the chosen candidate and all candidates.
-    ``speeds``: ({precision: speed relative to fp32}, where it came from), e.g. :func:`measured_speeds` or a peak
-    table of the card; without one precisions count equal and ``speed_source`` says so."""
+    """The fastest configuration predicted to fit ``budget_bytes``, at the config's effective batch. Returns the chosen
+    candidate and all candidates. ``speeds``: ({precision: speed relative to fp32}, source), e.g.
+    :func:`measured_speeds`; without one precisions count equal and ``speed_source`` says so."""
     speed_map, speed_source = speeds if speeds else ({}, UNKNOWN_SPEEDS)
     base = plan_from_config(cfg, device=device)
     rows = []
@@ -109,9 +107,8 @@ def _amp_dtype(cfg) -> tuple[str, str | None]:
 
 
 def default_budget_bytes(whole_card: bool = False) -> tuple[int, str]:
-    """The card to fit on: this GPU's memory, or the card it was told to behave like (``LAB_GPU_MEMORY_GB``:
-    what torch reports on such a card, :mod:`labutils.core.cards`; not with ``whole_card``); an 8 GB card without a
-    GPU. ``fits`` then leaves room for the CUDA context itself."""
+    """The card to fit on: this GPU's memory, or the card ``LAB_GPU_MEMORY_GB`` makes it behave like (not with
+    ``whole_card``); an 8 GB card without a GPU. ``fits`` then leaves room for the CUDA context itself."""
     if dev.cuda_available():
         budget = None if whole_card else dev.current_budget() or dev.card_budget(dev.budget_from_env())
         if budget:
@@ -122,9 +119,7 @@ def default_budget_bytes(whole_card: bool = False) -> tuple[int, str]:
     return total, f"no GPU here: an 8 GB card ({rule})"
 
 
-# ----------------------------------------------------------------------------------------------------------
-# CLI: python -m labutils estimate CONFIG [--set ...] [--gpu-memory-gb G] [--json PATH]
-# ----------------------------------------------------------------------------------------------------------
+# ---- CLI: python -m labutils estimate CONFIG [--set ...] [--gpu-memory-gb G] [--json PATH] ---------------------------
 def _gib(n) -> str:
     return "-" if n is None else f"{n / GiB:.2f} GiB"
 
@@ -206,10 +201,9 @@ def cli_estimate(cfg, args) -> int:
 
 
 def fit_micro_batch(cfg, budget_bytes: int, where: str = "the budget") -> tuple[object, str | None]:
-    """The config with the largest micro-batch predicted to fit ``budget_bytes`` (:func:`labutils.estimator.estimate.fits`),
-    accumulating to the same effective batch: micro-batches are divisors of the effective batch, at most the
-    config's own. Returns (config, one line saying what changed) or (cfg, None) when it fits as it is or
-    nothing smaller fits either (then the run goes ahead and reports its own OOM)."""
+    """The config with the largest micro-batch predicted to fit ``budget_bytes``, a divisor of the effective batch and
+    at most the config's own. Returns (config, one line saying what changed), or (cfg, None) when it fits as it is
+    or nothing smaller fits either (then the run reports its own OOM)."""
     t = cfg.train
     eff = t.micro_batch_size * t.accumulation_steps
     # the config's own keys (attention, activation, padded vocabulary, compile) go to the estimate as they are

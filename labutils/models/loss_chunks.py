@@ -1,30 +1,22 @@
 """The LM head and cross-entropy in chunks of positions: the logits never exist whole (``model.loss: chunked``).
 
-GPT-2's largest tensor in a training step is not an activation of a block but the logits, ``[B, T, V]`` with
-V = 50257: at B8 x T1024 they are 1.6 GB in fp32, and the loss holds two or three tensors of that size at once
-(the fp32 copy, ``log_softmax``'s output saved for backward, and in backward the gradients of both). Nobody needs
-them whole: the loss needs, per position, a log-sum-exp and one target logit; the gradient needs, per position,
-``softmax - onehot``. So :class:`ChunkedLinearCrossEntropy` walks the positions in chunks of ``chunk_size`` and, as
-Liger-Kernel's fused linear cross-entropy does, computes the gradients in the forward:
+GPT-2's largest tensor in a training step is the logits, ``[B, T, V]`` with V = 50257 (1.6 GB in fp32 at B8 x T1024),
+and the full loss holds two or three tensors of that size at once. The loss needs per position only a log-sum-exp and
+one target logit, the gradient ``softmax - onehot``; so :class:`ChunkedLinearCrossEntropy` walks the positions in
+chunks of ``chunk_size`` and, as Liger-Kernel's fused linear cross-entropy does, computes the gradients in the forward:
 
-* per chunk: ``logits = h @ W^T (+ bias)`` in the matmul's dtype (autocast's, as ``lm_head`` would), their
-  log-sum-exp and target logit in fp32 (the loss), then ``softmax - onehot`` as elementwise ops (``exp(x - lse)``
-  minus ``iota == target``: no scatter), cast to the matmul dtype (what the full head's backward feeds its matmuls);
-  it gives the chunk's share of the hidden states' gradient (``g @ W``) and of the weight's, added into one fp32
-  accumulator (``g^T @ h``). One chunk's logits live at a time, and nothing of size ``[*, V]`` is kept;
+* per chunk: ``logits = h @ W^T (+ bias)`` in the matmul's dtype, their log-sum-exp and target logit in fp32, then
+  ``softmax - onehot`` elementwise (no scatter), cast to the matmul dtype; it gives the chunk's share of the hidden
+  states' gradient (``g @ W``) and of the weight's, added into one fp32 accumulator (``g^T @ h``);
 * backward only scales the stored gradients by the incoming one: no recompute, no host sync.
 
-Compiled, inductor fuses each chunk's log-sum-exp into one reduction and ``softmax - onehot`` and its cast into one
-elementwise kernel over the matmul's output, and the backward graph holds no matmul of the head that AOT
-autograd's common subexpression elimination could merge with the forward's (then every chunk's logits would be
-saved: tests/test_fast_path.py). FLOPs are the full head's, ``3 x 2 * V * d`` per position. The cost is the
-weight: each chunk reads the head's weight twice and the fp32 accumulator once more, about ``16 * V * d`` bytes per
-extra chunk; so a chunk should be large (the fast config's is a fraction of the batch, not a fixed small size).
+Compiled, the backward graph holds no head matmul that AOT autograd could merge with the forward's (which would save
+every chunk's logits: tests/test_fast_path.py). FLOPs are the full head's. The cost: each extra chunk reads the
+head's weight twice and the accumulator once more (about ``16 * V * d`` bytes), so a chunk should be large.
 
-:func:`install` replaces a GPT2LMHeadModel instance's ``forward`` for training calls with labels: the transformer
-runs as before (gradient checkpointing and ``nn.Module.compile`` included: the compiled call traces the instance's
-``forward``), then the chunked loss; the output carries the loss and no logits. Other calls (no labels, eval mode)
-go to the model's own forward unchanged.
+:func:`install` replaces a GPT2LMHeadModel instance's ``forward`` for training calls with labels (the transformer runs
+as before, checkpointing and ``nn.Module.compile`` included, then the chunked loss; the output carries no logits).
+Other calls (no labels, eval mode) go to the model's own forward.
 """
 from __future__ import annotations
 
@@ -37,13 +29,10 @@ DEFAULT_CHUNK = 1024  # positions per chunk (model.loss_chunk_size): a [1024, 50
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of ``hidden @ weight^T (+ bias)`` against ``targets``, ``chunk`` positions at a time,
-    with its gradients computed in the forward (when ``grads``).
-
-    ``hidden`` [N, d], ``weight`` [V, d], ``bias`` [V] or None, ``targets`` [N] (``IGNORE_INDEX`` = no loss),
-    ``dtype`` the matmul dtype. Returns the fp32 sum over the positions that count. Saved for backward: the gradient
-    of ``hidden`` (matmul dtype, [N, d]), of ``weight`` (fp32, [V, d]) and of ``bias`` (fp32): never [*, V].
-    """
+    """Summed cross-entropy of ``hidden @ weight^T (+ bias)`` against ``targets``, ``chunk`` positions at a time, with
+    its gradients computed in the forward (when ``grads``). ``hidden`` [N, d], ``weight`` [V, d], ``bias`` [V] or None,
+    ``targets`` [N] (``IGNORE_INDEX`` = no loss), ``dtype`` the matmul dtype. Returns the fp32 sum over the positions
+    that count; saves the gradients of ``hidden`` (matmul dtype), ``weight`` and ``bias`` (fp32): never [*, V]."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk: int, dtype: torch.dtype, grads: bool):
@@ -95,17 +84,12 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         return out[0], out[1], out[2], None, None, None, None
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The causal-LM loss, as transformers' ForCausalLMLoss computes it, chunked
-# ---------------------------------------------------------------------------------------------------------------
+# ---- The causal-LM loss, as transformers' ForCausalLMLoss computes it, chunked ---------------------------------------
 def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None = None,
                     num_items_in_batch=None, chunk_size: int = DEFAULT_CHUNK) -> torch.Tensor:
-    """transformers' causal-LM loss of ``hidden`` [B, T, d] through a head ``weight`` [V, d] (+ ``bias`` [V]):
-    labels shifted by one (the last position has no target), -100 ignored; the sum over target tokens divided
-    by ``num_items_in_batch`` when given (token-exact accumulation: the window's target count), else the mean.
-
-    ``bias``: e.g. a constant large negative on padded vocabulary rows, so they never win and add 0 to the softmax.
-    The gradients are computed only when autograd will want them (grad mode on, an input that requires grad)."""
+    """transformers' causal-LM loss of ``hidden`` [B, T, d] through a head ``weight`` [V, d] (+ ``bias`` [V]): labels
+    shifted by one, -100 ignored; the sum over target tokens divided by ``num_items_in_batch`` when given, else the
+    mean. Gradients are computed only when autograd will want them (grad mode on, an input that requires grad)."""
     d = hidden.shape[-1]
     targets = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
     flat = hidden.reshape(-1, d)
@@ -121,10 +105,8 @@ def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
 
 
 def head_bias(head: torch.nn.Module) -> torch.Tensor | None:
-    """The LM head's bias for the chunked loss. A tensor ``head.bias`` (a Linear's bias or a registered buffer, e.g.
-    a constant large negative on the padded vocabulary rows) is used as it is. A head padded the hook way
-    (``labutils_real_vocab`` rows are real, the hook overwrites the rest of its output) gets the same effect as a
-    bias: the dtype's lowest value on the padded rows. None when the head has neither."""
+    """The LM head's bias for the chunked loss: a tensor ``head.bias`` as it is; for a head padded the hook way
+    (``labutils_real_vocab`` real rows), the dtype's lowest value on the padded rows; None when it has neither."""
     bias = getattr(head, "bias", None)
     if isinstance(bias, torch.Tensor):
         return bias

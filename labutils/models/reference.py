@@ -1,14 +1,10 @@
 """A nanoGPT-style GPT-2 written out in torch: the reference ``bench`` measures the course's fast path against.
 
-What a performance engineer writes for GPT-2 (Karpathy's nanoGPT / build-nanogpt): its own ``nn.Linear`` blocks,
-``F.scaled_dot_product_attention(is_causal=True)`` with no mask, the tanh GELU, a tied LM head without a bias,
-cross-entropy on the logits, AdamW fused on CUDA, weight decay on matrices only. It loads the weights of the
-course's model (transformers' ``GPT2LMHeadModel``, padded vocabulary included) by :func:`from_hf`: GPT-2's
-``Conv1D`` stores ``[in, out]`` where ``nn.Linear`` stores ``[out, in]``, so those four matrices per block are
-transposed; everything else copies as it is.
-
-The reference has no mask for padded vocabulary rows (nanoGPT has none: the zero rows give logit 0, the model
-learns them away) and no activation checkpointing. Given an unpadded model, its loss equals the course's.
+Its own ``nn.Linear`` blocks, ``F.scaled_dot_product_attention(is_causal=True)`` with no mask, the tanh GELU, a tied
+LM head without a bias, cross-entropy on the logits, AdamW fused on CUDA, weight decay on matrices only.
+:func:`from_hf` loads the course's model's weights (padded vocabulary included), transposing the four ``Conv1D``
+matrices per block. No mask for padded vocabulary rows and no activation checkpointing (nanoGPT has neither);
+given an unpadded model, its loss equals the course's.
 """
 from __future__ import annotations
 

@@ -1,21 +1,16 @@
 """``python -m labutils bench CONFIG``: the course's path against a reference, a nanoGPT-style GPT-2.
 
-The course's path is the one loop (:func:`labutils.core.train.train`). The reference (:mod:`labutils.models.reference`: its own
-``nn.Linear`` blocks, causal SDPA, tanh GELU, tied head, the full loss) holds the *same weights* and is driven by a
-bare loop: its own data path (the run's micro-batches on the device before the clock starts), nanoGPT's AdamW, no
-scheduler. Both run the config's precision, compile setting, batch and steps, fitted to this card as ``run`` fits
-them (:func:`labutils.core.train.for_this_card`). The ratio, course throughput over reference throughput, prices what the
-course adds: transformers' model code and the loop's bookkeeping. No checkpointing or padded-vocabulary mask on the
-reference side (nanoGPT has neither): with ``train.gradient_checkpointing`` the ratio includes the recompute.
+The course's path is the one loop (:func:`labutils.core.train.train`); the reference
+(:mod:`labutils.models.reference`) holds the *same weights* and is driven by a bare loop (its micro-batches on the
+device before the clock starts, nanoGPT's AdamW, no scheduler, no checkpointing). Both run the config's precision,
+compile setting, batch and steps, fitted to this card as ``run`` fits them
+(:func:`labutils.core.train.for_this_card`). The ratio, course over reference throughput, prices what the course
+adds: transformers' model code and the loop's bookkeeping.
 
-One statistic, one rule. Both sides time each step up to the one host read that ends it (the course's loop reads
-loss, grad norm and scale in one transfer; the reference its loss); a run's step time is the median of its timed
-steps (after the warm-up, at least 2, and any step that compiled: :func:`labutils.core.run_result.first_timed_step`).
-Each side gets ``repeats`` fresh runs in ABBA order, a side's step time is the median over its runs (spread beside
-it), and each repeat's neighbouring pair gives one ratio, judged against :data:`GOAL` by :func:`judge`; only a GPU
-run is judged (MFU: :func:`mfu_goal`). The sections (:func:`bench`) include the other ``model.loss``: what
-fast_config.yaml picks its loss by. Each run records its compile status and the allocator's retries (a run near a
-memory cap slows down); an out-of-memory run is a row (status "oom", the error) and ends its section.
+A run's step time is the median of its timed steps (:func:`labutils.core.run_result.first_timed_step`); each side
+gets ``repeats`` fresh runs in ABBA order, and each repeat's neighbouring pair gives one ratio, judged against
+:data:`GOAL` by :func:`judge` on a GPU only (MFU: :func:`mfu_goal`). An out-of-memory run is a row (status "oom")
+and ends its section.
 """
 from __future__ import annotations
 
@@ -44,9 +39,8 @@ SIDES = ("reference", "labutils")
 
 
 def reference_loop(cfg: Config, model, dataset, device, warmup: int) -> dict:
-    """The reference model trained by a bare loop, timed as the course's loop is: ``step_times`` (each step up to
-    its one host read), ``step_time_seconds`` (median of the timed steps), ``timed_steps``, ``num_alloc_retries``,
-    ``compiled_graphs`` and ``compile_fallback``. ``model`` is a :class:`labutils.models.reference.GPT`."""
+    """The reference model (a :class:`labutils.models.reference.GPT`) trained by a bare loop, timed as the course's
+    loop is: ``step_times``, ``step_time_seconds``, ``timed_steps``, retries and compile status."""
     t = cfg.train
     model.train()
     # in place, exactly as labutils' loop compiles (dynamo reset, backend check, same settings)
@@ -111,9 +105,8 @@ RUN_KEYS = ("step_time_seconds", "timed_steps", "num_alloc_retries", "compiled_g
 
 
 def compare(cfg: Config, repeats: int, device, warmup: int) -> dict:
-    """Each side's runs in ABBA order: ``{side: {key: [per run]} | {"status", "error"}}`` (keys: :data:`RUN_KEYS`).
-    Every run loads the config's model afresh (same seed: same weights); the reference copies them. An out-of-memory
-    run ends the comparison: its side gets status "oom" and the error, the runs left are not made."""
+    """Each side's runs in ABBA order: ``{side: {key: [per run]} | {"status", "error"}}`` (keys: :data:`RUN_KEYS`),
+    each loading the model afresh (same seed; the reference copies its weights). An OOM run ends the comparison."""
     runs = {name: {"status": "ok", "error": None, **{k: [] for k in RUN_KEYS}} for name in SIDES}
     for i, name in enumerate(abba(repeats)):
         _env.seed_everything(cfg.train.seed)
@@ -178,10 +171,9 @@ def verdict(ratios: list[float] | None, device, oom: str | None = None) -> dict:
 
 
 def mfu_goal(cfg: Config, device, labutils_steps: list[float], reference_steps: list[float]) -> dict:
-    """Both sides' MFU (PaLM's model FLOPs, :func:`labutils.core.flops.model_flops_per_token` at the padded vocabulary the
-    GPU runs, over the card's dense peak, :mod:`labutils.core.peaks`) from their median step times, and its goal: >= 45 %
-    on an A100, judged by :func:`judge` over each run's MFU; on an H100 / H200 the goal is the ratio (MFU shown); other
-    cards and the CPU: shown, not judged."""
+    """Both sides' MFU (:func:`labutils.core.flops.model_flops_per_token` at the padded vocabulary, over the
+    card's dense peak) from their median step times, and its goal: >= 45 % on an A100, judged by :func:`judge`;
+    on an H100 / H200 the goal is the ratio (MFU shown); other cards and the CPU: shown, not judged."""
     name = dev.name(device) if torch.device(device).type == "cuda" else None
     peak, why = peak_info(name, cfg.train.precision)
     if peak is None:
@@ -202,9 +194,8 @@ def mfu_goal(cfg: Config, device, labutils_steps: list[float], reference_steps: 
 
 
 def section(cfg: Config, runs: dict, device, positions_per_step: int) -> dict:
-    """One comparison from :func:`compare`'s runs: each side's status, step time (median and spread over its runs'
-    medians) and positions/s, timed steps, retries and compile status; the ratio (from the sides' medians), each
-    repeat's ratio (spread), the verdict and MFU."""
+    """One comparison from :func:`compare`'s runs: each side's status, step time (median and spread over its runs),
+    positions/s, timed steps, retries and compile status; the ratio, each repeat's ratio, the verdict and MFU."""
     out = {"train": {k: getattr(cfg.train, k) for k in ("precision", "compile", "micro_batch_size",
                                                         "accumulation_steps")}, "loss": cfg.model.loss}
     for name in SIDES:
@@ -274,9 +265,9 @@ def _measure(cfg: Config, key: str, repeats: int, device, warmup: int, notes: se
 
 
 def reference_ratio(cfg: Config, repeats: int = 2, device=None, verbose: bool = False) -> dict:
-    """The course's path / the reference, at ``cfg``'s own settings only (no companion sections): what ``doctor``
-    reports. Returns :func:`section`'s dict plus ``device``, ``warmup_steps``, ``repeats``, ``mode`` ("compiled" or
-    "eager"). Raises :class:`ConfigError` when ``train.steps`` leaves no step to time."""
+    """The course's path / the reference at ``cfg``'s own settings only: what ``doctor`` reports. :func:`section`'s dict
+    plus ``device``, ``warmup_steps``, ``repeats``, ``mode``; :class:`ConfigError` when ``train.steps`` leaves no step
+    to time."""
     warmup = check_steps(cfg)
     device = torch.device(device or _env.default_device())
     key = "compiled" if cfg.train.compile else "eager"
@@ -285,9 +276,8 @@ def reference_ratio(cfg: Config, repeats: int = 2, device=None, verbose: bool = 
 
 
 def bench(cfg: Config, repeats: int = 5, device=None, verbose: bool = True) -> dict:
-    """The course's path against the reference at the config's settings (the headline, also at the top level), with
-    ``train.compile: true`` eager too (``eager``; ``compile_speedup`` each side), and the other ``model.loss``
-    (``loss full`` / ``loss chunked``); each section both sides in ABBA."""
+    """The course's path against the reference at the config's settings (the headline), with ``train.compile: true``
+    eager too (``compile_speedup``) and the other ``model.loss``; each section both sides in ABBA."""
     warmup = check_steps(cfg)  # before any work
     device = torch.device(device or _env.default_device())
     cfg = cfg.override({"train.timing_warmup_steps": warmup})

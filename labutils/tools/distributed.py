@@ -1,15 +1,10 @@
 """Beyond one GPU: the same loop on an existing engine (DDP, FSDP, DeepSpeed ZeRO) through Hugging Face accelerate.
 
 ``accelerate launch --config_file configs/accelerate/<x>.yaml -m labutils run CONFIG`` starts N processes;
-:func:`maybe_accelerator` sees the launch and builds an ``Accelerator`` from the *YAML config*
-(precision -> ``mixed_precision``, accumulation -> ``gradient_accumulation_steps``), and the loop in
-``labutils.core.train`` hands autocast, loss scaling, accumulation (no_sync) and clipping to the engine instead of
-doing them itself, so nothing is done twice.
-
-Exactness across processes: every step, the global window (micro x accum x world samples) is split among the
-ranks; each rank normalises its token-loss sum by ``global_targets / (accum * world)`` because the engine divides
-the loss by ``accum`` and data parallelism averages gradients over ``world``. The result is the gradient of
-the token-mean over the whole global window, as in one process.
+:func:`maybe_accelerator` builds an ``Accelerator`` from the YAML config, and the loop hands autocast, loss scaling,
+accumulation and clipping to the engine instead of doing them itself. Each rank normalises its token-loss sum by
+``global_targets / (accum * world)`` (the engine divides by ``accum``, data parallelism averages over ``world``),
+so the gradient is the token-mean over the whole global window, as in one process.
 """
 from __future__ import annotations
 
@@ -24,10 +19,8 @@ LAUNCHER_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
 def launcher_env() -> dict[str, int]:
-    """The launcher variables that are set, as integers; a malformed one raises ConfigError (one line).
-
-    torchrun and ``accelerate launch`` set WORLD_SIZE, RANK, LOCAL_RANK (and LOCAL_WORLD_SIZE); a value left in a
-    shell by hand is checked too, so a typo never silently decides which process reports."""
+    """The launcher variables that are set (WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE), as integers; a malformed
+    one, even left in a shell by hand, raises ConfigError (one line)."""
     environ = os.environ
     allowed = "set by torchrun / accelerate launch; unset it when not launching several processes"
     got = {}
@@ -57,9 +50,8 @@ def launched_by_accelerate() -> bool:
 
 
 def is_main_process() -> bool:
-    """Whether this process reports (prints the summary, writes --json): always, unless this is a real launch of
-    several processes (WORLD_SIZE > 1), where only RANK 0 does. A RANK left in the environment without a launch
-    does not silence a run."""
+    """Whether this process reports (prints the summary, writes --json): only RANK 0 in a launch of several processes
+    (WORLD_SIZE > 1), else always."""
     env = launcher_env()
     return env.get("WORLD_SIZE", 1) <= 1 or env["RANK"] == 0
 
@@ -121,10 +113,9 @@ def uses_engine_optimizer(acc) -> bool:
 
 def zero_bytes_per_gpu(params: int, stage: int, n_gpus: int, offload_optimizer: bool = False,
                        mixed_precision: bool = True) -> dict:
-    """Model-state bytes per GPU under ZeRO (Rajbhandari et al. 2020): 2P fp16 weights + 2P fp16 gradients +
-    12P optimizer state (fp32 master weights, Adam m and v) with mixed precision; stage 1 shards the 12P,
-    stage 2 also the gradients, stage 3 also the weights. Offload moves the optimizer state to the CPU.
-    Without mixed precision: 4P weights + 4P gradients + 8P Adam state (the master copy is the weights)."""
+    """Model-state bytes per GPU under ZeRO (Rajbhandari et al. 2020), mixed precision: 2P weights + 2P gradients + 12P
+    optimizer state (stage 1 shards the 12P, stage 2 also the gradients, stage 3 also the weights; offload moves the
+    optimizer state to the CPU). Without mixed precision: 4P + 4P + 8P (the master copy is the weights)."""
     w, g, o = (2, 2, 12) if mixed_precision else (4, 4, 8)
     n = max(1, n_gpus)
     weights = w * params / (n if stage >= 3 else 1)

@@ -1,17 +1,12 @@
 """``python -m labutils doctor [--json PATH]``: the first thing to run on a new machine.
 
-It runs every CUDA path the labs rely on, briefly (GPT-2 small; the table below), and prints a pass/fail table
-with numbers. Exit code 1 if anything failed; the summary line gives the checks' time and, apart, the fast path's
-compile time. ``regenerate`` runs it first and stops on a failure.
+Runs every CUDA path the labs rely on, briefly (GPT-2 small), and prints a pass/fail table; exit code 1 if anything
+failed (``regenerate`` runs it first and stops on a failure). Without a GPU it runs the CPU equivalents (tiny model)
+and exits 0, the GPU checks listed as skipped; a GPU the driver sees but torch cannot use fails (exit 1).
 
-Without a GPU it says so, runs the CPU equivalents that exist (tiny model), and exits 0: the GPU checks are
-listed as skipped, never as passed. If the driver sees a GPU that torch cannot use, that row fails (exit 1).
-
-The checks live in :mod:`labutils.tools.doctor_checks` (correctness), :mod:`labutils.tools.doctor_formats` (BF16 / TF32) and
-:mod:`labutils.tools.doctor_speed` (speed); this module runs them and reports. Every check can fail on a broken machine.
-One function per check (``check_*``); where the verdict needs a GPU, it is a small function of the measured
-numbers (``*_verdict``) so a test can hand it broken numbers. What fails each (tests/test_doctor_checks.py breaks
-each on purpose):
+The checks live in :mod:`labutils.tools.doctor_checks`, :mod:`labutils.tools.doctor_formats` (BF16 / TF32) and
+:mod:`labutils.tools.doctor_speed`; one ``check_*`` per row, its GPU verdict a ``*_verdict`` function of the numbers
+so that tests/test_doctor_checks.py can break each on purpose. What fails each:
 
   driver: torch can use its GPU     nvidia-smi lists a GPU torch cannot use (the row names both CUDA versions, the fix)
   device: memory counters           a 64 MiB tensor unseen by the counters; on CPU, a CUDA-only counter answering
@@ -74,9 +69,8 @@ def check_driver(c: Checks) -> None:
 
 
 def run_doctor(device=None, verbose: bool = True) -> dict:
-    """All checks on ``device`` (default: the GPU if there is one). Returns ``{"checks": [...], "summary",
-    "seconds", "checks_seconds", "compile_seconds", "env"}``: ``compile_seconds`` is what torch.compile took (the
-    fast path's compiling steps), apart from the checks' own time."""
+    """All checks on ``device`` (default: the GPU if there is one). Returns ``{"checks": [...], "summary", "seconds",
+    "checks_seconds", "compile_seconds", "env"}`` (``compile_seconds``: the fast path's compiling, apart)."""
     from ..core.env import environment, seed_everything
     from ..core.memory import release
 

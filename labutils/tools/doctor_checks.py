@@ -1,7 +1,7 @@
-"""The doctor's correctness checks (``python -m labutils doctor``, see :mod:`labutils.tools.doctor` for what fails each):
-the device module's functions and lab 04's raw ``torch.cuda`` calls, short training runs per precision, the cap
-and OOM recovery, allocator snapshots, profiler ranges, checkpointing gradients, the memory estimator, emptying
-the caches. Each ``check_*`` adds rows to a :class:`Checks`; ``*_verdict``: see :mod:`labutils.tools.doctor`."""
+"""The doctor's correctness checks (what fails each: :mod:`labutils.tools.doctor`): device functions and lab 04's
+raw ``torch.cuda`` calls, training per precision, the cap and OOM recovery, snapshots, profiler ranges,
+checkpointing gradients, the estimator, emptying the caches. Each ``check_*`` adds rows to a :class:`Checks`.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -220,9 +220,8 @@ def check_training(c: Checks, device: torch.device, only: tuple[str, ...] | None
 
 def oom_recovery_verdict(capped_status: str, capped_peak: int | None, step_start: int, base: int | None,
                          after_oom: int | None, rerun_status: str, after_rerun: int | None) -> tuple[bool, str]:
-    """A training run under a cap too small for it is refused by an out-of-memory error raised *during training*
-    (its peak went above what was held when training started), the memory comes back to where it was, and the
-    same run then trains. ``base``/``after_*``: allocated bytes (None on CPU: no allocator to read)."""
+    """A run under a cap too small for it is refused by an out-of-memory error raised *during training*, the memory
+    comes back to where it was, and the same run then trains. ``base``/``after_*``: allocated bytes (None on CPU)."""
     problems = []
     if capped_status != "oom":
         problems.append(f"the capped run was not refused (status {capped_status})")
@@ -276,9 +275,8 @@ NO_FRAMES = "no Python frames"  # how labutils.labs.lab04.profiling labels an al
 
 
 def snapshot_verdict(summary: dict) -> tuple[bool, str]:
-    """Events were recorded, and some allocation has a stack: a site in the code (the forward's allocations are
-    always the model's). Backward's own allocations legitimately have none (autograd's thread, stacks="python"),
-    so the top holder may be one of them; a snapshot where *no* site has a stack recorded none at all."""
+    """Events were recorded, and some allocation has a stack (the forward's always do; backward's, on autograd's
+    thread, legitimately have none): a snapshot where no site has a stack recorded none at all."""
     sites = [r["site"] for r in summary["top_allocated"]]
     top = summary["top_at_peak"][0]["site"] if summary["top_at_peak"] else "(none)"
     with_stack = [s for s in sites if NO_FRAMES not in s]

@@ -15,9 +15,8 @@ TF32_MIN_ERROR = 1e-5      # a TF32 product's error is ~1e-4..1e-3 (10-bit manti
 
 
 def support_probe(device: torch.device) -> dict:
-    """Real ops on ``device``: a bfloat16 matmul, and an fp32 matmul inside the course's TF32 switch on and off,
-    each as its relative error against the same product in float64. ``bf16_error`` is None (``bf16_why`` says why)
-    when a bfloat16 matmul cannot run here."""
+    """Real ops on ``device``: a bfloat16 matmul, and an fp32 matmul with the course's TF32 switch on and off, each as
+    its relative error against float64. ``bf16_error`` is None (``bf16_why`` says why) where bfloat16 cannot run."""
     from ..core.env import matmul_precision
 
     g = torch.Generator().manual_seed(0)
@@ -38,9 +37,8 @@ def support_probe(device: torch.device) -> dict:
 
 
 def support_verdict(bf16: bool, tf32: bool, probe: dict) -> tuple[bool, str]:
-    """labutils' answers against what the device did. BF16 claimed: a bfloat16 matmul ran, with a bfloat16-sized
-    error (not fp32's: then it was not bfloat16). TF32 claimed <=> the TF32 switch really changed the fp32 product
-    to a TF32-sized error; with the switch off the product is strict fp32."""
+    """labutils' answers against what the device did: BF16 claimed <=> a bfloat16 matmul ran with a bfloat16-sized
+    error; TF32 claimed <=> the switch gave the fp32 product a TF32-sized error (off: strict fp32)."""
     lo, hi = BF16_ERROR
     e16, e_tf, e32 = probe["bf16_error"], probe["tf32_error"], probe["fp32_error"]
     problems = []

@@ -15,10 +15,9 @@ from ..core.precisions import BASELINE, PRECISIONS, get
 
 
 def _matmul_speed_floor(label: str, gpu_name: str, capability: tuple[int, int]) -> tuple[float | None, str]:
-    """How much faster than strict FP32 ``label`` must be on this card (None: not judged), and why: the ratio
-    of the datasheets' dense peaks (labutils.core.peaks). Where that ratio is about 2 or more (L4 TF32: 1.98;
-    datacentre TF32, every tensor-core FP16/BF16), at least 1.5x; GeForce Ampere/Ada/Blackwell run TF32 at the FP32 rate
-    (whitepapers), so there only "not slower" (0.9x) is asked."""
+    """How much faster than strict FP32 ``label`` must be on this card (None: not judged), and why: where the
+    datasheets' dense peaks differ 2x or more (datacentre TF32, tensor-core FP16/BF16), at least 1.5x; GeForce
+    Ampere/Ada/Blackwell run TF32 at the FP32 rate, so there only "not slower" (0.9x)."""
     from ..core.peaks import peak_tflops
 
     fp32, other = peak_tflops(gpu_name, "fp32"), peak_tflops(gpu_name, label)
@@ -95,9 +94,8 @@ FAST_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "fast_config.yam
 
 def mfu_verdict(mfu: float | None, gpu_name: str | None, precision: str = "bf16", status: str = "ok",
                 error: str | None = None, context: list[str] | tuple[str, ...] = ()) -> tuple[bool, str]:
-    """The fast config trained (status ok): that is all the doctor judges. Its MFU is shown, never judged here
-    (the goal belongs to the benchmark); ``context`` says how it was measured (a memory budget active, a lowered
-    micro-batch), or there is none (the card's peak is unknown)."""
+    """The fast config trained (status ok): all the doctor judges; its MFU is shown, never judged. ``context`` says how
+    it was measured (a memory budget, a lowered micro-batch), or why there is none (the card's peak is unknown)."""
     from ..core.peaks import peak_info
 
     if status != "ok":
@@ -110,10 +108,9 @@ def mfu_verdict(mfu: float | None, gpu_name: str | None, precision: str = "bf16"
 
 
 def reference_ratio(cfg, device: torch.device, repeats: int = 2) -> tuple[float | None, str]:
-    """The fast path's speed as a ratio to the nanoGPT-style reference timed side by side
-    (:func:`labutils.tools.bench.reference_ratio`), shown next to the MFU, never judged here. Two ABBA pairs by default,
-    so the ratio has a spread. Returns (ratio or None, what to print): a run that cannot fit here (the reference
-    materialises the whole logits) gives (None, why), not a failure."""
+    """The fast path's speed as a ratio to the nanoGPT-style reference (:func:`labutils.tools.bench.reference_ratio`,
+    two ABBA pairs by default), shown next to the MFU, never judged. Returns (ratio or None, what to print): a run
+    that cannot fit here gives (None, why), not a failure."""
     from .bench import reference_ratio as bench_ratio
 
     got = bench_ratio(cfg, repeats=repeats, device=device)
@@ -128,10 +125,9 @@ def reference_ratio(cfg, device: torch.device, repeats: int = 2) -> tuple[float 
 
 
 def fast_path_config(device: torch.device):
-    """configs/fast_config.yaml fitted to this card as ``bench`` and ``run`` fit it (one budget, one micro-batch,
-    one compiled step: :func:`labutils.core.train.for_this_card`), then shortened: its warm-up steps + MIN_TIMED_STEPS
-    timed ones (labutils.verdicts.claims' evidence rule), random weights (MFU does not depend on them), only the samples
-    those steps read. Returns (config, one line per change)."""
+    """configs/fast_config.yaml fitted to this card as ``bench`` and ``run`` fit it
+    (:func:`labutils.core.train.for_this_card`), then shortened: its warm-up + MIN_TIMED_STEPS timed steps, random
+    weights, only the samples those steps read. Returns (config, one line per change)."""
     from ..core.config import load_config
     from ..core.train import for_this_card
 
@@ -143,11 +139,9 @@ def fast_path_config(device: torch.device):
 
 
 def check_fast_path(c: Checks, device: torch.device) -> None:
-    """configs/fast_config.yaml trained for a few steps: it must train; its MFU over the timed steps is shown (and
-    the ratio to the reference, :func:`reference_ratio`), never judged. The compiling steps are the config's timing
-    warm-up: ``train.run`` leaves them out of the step time, and the row records their time apart
-    (``compile_seconds``: the doctor's summary prints it apart from the checks' time). Skipped with the reason
-    where torch.compile cannot compile for this GPU (no Triton: native Windows)."""
+    """configs/fast_config.yaml trained for a few steps: it must train; its MFU over the timed steps and the
+    ratio to the reference are shown, never judged. The compiling steps are its timing warm-up, their time
+    recorded apart (``compile_seconds``). Skipped with the reason where torch.compile cannot compile for this GPU."""
     name = "fast path MFU (fast_config.yaml)"
     if device.type != "cuda":
         c.skip(name, "no CUDA GPU: MFU is measured against a GPU's peak (CPU timing judges no speed)")

@@ -29,10 +29,8 @@ FULL_CELL_TIMEOUT = 4 * 3600  # s per cell; a full sweep cell can legitimately t
 
 
 class KernelPollNoise(logging.Filter):
-    """Drops asyncio's "Task exception was never retrieved" for nbclient's kernel-alive poll, and nothing else.
-
-    That poll (``NotebookClient._async_poll_kernel_alive``) can outlive a kernel we killed on Ctrl-C and fail an
-    assert; asyncio prints its traceback after our summary, burying the one line that says what stopped."""
+    """Drops asyncio's "Task exception was never retrieved" for nbclient's kernel-alive poll, and nothing else: that
+    poll can outlive a kernel killed on Ctrl-C, and its traceback would bury the line that says what stopped."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "_async_poll_kernel_alive" not in record.getMessage()
@@ -68,10 +66,8 @@ class Outcome:
 
 
 def _current_env_kernel_manager():
-    """A kernel manager that starts ipykernel with *this* interpreter (like nbval's --nbval-current-env), not
-    whatever ``python`` an installed "python3" kernelspec happens to find on PATH. An ``AsyncKernelManager``, as
-    nbclient's own default: with a blocking client, waiting for a cell's output blocks the event loop, so a dead
-    kernel would be waited for forever and a silent cell never timed out."""
+    """A kernel manager that starts ipykernel with *this* interpreter, not whatever ``python`` a "python3" kernelspec
+    finds on PATH. Async, as nbclient's default: a blocking client would wait forever on a dead kernel."""
     import ipykernel.kernelspec
     import zmq
     from jupyter_client import AsyncKernelManager
@@ -156,9 +152,8 @@ def _culprit_line(cell) -> str | None:
 
 
 class Interrupted(BaseException):
-    """SIGINT or SIGTERM arrived: stop now. A BaseException, like KeyboardInterrupt, so that no ``except Exception``
-    on the way swallows it. ``finished``/``current``/``not_started`` are filled in by
-    :func:`labutils.tools.regenerate.regenerate`."""
+    """SIGINT or SIGTERM arrived: stop now. A BaseException, so no ``except Exception`` swallows it; ``finished`` /
+    ``current`` / ``not_started`` are filled in by :func:`labutils.tools.regenerate.regenerate`."""
 
     def __init__(self, signum: int):
         super().__init__(signum)
@@ -189,11 +184,9 @@ class Interrupted(BaseException):
 
 
 class SignalGuard:
-    """While active (main thread only), SIGINT and SIGTERM raise :class:`Interrupted` in the main thread, which
-    then shuts the kernel down itself. Inside ``critical()`` (moving results into place, writing a README) a
-    signal is held until the block ends, so a file is never half replaced. nbclient installs its own handlers on
-    the event loop it runs in; that loop runs in a worker thread (see :func:`execute_notebook`), where nbclient
-    cannot install them, so ours stay in charge."""
+    """While active (main thread only), SIGINT and SIGTERM raise :class:`Interrupted` in the main thread, which then
+    shuts the kernel down itself. Inside ``critical()`` a signal is held until the block ends, so a file is never half
+    replaced. nbclient runs in a worker thread (:func:`execute_notebook`), where it cannot install its own handlers."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -254,10 +247,9 @@ def _kill_kernel(km) -> None:
 
 def execute_notebook(path: Path, env: dict, *, cwd: Path = REPO_ROOT, timeout: int | None = SMOKE_CELL_TIMEOUT,
                      executed_dir: Path | None = None, on_cell=None, guard: SignalGuard = NO_GUARD) -> Outcome:
-    """Run one notebook top to bottom in a fresh kernel (module docstring), with nbclient called in-process: per-cell
-    hooks (the failing cell, progress), the kernel's env and cwd, and the executed copy saved outside the repository.
-    nbclient runs in a worker thread while the main thread waits, so a signal reaches :class:`SignalGuard`'s
-    handler; on :class:`Interrupted` the kernel is killed, nothing is written, and it propagates."""
+    """Run one notebook top to bottom in a fresh kernel, nbclient in a worker thread while the main thread waits for a
+    signal (:class:`SignalGuard`); the executed copy is saved outside the repository. On :class:`Interrupted` the
+    kernel is killed, nothing is written, and it propagates."""
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError

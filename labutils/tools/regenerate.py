@@ -5,26 +5,17 @@
     python -m labutils regenerate --gpu-memory-gb 0     # no cap: use the whole card
     python -m labutils regenerate --rehearse --bench 1  # make gpu-results' whole path at smoke sizes, in a temp dir
 
-Each notebook runs top to bottom in its own fresh kernel (so one lab's CUDA memory never leaks into the next,
-and ``LAB_GPU_MEMORY_GB`` is applied to a clean process), with the notebook's own folder as working directory and
-``LAB_RESULTS_DIR`` pointing at a private staging folder. Its last cell, ``lu.record_results(...)``, writes
-``<stem>.json`` and ``figures/<stem>-*.png`` there; we check them (written at all? the mode we asked for?) and
-only then move them into the output folder. So a failed notebook keeps the previous results, and a "full" run
-whose notebook fell back to smoke (no GPU after all) never lands smoke numbers in ``results/``.
+Each notebook runs in its own fresh kernel (:mod:`labutils.tools.notebook_runner`), in its own folder, with
+``LAB_RESULTS_DIR`` pointing at a private staging folder; what its ``lu.record_results(...)`` writes there is checked
+(written at all? the mode we asked for?) and only then moved into the output folder. So a failed notebook keeps the
+previous results, and a "full" run that fell back to smoke never lands smoke numbers in ``results/``. Executed
+copies go to ``<out>/executed/``, traces and snapshots to ``<out>/artifacts/<lab>/``; the repository's notebooks are
+only read. Rendering is :mod:`labutils.tools.report`.
 
-Executed copies (with outputs and tracebacks) go to ``<out>/executed/``, a lab's traces and snapshots to
-``<out>/artifacts/<lab>/`` (``LAB_ARTIFACTS_DIR``); the repository's notebooks are only read, and a smoke run with
-``--out`` outside the repository leaves its working tree, ignored files included, as it was. Running one notebook
-(fresh kernel, signals, timeouts) is :mod:`labutils.tools.notebook_runner`; rendering the results into
-``README-results.md`` and the README's marked sections is :mod:`labutils.tools.report`. This module runs the labs in
-turn, keeps what they record, and is the command line.
-
-Nothing a user types loses work: bad options, an --out that cannot be written, a corrupt results file or broken
-README markers are refused (exit 2, one line) before any notebook runs. Results are keyed by the notebook that
-wrote them (``<stem>.json``), so a stale ``NN-Old_Name.json`` never shadows a lab. The README is rewritten only
-between well-formed markers, keeping every other byte, its line endings, its mode, and a symlink as a symlink.
-Ctrl-C / SIGTERM stop the run within seconds (the kernel is killed, no further notebook starts, nothing
-half-written is left) with exit code 130 / 143 and one line saying what finished and what did not.
+Bad options, an unwritable --out, a corrupt results file or broken README markers are refused (exit 2, one line)
+before any notebook runs. The README is rewritten only between well-formed markers, keeping every other byte, its
+line endings, mode and symlink. Ctrl-C / SIGTERM stop the run within seconds (exit 130 / 143), leaving nothing
+half-written and saying what finished.
 """
 from __future__ import annotations
 
@@ -116,11 +107,8 @@ def linked_folder(out: Path) -> str | None:
 
 
 def promote(staging: Path, out: Path, stem: str, expected_mode: str) -> tuple[Path | None, str | None]:
-    """Check what a notebook recorded in ``staging`` and move it into ``out``.
-
-    Results are keyed by the notebook that wrote them: only ``<stem>.json`` (the notebook's own name) is kept.
-    Returns (json path, None) or (None, why nothing was kept).
-    """
+    """Check what a notebook recorded in ``staging`` and move it into ``out``: only ``<stem>.json`` (the notebook's own
+    name) is kept. Returns (json path, None) or (None, why nothing was kept)."""
     found = sorted(staging.glob("*.json"))
     if not found:
         return None, "no results recorded (the notebook's last cell should call lu.record_results)"
@@ -161,12 +149,10 @@ def promote(staging: Path, out: Path, stem: str, expected_mode: str) -> tuple[Pa
 def regenerate(notebooks: list[Path], out: Path, *, smoke: bool, gpu_memory_gb: float | None,
                readme: Path | None = None, timeout: int | None = None, log=print,
                stems: list[str] | None = None) -> list[Outcome]:
-    """Execute ``notebooks``, keep what they record in ``out``, write ``out/README-results.md`` and, when
-    ``readme`` is given (full runs into results/ only), update its marked sections. Returns one Outcome each.
-
-    ``stems``: the notebooks whose results are rendered (default: those run); results are keyed by them.
-    SIGINT/SIGTERM (main thread) stop it: the running notebook's kernel is killed, nothing more is run or
-    rendered, and :class:`Interrupted` propagates with what finished and what did not."""
+    """Execute ``notebooks``, keep what they record in ``out``, write ``out/README-results.md`` and, when ``readme`` is
+    given (full runs into results/ only), update its marked sections. Returns one Outcome each. ``stems``: the
+    notebooks whose results are rendered (default: those run). SIGINT/SIGTERM (main thread) kill the running kernel
+    and raise :class:`Interrupted` with what finished and what did not."""
     out.mkdir(parents=True, exist_ok=True)
     mode = "smoke" if smoke else "full"
     timeout = timeout or (SMOKE_CELL_TIMEOUT if smoke else FULL_CELL_TIMEOUT)
@@ -276,11 +262,9 @@ _OOM = re.compile(r"\bstatus oom\b|OutOfMemoryError|out of memory", re.I)
 
 
 def _not_a_gate(row: dict, gpu_memory_gb: float | None) -> str | None:
-    """Why a failed doctor row does not stop the notebooks, or None when it does. The doctor marks a missed MFU
-    goal ``"gates_regenerate": False``. And the fast path running out of memory under the cap regenerate gave
-    the doctor is not judged: configs/fast_config.yaml is sized for the whole card, the labs never use it, and
-    the cap is regenerate's own choice (``--gpu-memory-gb``). Without a cap it is a real finding, and an
-    out-of-memory in any other check (the labs' own paths) still stops them."""
+    """Why a failed doctor row does not stop the notebooks, or None when it does: a missed MFU goal
+    (``"gates_regenerate": False``), or the fast path out of memory under the cap regenerate chose (the labs never use
+    it). Without a cap, or in any other check, an out-of-memory stops them."""
     if row.get("gates_regenerate", True) is False:
         return row.get("detail", "")
     if gpu_memory_gb and str(row.get("name", "")).startswith("fast path") and _OOM.search(str(row.get("detail"))):
@@ -302,10 +286,8 @@ def command_env(gpu_memory_gb: float | None, smoke_sizes: bool = False) -> dict:
 
 def run_doctor_first(out: Path, gpu_memory_gb: float | None, smoke_sizes: bool = False) -> int:
     """``python -m labutils doctor`` in its own process, with the notebooks' memory budget; its JSON goes to
-    ``<out>/doctor.json``. Returns 0 to go on, else the doctor's exit code: a failed row stops the notebooks
-    unless :func:`_not_a_gate` says why not (a missed fast-path MFU goal; the fast path out of memory under the
-    cap): a real finding, printed here again, but the labs do not need the fast path. Any other failure, or a
-    doctor without a readable report, stops them."""
+    ``<out>/doctor.json``. Returns 0 to go on, else the doctor's exit code: a failed row stops the notebooks unless
+    :func:`_not_a_gate` says why not; a doctor without a readable report stops them."""
     out.mkdir(parents=True, exist_ok=True)
     env = command_env(gpu_memory_gb, smoke_sizes)
     print("regenerate: checking this machine first (python -m labutils doctor)", flush=True)
@@ -334,11 +316,10 @@ def card_folder(name: str) -> str:
 
 
 def run_bench(out: Path, repeats: int, gpu_memory_gb: float | None = None, smoke_sizes: bool = False) -> float:
-    """``python -m labutils bench configs/fast_config.yaml --repeats N --json <out>/bench.json`` (``--bench N``): the
-    fast path and the reference side by side on this card, after the labs (a command stopped at its time limit
-    loses the bench, not the labs), under the doctor's budget (:func:`command_env`). Its verdict is printed, never a
-    gate. Returns seconds. A rehearsal (``smoke_sizes``) runs LAB_SMOKE=1, ``train.compile=false``: the path, not the
-    compiler (minutes on a CPU)."""
+    """``python -m labutils bench configs/fast_config.yaml --repeats N --json <out>/bench.json`` after the labs (a
+    command stopped at its time limit loses the bench, not the labs), under the doctor's budget
+    (:func:`command_env`); never a gate. Returns seconds. A rehearsal (``smoke_sizes``) runs LAB_SMOKE=1 with
+    ``train.compile=false``."""
     t0 = time.perf_counter()
     cmd = ["bench", "configs/fast_config.yaml", "--repeats", str(repeats), "--json", str(out / "bench.json")]
     print(f"regenerate: the fast path against the reference (python -m labutils {' '.join(cmd[:4])})", flush=True)

@@ -24,8 +24,7 @@ class ResultsError(ValueError):
 
 def load_results(out: str | os.PathLike, stems: list[str] | None = None) -> dict[str, dict]:
     """{lab id: recorded JSON} of ``<stem>.json`` for each notebook stem (default: the registry's labs; a stale
-    ``NN-Old_Name.json`` never stands in for the current lab). ResultsError (one line) for a file that is not a results
-    file."""
+    ``NN-Old_Name.json`` never stands in). ResultsError (one line) for a file that is not a results file."""
     files = [Path(out) / f"{s}.json" for s in stems or [lb.stem for lb in LABS] if (Path(out) / f"{s}.json").is_file()]
     results = {}
     for js in files:
@@ -145,9 +144,8 @@ def render_lab(data: dict, figure_prefix: str = "", *, readme: bool = False) -> 
 
 
 def render_claims(entries: list[dict], title: str = "Claims of the course design: verdicts from this run") -> list[str]:
-    """The claims table (C1-C7 verdicts, labs' ``claims`` entries) as Markdown lines; nothing when there are none.
-    Each row shows the pair of runs it compares, and (collected across labs) when its results file was recorded; a
-    value that was not judged is labelled so in "measured"."""
+    """The claims table (C1-C7 verdicts) as Markdown lines, nothing when there are none: each row with its pair of runs
+    and when its results file was recorded; a value that was not judged is labelled so."""
     if not entries:
         return []
     from ..verdicts.claims import table_rows

@@ -1,18 +1,13 @@
 """How long the instructors' full run takes on a card: predicted before it starts (``regenerate --plan``).
 
-A lab's cost is its training runs (the ``runs`` of its entry in :mod:`labutils.labs.registry`, in full mode) plus a fresh
-kernel's fixed cost. One run costs ``steps x max(compute, host)``:
+A lab's cost is its training runs (its entry in :mod:`labutils.labs.registry`, full mode) plus a fresh kernel's
+fixed cost. One run costs ``steps x max(compute, host)``: compute is the step's executed FLOPs
+(:func:`labutils.core.flops.flops_per_token`) over the card's dense peak (:mod:`labutils.core.peaks`) times
+:data:`ACHIEVED`; host is eager PyTorch's launch time, :data:`HOST_BLOCK_S` per block and micro-batch (more under
+autocast and checkpointing) plus :data:`HOST_STEP_S` per optimizer step.
 
-* compute: the step's executed FLOPs (:func:`labutils.core.flops.flops_per_token`, checkpointing's recompute and the
-  fused attention's included) over the card's dense peak in that precision (:mod:`labutils.core.peaks`) times
-  :data:`ACHIEVED`, the share of the peak such a step reaches;
-* host: eager PyTorch's Python and kernel-launch time, which sets the pace of a model this small on a fast card:
-  :data:`HOST_BLOCK_S` per transformer block and micro-batch (forward + backward), more under autocast (casts) and
-  with checkpointing (the recompute launches again), plus :data:`HOST_STEP_S` per optimizer step.
-
-The constants are assumptions from the one full GPU run so far (an H200, torch 2.11, 2026-11-26, GPT-2 small at
-8 x 256 tokens: its step times are quoted beside them). Every full ``regenerate`` prints the prediction first and
-each part's real time beside it at the end (and in run.json): that is how they are checked, and corrected.
+The constants are assumptions from one full GPU run (H200, torch 2.11, GPT-2 small at 8 x 256: its step times
+beside them); every full ``regenerate`` prints the prediction and each part's real time, which is how they are checked.
 """
 from __future__ import annotations
 
@@ -38,10 +33,9 @@ COMMAND_S = 10 * 60        # one command on a lent GPU (regenerate, then bench) 
 
 
 def run_cost(cfg, gpu_name: str | None, device: str = "cuda", loads: bool = True, card_bytes: int | None = None):
-    """FLOPs and predicted seconds of ``lu.run(cfg)`` on ``gpu_name`` (``device="cpu"``: the FLOPs a CPU run counts,
-    no fused attention, for checking against a smoke run's own counts; its seconds mean nothing). ``loads``: the run
-    builds its model (``lu.run``); False for a run on a model already loaded (lab 03's scans, sweeps). ``card_bytes``:
-    the memory cap the run is under; one the estimator says does not fit stops in its first step (an "oom" row)."""
+    """FLOPs and predicted seconds of ``lu.run(cfg)`` on ``gpu_name`` (``device="cpu"``: the FLOPs a CPU run counts, to
+    check against a smoke run). ``loads``: False for a run on a model already loaded. ``card_bytes``: the memory cap;
+    a run the estimator says does not fit stops in its first step (an "oom" row)."""
     t, m, d = cfg.train, cfg.model, cfg.data
     fused = device == "cuda" and m.attn_implementation in ("sdpa", "sdpa_causal")
     per_token = flops_per_token(m.name, d.seq_length, recompute=t.gradient_checkpointing,
@@ -82,9 +76,8 @@ def bench_plan(gpu_name: str, repeats: int, card_bytes: int | None = None) -> di
 
 def course_plan(gpu_name: str, labs=IDS, doctor: bool = True, card_gb: float | None = 8,
                 bench_repeats: int | None = None) -> dict:
-    """The whole regeneration on ``gpu_name``: the doctor (checks, then compiling the fast path) and each lab, under
-    regenerate's memory cap (``card_gb``: a card of that size, as ``--gpu-memory-gb``; None: no cap); with
-    ``bench_repeats``, the bench that follows them (``--bench N``)."""
+    """The whole regeneration on ``gpu_name``: the doctor and each lab under regenerate's memory cap (``card_gb``, as
+    ``--gpu-memory-gb``; None: no cap); with ``bench_repeats``, the bench that follows them (``--bench N``)."""
     from ..core.cards import card_total_bytes
 
     card = card_total_bytes(card_gb)[0] if card_gb else None

@@ -1,12 +1,10 @@
-"""The seven folklore claims of the original course (C1-C7), quoted in its own words with where each comes from,
-and the entries a lab records for them: ``claims=[claim_entry(...), ...]`` with its results
-(``lu.record_results(..., claims=...)``); :func:`collect` builds the whole C1-C7 table from every lab's results
-(the results page, :mod:`labutils.tools.report`).
+"""The seven folklore claims of the original course (C1-C7), in its own words with where each comes from, and the
+entries a lab records for them (``lu.record_results(..., claims=[claim_entry(...), ...])``); :func:`collect` builds
+the whole C1-C7 table from every lab's results (:mod:`labutils.tools.report`).
 
-Each claim is data: the course's words and one or more :class:`~labutils.verdicts.verdict_rule.Quantity`; the rule that turns
-the numbers into a verdict is :mod:`labutils.verdicts.verdict_rule`, whose public names are importable from here too. In smoke
-mode C1-C4 and C6 are "not judged" (the tiny model's ratios do not carry over to GPT-2 on a GPU); C5's chain of equal
-layers does not depend on the model's size and may be judged in smoke.
+Each claim is data: the course's words and one or more :class:`~labutils.verdicts.verdict_rule.Quantity`, judged by
+:mod:`labutils.verdicts.verdict_rule` (its public names importable from here too). In smoke mode C1-C4 and C6 are
+"not judged" (the tiny model's ratios do not carry over to GPT-2); C5's chain of equal layers may be judged.
 """
 from __future__ import annotations
 
@@ -116,14 +114,13 @@ def conditions(*, model: str | None, batch: str | None, sequence: int | None, pr
 def claim_entry(claim_id: str, values: dict | None, cond: dict, *, reason: str | None = None,
                 not_measured: str | None = None, prediction: dict | None = None, extra: dict | None = None,
                 prediction_for: str | None = None, evidence=None) -> dict:
-    """One ``claims`` entry: id, claim, expected, measured (values with units), verdict, why, conditions, parts
-    (each quantity's own verdict and clause), compares (each quantity's pair of runs), evidence, lab (its owner).
+    """One ``claims`` entry: id, claim, expected, measured (values with units), verdict, why, conditions, parts (each
+    quantity's own verdict and clause), compares (each quantity's pair of runs), evidence, lab (its owner).
 
     ``values``: {quantity: number}; none gives ``not measured`` (``not_measured``: why not). ``evidence``: one
-    :class:`Evidence` or {quantity: Evidence} (its hardware defaults to ``cond["hardware"]``). ``reason``: a clause
-    computed from the same numbers, appended to the why (it must not contradict the verdict). ``prediction``:
-    {quantity: number} from the estimator, labelled as a prediction. ``extra``: more measured context.
-    """
+    :class:`Evidence` or {quantity: Evidence} (hardware defaults to ``cond["hardware"]``). ``reason``: a clause from the
+    same numbers, appended to the why. ``prediction``: {quantity: number} from the estimator, labelled as such.
+    ``extra``: more measured context."""
     claim = CLAIMS[claim_id]
     values = {k: v for k, v in (values or {}).items() if v is not None}
     evs = evidence_for(claim.quantities, evidence, cond.get("hardware"), cond.get("mode"), cond.get("model"))
@@ -170,9 +167,8 @@ _RANK = {HOLDS: 0, PARTLY: 0, DOES_NOT_HOLD: 0, NOT_DECIDED: 1, NOT_JUDGED: 2, N
 
 
 def collect(results: dict[str, dict]) -> list[dict]:
-    """C1-C7, one entry each from ``results`` ({anything: results JSON}), each with the lab and the time of the
-    results file it came from ("recorded"): the best-judged entry (judged, then not decided, not judged, not
-    measured), the owning lab's (:mod:`labutils.labs.registry`) first; else a ``not measured`` entry saying no lab has it."""
+    """C1-C7, one entry each from ``results`` ({anything: results JSON}), with the lab and time of the results file it
+    came from ("recorded"): the best-judged entry, the owning lab's first; else a ``not measured`` entry."""
     by_lab: dict[str, dict[str, dict]] = {}
     for data in results.values():
         for e in data.get("claims") or []:

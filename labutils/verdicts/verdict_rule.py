@@ -111,8 +111,8 @@ SPEED_NEEDS = ("gpu", "timed_steps")
 
 
 def median_spread(times) -> tuple[float | None, float | None]:
-    """The one definition of a timed quantity: (median of ``times``, +- half their inter-quartile range relative
-    to that median); (None, None) without times, a spread of None with one."""
+    """The one definition of a timed quantity: (median of ``times``, +- half their inter-quartile range relative to that
+    median); (None, None) without times, a spread of None with one."""
     xs = [float(t) for t in times]
     if not xs:
         return None, None
@@ -122,9 +122,8 @@ def median_spread(times) -> tuple[float | None, float | None]:
 
 
 def timed_ratio(times_a, times_b) -> dict:
-    """Median and spread of a timed comparison of two runs' step times: {"ratio": median(b) / median(a), "spread": +-
-    of that ratio (the runs' relative half inter-quartile ranges, added), "timed_steps": the fewer, "median_a",
-    "median_b"}. An overhead is ``ratio - 1`` (same spread); a speed-up of b over a is 1 / ratio."""
+    """Median and spread of a timed comparison of two runs' step times: {"ratio": median(b) / median(a), "spread" (the
+    runs' relative half inter-quartile ranges, added), "timed_steps" (the fewer), "median_a", "median_b"}."""
     a, b = list(times_a), list(times_b)
     if not a or not b:
         return {"ratio": None, "spread": None, "timed_steps": min(len(a), len(b)), "median_a": None, "median_b": None}
@@ -135,8 +134,8 @@ def timed_ratio(times_a, times_b) -> dict:
 
 
 def timed_step_times(result) -> list[float]:
-    """The step times a :class:`labutils.core.train.RunResult` averages into ``step_time_seconds``: its last
-    ``timed_steps`` (empty when none was timed, never warm-up); without ``timed_steps``, all but the warm-up."""
+    """The step times a RunResult averages into ``step_time_seconds``: its last ``timed_steps`` (empty when none was
+    timed); without ``timed_steps``, all but the warm-up."""
     times = list(result.step_times or [])
     n = getattr(result, "timed_steps", None)
     if n is not None and (n or not times or result.step_time_seconds is None):
@@ -146,8 +145,7 @@ def timed_step_times(result) -> list[float]:
 
 
 def hardware(env: dict | None) -> str:
-    """The hardware of a run (its env, or ``lu.setup()``'s info) for a claim's conditions: the GPU's name, else the
-    device ("cpu")."""
+    """A run's hardware (its env or ``lu.setup()``'s info) for a claim's conditions: the GPU's name, else the device."""
     env = env or {}
     return env.get("gpu_name") or str(env.get("device") or "cpu")
 

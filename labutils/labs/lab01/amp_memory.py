@@ -164,9 +164,8 @@ def plot_memory_breakdown(mem: dict, title: str):
 # --------------------------------------------------------------------------------------------- the batch sweep
 def batch_sweep(cfgs: dict, rows: dict, reuse: dict, device, amp: str, budget_bytes: int | None = None,
                 steps: int = 12) -> tuple[dict, list[dict]]:
-    """Each of ``rows`` ({label: overrides of precision and micro-batch}) trained by ``lu.run`` for ``steps`` steps
-    (on a CPU within ``budget_bytes``), or ``reuse``'s run ({precision: RunResult}) at that micro-batch. Returns
-    ({label: RunResult}, one row per micro-batch: each precision's status and peak, ``amp``'s saving and speed-up)."""
+    """Each of ``rows`` ({label: overrides}) run by ``lu.run`` for ``steps`` steps (CPU: within ``budget_bytes``), or
+    ``reuse``'s run at that micro-batch: ({label: RunResult}, per micro-batch: status, peak, saving, speed-up)."""
     from ...verdicts import claims as cl
     from ...core.train import run
 

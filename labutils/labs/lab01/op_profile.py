@@ -13,10 +13,8 @@ from ...core.figures import legend_outside
 from ...core.precisions import dtype_name
 
 # --------------------------------------------------------------------------------------------- one step, op by op
-# How the profile of a training step is grouped (op_group): matmul-like ops run on tensor cores in half precision;
-# every other ATen op that touches data is bound by memory traffic (elementwise, reductions, norms, softmax,
-# dropout, the optimizer's update), the casts and copies autocast adds among them; views, allocation and the
-# framework's own events (autograd nodes, optimizer ranges) move no data.
+# op_group: matmul-like ops run on tensor cores in half precision; every other ATen op that touches data (autocast's
+# casts included) is bound by memory traffic; views, allocation and the framework's own events move no data.
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::matmul", "aten::linear",
               "aten::_scaled_mm", "aten::mv", "aten::addmv", "aten::dot"}
 MATMUL_PREFIXES = ("aten::_scaled_dot_product_", "aten::scaled_dot_product_attention", "aten::_flash_attention",

@@ -1,6 +1,5 @@
 """Lab 01, the numerics: number formats read from ``torch.finfo``, what FP16 storage does to real gradients
-(underflow) and activations (overflow), and the loss-scale figure. The technique itself is written out in the
-notebook. ``import labutils.labs.lab01.precision as lp``.
+(underflow) and activations (overflow), and the loss-scale figure. ``import labutils.labs.lab01.precision as lp``.
 """
 from __future__ import annotations
 
@@ -161,9 +160,8 @@ def plot_gradient_census(census: HalfGradientCensus, title: str):
 
 # --------------------------------------------------------------------------------------------- activations
 def activation_overflow_demo(cfg, device, first_nonfinite, precisions=("fp32", "fp16")):
-    """Make the first MLP layer overflow FP16 on purpose: its weights and bias scaled so that its largest output
-    (measured in FP32) becomes about 4 x FP16's max; then ``first_nonfinite(model, batch, amp_dtype) -> (module or
-    "none", loss)`` (the notebook's hook search) once per precision. Returns (factor, largest FP32 output, rows)."""
+    """Make the first MLP layer overflow FP16 on purpose (its largest FP32 output scaled to about 4 x FP16's max), then
+    run the notebook's ``first_nonfinite(model, batch, amp_dtype)`` per precision. Returns (factor, largest, rows)."""
     from ...core.train import prepare
 
     seed_everything(cfg.train.seed)

@@ -1,6 +1,6 @@
-"""Lab 02 (gradient accumulation): the bookkeeping of the gradient experiments written out in the notebook's cells
-(a model held for them, what a cell's gradient function does to memory, rows) and the lab's AMP precision, all
-releasing their memory when they end (its memory budget: :mod:`labutils.labs.scale_model`). The training runs: :mod:`labutils.labs.lab02.accumulation_sweeps`.
+"""Lab 02 (gradient accumulation): the bookkeeping of the notebook's gradient experiments (a model held for them,
+a cell's memory, rows) and the lab's AMP precision, all releasing their memory when they end. The training runs:
+:mod:`labutils.labs.lab02.accumulation_sweeps`.
 """
 from __future__ import annotations
 
@@ -87,9 +87,8 @@ def first_window(dataset: LMDataset, micro: int, accum: int, seed: int):
 
 
 def measure_gradient(model, compute, device, cpu_budget_bytes=None, track: bool = True) -> dict:
-    """Run ``compute(model)`` (the cell's code: it fills ``p.grad``, returns the loss), TF32 off. ``track``: under a
-    memory tracker (peak; an out-of-memory error, simulated on CPU past ``cpu_budget_bytes``, is status "oom") and no
-    gradient copy, which would sit in the next peak. Untracked: the gradient, copied to the CPU (``grads``)."""
+    """Run ``compute(model)`` (the cell's code: fills ``p.grad``, returns the loss), TF32 off. ``track``: under a memory
+    tracker (an OOM, simulated on CPU past ``cpu_budget_bytes``, is status "oom"); else the gradient, copied to CPU."""
     out = {"status": "ok", "error": None, "peak_bytes": None, "loss": None, "grads": None}
     tracker = (MemoryTracker(device, cpu_budget_bytes=cpu_budget_bytes if device.type == "cpu" else None)
                if track else contextlib.nullcontext())

@@ -44,9 +44,9 @@ def step_noise(losses) -> float:
 
 
 def loss_comparison(runs: dict, micro: int, window: int, judge_steps: int, tolerance: float = 0.1) -> tuple[dict, str]:
-    """The sweep ``{k: run}`` read at equal optimizer steps (tail loss) and at equal target tokens (those of the
-    smallest batch's whole run, within ``tolerance``). Returns ({k: {"loss_at_equal_tokens",
-    "tokens_at_comparison"}}, one line); under ``judge_steps`` steps per run the line says "not judged"."""
+    """The sweep ``{k: run}`` read at equal optimizer steps (tail loss) and at equal target tokens (the smallest batch's
+    whole run, within ``tolerance``): ({k: {"loss_at_equal_tokens", "tokens_at_comparison"}}, one line; "not judged"
+    under ``judge_steps`` steps)."""
     steps, tokens = min(len(r.losses) for r in runs.values()), int(np.sum(runs[min(runs)].target_tokens))
     values = {}
     for k, r in runs.items():

@@ -72,10 +72,8 @@ def every_k_table(ks: list[int], every: dict, segs: dict, pred_every: dict, pred
 
 
 def every_k_accounting(L: int, k: int, x: float, a: float) -> float:
-    """Saved activations at the peak of backward under ``every_n_layers = k`` (``x``: one block's input, ``a``: its
-    saved activations): the largest of the moments, not their sum: the start of backward (every un-checkpointed
-    block's ``a``, every checkpointed block's ``x``), and each recompute of a checkpointed block j, when the blocks
-    above j are freed (the un-checkpointed blocks below j, the checkpointed inputs up to j, j's own ``a``)."""
+    """Saved activations at the peak of backward under ``every_n_layers = k`` (``x``: a block's input, ``a``: its saved
+    activations): the largest of the start of backward and each checkpointed block's recompute, not their sum."""
     ck = list(range(0, L, k))   # below checkpointed block j (the i-th): j - i un-checkpointed blocks
     return max([(L - len(ck)) * a + len(ck) * x] + [(j - i) * a + (i + 1) * x + a for i, j in enumerate(ck)])
 
@@ -220,9 +218,8 @@ def _conditions(cfg, info: dict, batch: int, budget_text: str) -> dict:
 
 def claim_c4(cfg, info: dict, *, pair, b0: int, b1: int, budget: int, state_bytes: int, flops_ratio: float,
              hw: str, dropout: float | None = None) -> dict:
-    """Claim C4 (30-50 % less memory for +20-30 % time) on section 2's ``pair`` (no checkpointing, checkpointing):
-    the saving and overhead the tables print, headed by what checkpointing buys (the largest micro-batch within
-    ``budget``: ``b0`` without, ``b1`` with). ``state_bytes``: 16N, its share of the peak goes with the evidence."""
+    """Claim C4 (30-50 % less memory for +20-30 % time) on section 2's ``pair`` (without, with checkpointing), headed by
+    what it buys (the largest micro-batch within ``budget``); ``state_bytes`` (16N) goes with the evidence."""
     headline = (f"within {fmt(budget)} the largest micro-batch is {b0} without checkpointing and {b1} with it"
                 + (f" ({b1 / b0:.1f}x the sequences per step)" if b0 else ""))
     extra = {"headline": headline, "recompute_flops_overhead": flops_ratio - 1,

@@ -1,17 +1,14 @@
-"""Lab 03's checkpointing variants on labutils' GPT-2 models (the notebook writes each out on a toy stack first),
-so that every variant runs through :func:`labutils.core.train` and is measured the same way (:mod:`.checkpoint_measure`).
+"""Lab 03's checkpointing variants on labutils' GPT-2 models (the notebook writes each out on a toy stack first), run
+through :func:`labutils.core.train` and measured the same way (:mod:`.checkpoint_measure`).
 
-Variants: ``variant.apply(model)`` switches it on and returns a function that switches it off again.
+``variant.apply(model)`` switches it on and returns a function that switches it off again.
 
     baseline()            keep every activation autograd wants (the default)
     every_n(k)            the model's own API, non-reentrant: blocks 0, k, 2k, ... recompute in backward (k=1: full)
     segments(k)           Chen et al. 2016: k consecutive blocks inside one checkpoint; only segment inputs are kept
-    selective(policy)     every block checkpointed, but ops the policy marks (matmuls) are saved, the rest recomputed
-    offload()             no recompute: every saved activation goes to host memory (torch.autograd.graph.save_on_cpu)
+    selective(policy)     every block checkpointed, but ops the policy marks are saved (:func:`save_matmuls`)
+    offload()             no recompute: every saved activation goes to host memory (:class:`CountingSaveOnCPU`)
     checkpoint_offload()  full checkpointing, and what it still saves (block inputs, LM head) goes to host memory
-
-Selective checkpointing's policy is :func:`save_matmuls` (saves the ops in ``SAVE_OPS``, never one that
-:func:`draws_random_numbers`); offload's hooks are :class:`CountingSaveOnCPU`.
 """
 from __future__ import annotations
 
@@ -60,10 +57,8 @@ def full(**checkpoint_kwargs) -> Variant:
 
 
 class Segment(nn.Module):
-    """``len(blocks)`` consecutive blocks run inside one non-reentrant checkpoint (Chen et al. 2016).
-
-    Forward keeps only the segment's input; backward re-runs the whole segment to get what it needs.
-    """
+    """``len(blocks)`` consecutive blocks inside one non-reentrant checkpoint (Chen et al. 2016): forward keeps only the
+    segment's input; backward re-runs the whole segment."""
 
     def __init__(self, blocks):
         super().__init__()
@@ -115,13 +110,9 @@ def draws_random_numbers(op, args, kwargs) -> bool:
 
 
 def save_matmuls(ctx, op, *args, **kwargs):
-    """Selective-checkpointing policy: keep matmul outputs, recompute pointwise ops.
-
-    Never keeps an op that draws random numbers: the recompute replays the forward's random stream from the
-    checkpoint's saved RNG state, so an op skipped in the recompute (saved) would shift every later draw, and
-    the dropouts after it would get other masks than in the forward: silently wrong gradients. On CUDA that
-    op is the fused attention kernel with dropout (its mask is drawn inside the kernel); with dropout 0 it is
-    deterministic and kept."""
+    """Selective-checkpointing policy: keep matmul outputs, recompute pointwise ops. Never keeps an op that draws random
+    numbers (on CUDA, fused attention with dropout): skipped in the recompute, it would shift the replayed random stream
+    and every later dropout mask, giving silently wrong gradients."""
     if op in SAVE_OPS and not draws_random_numbers(op, args, kwargs):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
@@ -134,12 +125,9 @@ def selective(policy=None) -> Variant:
 
 
 class CountingSaveOnCPU(torch.autograd.graph.save_on_cpu):
-    """``torch.autograd.graph.save_on_cpu`` that leaves ``keep`` tensors (the weights) in place and counts bytes.
-
-    Plain ``save_on_cpu`` would copy every weight a matmul saves to the host and back each step, saving no device
-    memory (the parameters stay there anyway). ``bytes`` counts what was moved, ``kept_bytes`` what plain
-    ``save_on_cpu`` would have copied in addition. Pinned host memory where there is a GPU (pinning needs one).
-    """
+    """``torch.autograd.graph.save_on_cpu`` that leaves ``keep`` tensors (the weights, on the device anyway) in
+    place and counts bytes: ``bytes`` what was moved, ``kept_bytes`` what plain ``save_on_cpu`` would have copied
+    in addition. Pinned host memory where there is a GPU."""
 
     def __init__(self, device_type: str = "cuda", keep: frozenset = frozenset()):
         self.pinned = dev.pin_memory_default(device_type)

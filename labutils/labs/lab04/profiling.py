@@ -66,9 +66,8 @@ CPU_TRACE_PHASES = {"before forward": "forward (outside modules)", "after forwar
 
 
 class PhaseMarks:
-    """``mark = PhaseMarks(); ...; mark("after forward")``: the phase each later allocation belongs to, for
-    :func:`trace_summary` (``phases=mark.phases``): backward allocates on autograd's thread, without Python frames.
-    Each mark is a time in the trace's clock (microseconds of Unix time, as a CUDA snapshot's ``time_us``)."""
+    """``mark = PhaseMarks(); ...; mark("after forward")``: the phase each later allocation belongs to (backward's have
+    no Python frames), for :func:`trace_summary` (``phases=mark.phases``), in the trace's clock (``time_us``)."""
 
     def __init__(self, clock=None):
         self.clock = clock or (lambda: time.time_ns() / 1e3)
@@ -218,8 +217,7 @@ def record_cpu_trace(model: torch.nn.Module, step, steps: int) -> tuple[dict, in
 
 
 def operators_only(averages):
-    """``prof.key_averages()`` without the ``record_function`` ranges (spans, not operators), keeping the profile's
-    columns (memory with profile_memory)."""
+    """``prof.key_averages()`` without the ``record_function`` ranges (spans, not operators), keeping its columns."""
     from torch.autograd.profiler_util import EventList
 
     return EventList([e for e in averages if not getattr(e, "is_user_annotation", False)],
@@ -239,9 +237,8 @@ def profiler_op_rows(averages, steps: int, on_gpu: bool) -> list[dict]:
 
 
 def range_times(events, names=("forward", "backward", "optimizer_step")) -> list[dict]:
-    """One row per ``record_function`` range of ``prof.events()``: calls and CPU time from its CPU-side event; device
-    time = the self device time of every operator, on any thread, inside the range's CPU interval (the profiler's
-    own sum sees only the range's thread, and autograd launches backward's kernels on its own). None without a GPU."""
+    """One row per ``record_function`` range of ``prof.events()``: calls and CPU time; device time = the self device
+    time of every operator, on any thread (backward's included), inside the range's CPU interval. None without a GPU."""
     from torch.autograd import DeviceType
 
     cpu_ops = [e for e in events if e.device_type == DeviceType.CPU]

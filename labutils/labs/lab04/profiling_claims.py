@@ -1,7 +1,6 @@
-"""C6 and C7, the two claims of the course design that lab 04 measures (the verdict rules are in
-:mod:`labutils.verdicts.claims`): :func:`c6_claim` runs all three techniques together against the FP32 baseline with the
-notebook's one loop; :func:`c7_claim` DeepSpeed ZeRO-2 + CPU offload against plain fp16, where DeepSpeed and CUDA are
-here, else not measured with the estimator's prediction. Labs 01 and 03 measure C1, C2 and C4.
+"""C6 and C7, the course-design claims lab 04 measures: :func:`c6_claim` runs all three techniques together against
+the FP32 baseline with the notebook's one loop; :func:`c7_claim` DeepSpeed ZeRO-2 + CPU offload against plain fp16
+where DeepSpeed and CUDA are here, else not measured with the estimator's prediction.
 """
 from __future__ import annotations
 
@@ -39,8 +38,8 @@ def _c6_run(c, loop, device) -> dict:
 
 
 def c6_claim(tech_cfg, loop, config_path: str, info: dict, pair: dict, *, amp: str = "fp16") -> tuple[dict, dict, dict]:
-    """(C6 entry, its conditions, the predicted largest micro-batch on an 8 GB card): ``pair`` ({name: overrides}), FP32
-    against all three techniques at ONE effective batch with the notebook's ``loop``, on this device's whole memory."""
+    """(C6 entry, its conditions, the predicted largest micro-batch on an 8 GB card): FP32 against all three techniques
+    (``pair``: {name: overrides}) at one effective batch with the notebook's ``loop``, on this device's whole memory."""
     device = info["device"]
     warm = tech_cfg.train.timing_warmup_steps
     # a GPU gets enough timed steps for a speed verdict; a CPU's time is never judged, so a few steps do

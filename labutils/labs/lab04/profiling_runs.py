@@ -1,6 +1,6 @@
-"""Lab 04's experiments as rows: every run measured under the lab's one budget (an 8 GB card) and set next to the
-estimator's prediction for it (``labutils.estimator.estimate``). The written-out training step, the memory marks and the raw
-``torch.cuda`` / ``torch.profiler`` calls stay in the notebook: they are what the lab teaches.
+"""Lab 04's experiments as rows: every run measured under the lab's one budget (an 8 GB card) next to the
+estimator's prediction for it. The written-out training step and the raw ``torch.cuda`` / ``torch.profiler``
+calls stay in the notebook: they are what the lab teaches.
 """
 from __future__ import annotations
 
@@ -20,14 +20,13 @@ GiB, MiB = 2**30, 2**20
 
 
 def as_counted(phase: str) -> str:
-    """An estimator phase with its steps counted from 1, as every table and figure counts them (labutils.core.figures):
-    the replay numbers its steps from 0 ("step 1 backward" is the second step)."""
+    """An estimator phase with steps counted from 1, as tables and figures count them (the replay counts from 0)."""
     return re.sub(r"\bstep (\d+)", lambda m: f"step {int(m.group(1)) + 1}", phase)
 
 
 class MeasuredRuns:
     """Every measured run (``runs.rows``, section 10): this device's estimate against the measurement, the CUDA
-    prediction beside it, and ``start_bytes`` (memory in use when the run started)."""
+    prediction beside it, and ``start_bytes`` (memory in use at the start)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -53,8 +52,7 @@ class MeasuredRuns:
 
 
 def setup_training(c, device: torch.device):
-    """``model, optimizer, data, windows = setup_training(cfg, device)``, as ``lu.train`` has them (train mode, the
-    dataset on the device)."""
+    """``model, optimizer, data, windows = setup_training(cfg, device)``, as ``lu.train`` has them."""
     loaded, dataset = prepare(c, device, verbose=False)
     model = loaded.model.train()
     optimizer, _ = make_optimizer(model, c, device)
@@ -64,7 +62,7 @@ def setup_training(c, device: torch.device):
 
 def fresh_training(c, device: torch.device, fn):
     """``fn(model, optimizer, data, windows, autocast)`` on a fresh :func:`setup_training` of ``c``, all released when
-    it returns, even after an error, so the next measurement starts from the lab's baseline."""
+    it returns (even after an error), so the next measurement starts from the lab's baseline."""
     model, optimizer, data, windows = setup_training(c, device)
     try:
         return fn(model, optimizer, data, windows, autocast_for(c.train.precision, device))
