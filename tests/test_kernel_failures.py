@@ -57,7 +57,7 @@ def run_regenerate(notebooks: Path, out: Path, pids: Path, *, timeout: int, limi
     """regenerate(timeout=...) over the notebooks in a child process; its outcomes and how long it took. Also
     checks that no kernel it started outlives it."""
     script = (
-        "import json, sys\nfrom pathlib import Path\nfrom labutils import regenerate as rg\n"
+        "import json, sys\nfrom pathlib import Path\nfrom labutils.tools import regenerate as rg\n"
         f"nbs = rg.find_notebooks({str(notebooks)!r})\n"
         f"outcomes = rg.regenerate(nbs, Path({str(out)!r}), smoke=True, gpu_memory_gb=None, timeout={timeout},\n"
         "                          log=lambda *a, **k: print(*a, file=sys.stderr, flush=True))\n"

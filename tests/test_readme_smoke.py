@@ -38,7 +38,9 @@ def literal_step_overrides(nb: Path) -> set[int]:
 def lab02_lr_steps() -> set[int]:
     """The optimizer steps lab 02's learning-rate section runs in smoke, by the notebook's own assignments."""
     names = {"ACCUM_STEPS", "MICRO", "TARGET", "B0", "B1", "ratio", "S0", "S1", "lr0", "w0", "w1"}
-    ns = {"cfg": lu.load_config(ROOT / "configs/lab02_accumulation.yaml", mode="smoke")}
+    from labutils.labs import registry
+
+    ns = {"cfg": lu.load_config(ROOT / "configs/lab02_accumulation.yaml", mode="smoke"), "labs": registry}
     for src in code(ROOT / "02-Gradient_Accumulation.ipynb"):
         for node in ast.parse(src).body:
             if isinstance(node, ast.Assign) and {n.id for t in node.targets for n in ast.walk(t)
