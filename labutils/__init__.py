@@ -15,6 +15,7 @@ core/  the one training loop and what it measures with (every lab and command bu
   compiling           train.compile that really compiles: dynamo reset, backend probe, graph count, loud fallback
   run_result          RunResult (what a run measured), the divergence rule, the step-time rule (median of timed steps)
   train               the one training loop (AMP, accumulation, clipping, checkpointing); run, prepare
+  distributed         the same loop under accelerate (DDP, FSDP, DeepSpeed ZeRO); ZeRO memory per GPU
   flops               FLOPs of a training step (model and executed), the SDPA kernel, MFU and HFU of a run
   peaks               dense peak TFLOP/s of NVIDIA GPUs per precision (the denominator of MFU)
   figures             conventions every lab's figures follow (step axis, legends)
@@ -66,7 +67,6 @@ tools/  the commands and what they share
   notebook_runner     runs one notebook in a kernel, safely: timeouts, Ctrl-C, the failing line
   report              Markdown from result files: the results page and the README's tables
   timeplan            how long the full regeneration takes on a card: predicted first, then against actual
-  distributed         the same loop under accelerate (DDP, FSDP, DeepSpeed ZeRO); ZeRO memory per GPU
 """
 import os as _os
 import signal as _signal

@@ -7,7 +7,7 @@ import sys
 import pytest
 import yaml
 
-from labutils.tools.distributed import zero_bytes_per_gpu
+from labutils.core.distributed import zero_bytes_per_gpu
 
 
 def _run(root, tmp_path, name, launcher, sets, extra_env=None):

@@ -156,7 +156,7 @@ def test_fsdp_wraps_the_model_s_own_block_class():
     from types import SimpleNamespace
 
     from accelerate.utils import FullyShardedDataParallelPlugin
-    from labutils.tools.distributed import wrap_blocks
+    from labutils.core.distributed import wrap_blocks
 
     model = llama()
     with pytest.raises(ValueError, match="GPT2Block"):

@@ -52,7 +52,7 @@ def make_optimizer(model, cfg: Config, device: torch.device, accelerator=None):
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    from ..tools.distributed import uses_engine_optimizer
+    from .distributed import uses_engine_optimizer
     if uses_engine_optimizer(accelerator):  # DeepSpeed builds the optimizer its config names ("auto" = ours)
         from accelerate.utils import DummyOptim
         return DummyOptim(groups, lr=t.lr, weight_decay=t.weight_decay), None
@@ -91,7 +91,7 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
 
     ``inject_overflow_at``: steps at which one gradient is set to inf after backward (lab 01's demo).
     ``on_step(step, result, model, optimizer, scaler)`` is called after every step. ``scaler_kwargs``: fp16 only, for
-    ``torch.amp.GradScaler``. ``accelerator`` (:mod:`labutils.tools.distributed`): the engine does autocast, loss
+    ``torch.amp.GradScaler``. ``accelerator`` (:mod:`labutils.core.distributed`): the engine does autocast, loss
     scaling, accumulation and clipping, and each rank trains on its share of the global window."""
     validate(cfg)  # a config changed in code (a notebook cell) is checked as a file is, before any work
     if accelerator is not None:
@@ -259,7 +259,7 @@ def run(cfg: Config, device: torch.device | str | None = None, *, progress: bool
         verbose: bool = True, **train_kw) -> RunResult:
     """Load, train, measure and clean up one configuration: an OOM becomes ``status="oom"`` (with the memory reached), a
     non-finite loss ``status="diverged"``, never a crash; memory is released either way."""
-    from ..tools.distributed import maybe_accelerator
+    from .distributed import maybe_accelerator
 
     validate(cfg)  # before loading anything: a config changed in code is checked as a file is
     accelerator = maybe_accelerator(cfg)
@@ -301,7 +301,7 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
                        on_step=None) -> RunResult:
     """The same step as :func:`train`, with the engine doing what the single-process loop does by hand."""
     t, world, rank = cfg.train, acc.num_processes, acc.process_index
-    from ..tools.distributed import compile_refusal, wrap_blocks
+    from .distributed import compile_refusal, wrap_blocks
     if t.compile:  # maybe_accelerator refuses it before any work; a caller passing its own accelerator too
         raise compile_refusal(cfg)
     device = acc.device

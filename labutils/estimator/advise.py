@@ -13,7 +13,7 @@ from dataclasses import replace
 from ..core import cards
 from ..core import device as dev
 from ..core.config import ConfigError
-from ..tools.distributed import zero_table
+from ..core.distributed import zero_table
 from .estimate import CUDA_CONTEXT_BYTES, HEADROOM, GiB, Plan, estimate_memory, estimate_plan, fits, plan_from_config
 from ..core.flops import flops_per_token
 from ..core.peaks import peak_tflops

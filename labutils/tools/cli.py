@@ -141,7 +141,7 @@ def _apply_budget(verbose: bool = True) -> None:
 
 
 def cmd_run(args) -> int:
-    from .distributed import is_main_process
+    from ..core.distributed import is_main_process
     from ..core.device import detect_mode
     from ..core.train import for_this_card, run
 

@@ -88,7 +88,7 @@ def c6_claim(tech_cfg, loop, config_path: str, info: dict, pair: dict, *, amp: s
 def zero2_offload_prediction(cfg, precision: str = "fp16") -> dict:
     """C7's prediction for ``cfg`` on one GPU: model state under plain mixed precision (16P, ZeRO stage 0) vs ZeRO-2
     with the optimizer on the CPU (4P on the GPU), each plus one micro-batch's activations."""
-    from ...tools.distributed import zero_bytes_per_gpu
+    from ...core.distributed import zero_bytes_per_gpu
 
     e = est.estimate_memory(cfg, precision=precision)
     plain = zero_bytes_per_gpu(e["parameters"], 0, 1, False, True)["total"] + e["activations_bytes"]

@@ -11,9 +11,9 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from ..core.config import Config, ConfigError
+from .config import Config, ConfigError
 from ..models.spec import spec_of
-from ..core.precisions import get
+from .precisions import get
 
 LAUNCHER_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
@@ -80,7 +80,7 @@ def maybe_accelerator(cfg: Config):
     if importlib.util.find_spec("accelerate") is None:
         raise ConfigError("accelerate launch", None, "accelerate", "the accelerate package is not installed; "
                                                                    "pip install -e '.[distributed]'")
-    from ..core import device as dev
+    from . import device as dev
     from accelerate import Accelerator
 
     mixed = cfg.train.precision if get(cfg.train.precision).amp else "no"  # accelerate's names for fp16 / bf16
