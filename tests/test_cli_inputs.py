@@ -305,6 +305,25 @@ def test_lab_gpu_memory_gb_one_rule_in_every_command(monkeypatch, capsys, no_wor
     refused(capsys, argv, f"LAB_GPU_MEMORY_GB = {value!r}: must be a number of GiB from 0 to 1048576")
 
 
+@pytest.mark.parametrize("argv", [["estimate", CONFIG], ["run", CONFIG], ["doctor"], ["bench", CONFIG]])
+def test_a_card_too_small_for_the_cuda_context_is_refused_by_every_command(monkeypatch, capsys, no_work, argv):
+    """Issue 46 §3: LAB_GPU_MEMORY_GB=0.001 ran `run` on a CPU (rc 0, no budget line) while `estimate` refused it;
+    one rule (labutils.core.cards.card_gb) now refuses it in every command, before any work, naming the variable.
+    The oracle is the card table's own refusal (card_total_bytes). Breaks if a command skips the check."""
+    from labutils.core.cards import card_total_bytes
+
+    with pytest.raises(ValueError, match="not more than the CUDA context"):
+        card_total_bytes(0.001)
+    monkeypatch.setenv("LAB_GPU_MEMORY_GB", "0.001")
+    refused(capsys, argv, "LAB_GPU_MEMORY_GB = '0.001'", "not more than the CUDA context")
+
+
+@pytest.mark.parametrize("argv", [["estimate", CONFIG], ["regenerate", "--plan", "--gpu", "Tesla T4"]])
+def test_gpu_memory_gb_too_small_is_the_same_refusal(capsys, argv):
+    """--gpu-memory-gb 0.001: `regenerate --plan` ended in a traceback (issue 45) where `estimate` refused it."""
+    refused(capsys, argv + ["--gpu-memory-gb", "0.001"], "--gpu-memory-gb", "not more than the CUDA context")
+
+
 def test_a_valid_lab_gpu_memory_gb_is_the_estimates_card_on_the_cpu_too(monkeypatch, capsys):
     """Without a GPU, estimate used an 8 GB card whatever LAB_GPU_MEMORY_GB said; now it is the card to fit,
     named as such, and the same card --gpu-memory-gb gives."""

@@ -91,15 +91,29 @@ def card_total_bytes(gb: float) -> tuple[int, str]:
                    f"{gb:g}/{c.sold_as_gb} = {total / GiB:.2f} GiB")
 
 
+def card_gb(value: float, name: str) -> float | None:
+    """The one rule for a card size (``--gpu-memory-gb`` and ``LAB_GPU_MEMORY_GB``, every command, GPU or CPU): GiB
+    from 0 to :data:`MAX_GB`, 0 = no cap (None); a card too small for the CUDA context is refused as the estimator
+    refuses it. ValueError naming ``name`` and the allowed values."""
+    if not 0 <= value <= MAX_GB:
+        raise ValueError(f"{name} = {value!r}: must be a number of GiB from 0 to {MAX_GB} (the card to behave like, "
+                         f"e.g. 8; 0 or unset = no cap)")
+    if not value:
+        return None
+    try:
+        card_total_bytes(value)
+    except ValueError as exc:
+        raise ValueError(f"{name} = {value:g}: {exc}") from None
+    return value
+
+
 def budget_from_env() -> float | None:
-    """``LAB_GPU_MEMORY_GB``, the card every lab and command behaves like, by ``--gpu-memory-gb``'s rule: GiB from 0
-    to :data:`MAX_GB`; None (no cap: the whole card) when unset, empty or 0; else ValueError naming the variable."""
+    """``LAB_GPU_MEMORY_GB``, the card every lab and command behaves like, by :func:`card_gb`'s rule; None (no cap:
+    the whole card) when unset, empty or 0; else ValueError naming the variable."""
     raw = os.environ.get("LAB_GPU_MEMORY_GB", "").strip()
     try:
         gb = float(raw or 0)
     except ValueError:
-        gb = math.nan
-    if not 0 <= gb <= MAX_GB:
         raise ValueError(f"LAB_GPU_MEMORY_GB = {raw[:40]!r}: must be a number of GiB from 0 to {MAX_GB} (the card "
-                         f"to behave like, e.g. 8; 0 or unset = no cap)")
-    return gb or None
+                         f"to behave like, e.g. 8; 0 or unset = no cap)") from None
+    return card_gb(gb, "LAB_GPU_MEMORY_GB")

@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 
-from ..core.cards import MAX_GB as MAX_GPU_MEMORY_GB, budget_from_env
+from ..core.cards import budget_from_env, card_gb
 from ..core.config import ConfigError, load_config, shown
 from ..core.results import OutputPathError, WriteError, check_output_file, write_json
 
@@ -44,12 +44,12 @@ def positive_int(text: str) -> int:
 
 
 def gpu_memory_gb(text: str) -> float:
-    """GiB of GPU memory, from 0 to :data:`MAX_GPU_MEMORY_GB`; 0 means "no cap: the whole card" in every command.
-    The one rule for ``--gpu-memory-gb`` and ``LAB_GPU_MEMORY_GB`` (:func:`env_gpu_memory_gb`)."""
+    """``--gpu-memory-gb``: GiB of GPU memory by the one rule (:func:`labutils.core.cards.card_gb`); 0 = no cap."""
     value = _number(text, float)
-    if not 0 <= value <= MAX_GPU_MEMORY_GB:
-        raise argparse.ArgumentTypeError(f"{shown(text)}: must be a number of GiB from 0 to {MAX_GPU_MEMORY_GB} "
-                                         "(0 = no cap: the whole card)")
+    try:
+        card_gb(value, "--gpu-memory-gb")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).split(" = ", 1)[1]) from None
     return value
 
 
@@ -58,10 +58,9 @@ def env_gpu_memory_gb() -> float | None:
     command: None when unset, empty or 0; a bad value is a :class:`ConfigError` (exit 2) before any work."""
     try:
         return budget_from_env()
-    except ValueError:
+    except ValueError as exc:
         raise ConfigError("environment", "LAB_GPU_MEMORY_GB", os.environ["LAB_GPU_MEMORY_GB"].strip()[:40],
-                          f"must be a number of GiB from 0 to {MAX_GPU_MEMORY_GB} (the card to behave like; 0 or "
-                          f"unset = no cap)") from None
+                          str(exc).split(": ", 1)[1]) from None
 
 
 def _inputs(args, cfg) -> dict:
