@@ -100,3 +100,23 @@ def test_real_process_exit_code_and_no_traceback(tmp_path, root):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert "train.precision" in proc.stderr and "fp8" in proc.stderr
+
+
+def test_a_value_the_smoke_mode_capped_is_named_as_the_modes():
+    """Issue 46 §4: in smoke, `--set train.accumulation_steps=0` blamed "train.micro_batch_size = 4 from
+    configs/fast_config.yaml", whose file says 16: smoke mode set 4. The oracle is the file itself (its value above
+    the cap). Breaks if a capped value is attributed to the file again."""
+    import yaml
+
+    from labutils.core.config import SMOKE_CAPS
+
+    path = "configs/fast_config.yaml"
+    own = yaml.safe_load(open(path, encoding="utf-8"))["train"]["micro_batch_size"]
+    assert own > SMOKE_CAPS["train.micro_batch_size"]  # the mode really changes it
+    with pytest.raises(lu.ConfigError) as err:
+        lu.load_config(path, overrides={"train.accumulation_steps": 0}, mode="smoke")
+    assert f"(given train.micro_batch_size = {SMOKE_CAPS['train.micro_batch_size']} from smoke mode)" in str(err.value)
+    full = lu.load_config(path, mode="full")  # a value the mode left alone is still the file's
+    with pytest.raises(lu.ConfigError, match=rf"given train.micro_batch_size = {own} from"):
+        lu.load_config(path, overrides={"train.accumulation_steps": 0}, mode="full")
+    assert full.train.micro_batch_size == own

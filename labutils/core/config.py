@@ -439,7 +439,9 @@ def load_config(path: str | os.PathLike | None = None, overrides=None, mode: str
         cfg.model.name = "tiny"
         for key, cap in SMOKE_CAPS.items():
             section, name = key.split(".")
-            setattr(getattr(cfg, section), name, min(getattr(getattr(cfg, section), name), cap))
+            if getattr(getattr(cfg, section), name) > cap:  # a capped value comes from the mode, not the file
+                setattr(getattr(cfg, section), name, cap)
+                cfg.origins[key] = "smoke mode"
         cfg.validated = {}  # the mode's values are not code's
         cfg.origins.setdefault("model.name", "smoke mode")  # a message about the tiny model names the mode
         for key, value in (smoke.items() if isinstance(smoke, dict) else [("smoke", smoke)]):
