@@ -200,3 +200,15 @@ def test_promote_never_follows_a_figures_symlink(tmp_path):
     assert keep.read_bytes() == b"not ours"  # the file outside --out is untouched
     assert path is None and "symlink" in why
     assert not (elsewhere / "91-Tiny-curve.png").exists()
+
+
+def test_a_folder_without_notebooks_says_where_it_looked_and_how_to_point_at_them(tmp_path, capsys):
+    """Issue 46 §5: installed without -e and run from another folder, `regenerate --smoke --only 01` said "no such
+    lab notebook ...; allowed: lab numbers none". Now one line names the folder searched and the two ways out.
+    Breaks if an empty folder is reported as a wrong lab number again."""
+    from labutils.tools import cli
+
+    assert cli.main(["regenerate", "--smoke", "--only", "01", "--notebooks", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(tmp_path) in err[0] and "--notebooks DIR" in err[0] and "pip install -e" in err[0]
+    assert "allowed: lab numbers none" not in err[0]

@@ -43,6 +43,9 @@ def find_notebooks(folder: str | os.PathLike, only: str | list[str] | None = Non
     """The lab notebooks in ``folder`` (``NN-Name.ipynb``; the repository's: exactly the registry's labs), optionally
     only the labs listed ("01,3" or [...])."""
     notebooks = sorted(Path(folder).glob(NOTEBOOK_GLOB))
+    if not notebooks:  # e.g. labutils installed without -e, run outside the checkout: say where it looked
+        raise ValueError(f"no lab notebooks (NN-Name.ipynb) in {folder}: pass --notebooks DIR (the course's folder, "
+                         f"with its configs/), or run from a clone of the course installed with `pip install -e .`")
     if Path(folder).resolve() == REPO_ROOT and (why := mismatch(nb.stem for nb in notebooks)):
         raise ValueError(f"{folder}: {why}")
     labs = {lab_id(nb.stem): nb for nb in notebooks}
