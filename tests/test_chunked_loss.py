@@ -197,3 +197,15 @@ def test_a_chunk_that_holds_every_position_is_refused():
     cfg = lu.load_config(None, {"model.name": "tiny", "data.seq_length": 32, "train.micro_batch_size": 2}, mode="smoke")
     with pytest.raises(ValueError, match="holds all 64 positions"):
         logits_share_rows(cfg, device="cpu", chunk_size=64)
+
+
+def test_tiny_chunks_under_compile_are_refused_before_any_work():
+    """Issue 46 §2: model.loss_chunk_size: 1 under compile took 257 s to compile the tiny model (dynamo unrolls the
+    chunk loop: one graph piece per chunk) and 3.9 GB. It is refused when the config is read, naming the smallest
+    size allowed; eager runs keep any size, and the fast config's own chunks compile as before."""
+    keys = {"model.loss": "chunked", "train.compile": True, "model.loss_chunk_size": 1}
+    with pytest.raises(ConfigError, match=r"model\.loss_chunk_size = 1: must be >= 16 under train\.compile"):
+        lu.load_config(None, keys, mode="smoke")  # 4 x 64 positions: at most 16 chunks
+    assert lu.load_config(None, {**keys, "model.loss_chunk_size": 16}, mode="smoke").model.loss_chunk_size == 16
+    assert lu.load_config(None, {**keys, "train.compile": False}, mode="smoke").model.loss_chunk_size == 1
+    assert lu.load_config("configs/fast_config.yaml", mode="full").train.compile

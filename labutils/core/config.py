@@ -28,6 +28,7 @@ ATTENTION = ("sdpa", "eager", "sdpa_causal")  # sdpa_causal: causal SDPA without
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # the same tanh GELU: ~9 elementwise ops, or one fused kernel
 LOSSES = ("full", "chunked")  # chunked: the logits never whole (labutils.models.loss_chunks)
 MAX_LOSS_CHUNK = 2**20
+MAX_COMPILED_CHUNKS = 16  # under train.compile each loss chunk is unrolled into the graph: more compile for minutes
 PAD_VOCAB_TO = (64, 128)  # or null: the vocabulary rounded up to a multiple of this, padded logits masked
 MAX_POSITIONS = 1024  # GPT-2's learned position table
 MAX_SEED = 2**32 - 1  # numpy.random.seed's limit (torch accepts more)
@@ -318,6 +319,13 @@ def validate(cfg: Config) -> Config:
     rng("train.max_grad_norm", t.max_grad_norm, 0.0, lo_open=True, allow_none=True)
     rng("train.seed", t.seed, 0, MAX_SEED)
     rng("train.timing_warmup_steps", t.timing_warmup_steps, 0)
+    positions = t.micro_batch_size * d.seq_length
+    if m.loss == "chunked" and t.compile and -(-positions // m.loss_chunk_size) > MAX_COMPILED_CHUNKS:
+        # dynamo unrolls the chunk loop: 256 chunks of the tiny model compiled for 257 s, two for 23 s (issue 46)
+        raise ConfigError(s("model.loss_chunk_size"), "model.loss_chunk_size", m.loss_chunk_size,
+                          f"must be >= {-(-positions // MAX_COMPILED_CHUNKS)} under train.compile: true (at most "
+                          f"{MAX_COMPILED_CHUNKS} chunks of the {t.micro_batch_size} x {d.seq_length} micro-batch, "
+                          f"each unrolled into the compiled graph), or train.compile: false")
     cfg.validated = _flat(cfg)
     return cfg
 
