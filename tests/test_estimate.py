@@ -414,8 +414,8 @@ def test_the_cublas_workspace_booked_is_the_one_torch_gives_this_card(monkeypatc
 
 
 @pytest.mark.parametrize("argv, env, source", [
-    ([], {"LAB_GPU_MEMORY_GB": "1e-300"}, "LAB_GPU_MEMORY_GB = 1e-300"),
-    (["--gpu-memory-gb", "0.3"], {}, "--gpu-memory-gb = 0.3")])
+    ([], {"LAB_GPU_MEMORY_GB": "1e-300"}, "environment: LAB_GPU_MEMORY_GB = '1e-300': "),  # the one rule (cards.card_gb)
+    (["--gpu-memory-gb", "0.3"], {}, "argument --gpu-memory-gb: 0.3: ")])
 def test_a_card_smaller_than_the_cuda_context_is_refused(monkeypatch, capsys, argv, env, source):
     """Issue 38 §6: ``LAB_GPU_MEMORY_GB=1e-300 estimate`` printed "fits if peak x 1.10 <= -0.50 GiB". A card whose
     torch total is not above the CUDA context cannot hold anything: one line naming the setting, exit 2, before any
@@ -430,7 +430,7 @@ def test_a_card_smaller_than_the_cuda_context_is_refused(monkeypatch, capsys, ar
     assert main(["estimate", str(ROOT / "configs" / "fp32_config.yaml"), *argv]) == 2
     captured = capsys.readouterr()
     err = captured.err.strip()
-    assert captured.out == "" and len(err.splitlines()) == 1 and err.startswith(f"error: {source}: "), err
+    assert captured.out == "" and len(err.splitlines()) == 1 and err.startswith(f"error: {source}"), err
     assert "CUDA context" in err and "must be over 0.51 GB" in err, err
     assert card_total_bytes(0.52)[0] > CUDA_CONTEXT_BYTES  # the bound the message names, on both sides
     with pytest.raises(ValueError, match="not more than the CUDA context"):
