@@ -104,25 +104,6 @@ def compiled_steps(hf, ref):
     return course, reference
 
 
-@INDUCTOR  # on one worker with the other compiling tests (tests/conftest.py)
-@TORCH_INTERNAL
-def test_compiled_traffic_of_the_fast_model_equals_the_reference():
-    """One compiled BF16-autocast forward + backward of the fast model (transformers' GPT-2 with the fast keys)
-    and of the reference with its weights, B4 x T512 on the tiny model: inductor's byte counts within 1 %.
-    Breaks if the padded vocabulary went back to an in-place write into the logits (a forward hook: measured
-    +2.3 % here, a full copy of the logits forward and of their gradient backward), or anything else made the
-    course's compiled step move more than the nanoGPT-style one."""
-    hf = load_model(tiny().model).model
-    course, reference = compiled_steps(hf, R.from_hf(hf))
-    ours, ours_graphs = compiled_bytes(course)
-    theirs, their_graphs = compiled_bytes(reference)
-    print(f"\ncompiled traffic, forward / backward (MB): fast model "
-          f"{' / '.join(f'{b / 1e6:.2f}' for b in ours_graphs)}, reference "
-          f"{' / '.join(f'{b / 1e6:.2f}' for b in their_graphs)}; ratio {ours / theirs:.4f}")
-    assert len(ours_graphs) == len(their_graphs) == 2  # one forward, one backward graph each: no graph break
-    assert theirs > 0 and abs(ours - theirs) <= 0.01 * theirs
-
-
 def spy_partitions(monkeypatch) -> list[list[tuple]]:
     """What each compiled graph saves for backward: the shapes of the forward graph's outputs beyond its own, as
     AOT autograd's min-cut partitioner (the one inductor calls) returns them; one list per graph, appended to."""
@@ -140,9 +121,40 @@ def spy_partitions(monkeypatch) -> list[list[tuple]]:
     return seen
 
 
+@pytest.fixture(scope="module")
+def compiled_reference():
+    """The reference's compiled step, compiled once for both tests below (its graphs depend on the shapes, not on
+    the course model's loss keys): inductor's byte count, per graph, and the shapes its partition saves for backward."""
+    with pytest.MonkeyPatch.context() as mp:
+        saved = spy_partitions(mp)
+        hf = load_model(tiny().model).model
+        _, reference = compiled_steps(hf, R.from_hf(hf))
+        total, graphs = compiled_bytes(reference)
+    return total, graphs, [shape for graph in saved for shape in graph]
+
+
+@INDUCTOR  # on one worker with the other compiling tests (tests/conftest.py)
+@TORCH_INTERNAL
+def test_compiled_traffic_of_the_fast_model_equals_the_reference(compiled_reference):
+    """One compiled BF16-autocast forward + backward of the fast model (transformers' GPT-2 with the fast keys)
+    and of the reference with its weights, B4 x T512 on the tiny model: inductor's byte counts within 1 %.
+    Breaks if the padded vocabulary went back to an in-place write into the logits (a forward hook: measured
+    +2.3 % here, a full copy of the logits forward and of their gradient backward), or anything else made the
+    course's compiled step move more than the nanoGPT-style one."""
+    hf = load_model(tiny().model).model
+    course, _ = compiled_steps(hf, R.from_hf(hf))
+    ours, ours_graphs = compiled_bytes(course)
+    theirs, their_graphs, _ = compiled_reference
+    print(f"\ncompiled traffic, forward / backward (MB): fast model "
+          f"{' / '.join(f'{b / 1e6:.2f}' for b in ours_graphs)}, reference "
+          f"{' / '.join(f'{b / 1e6:.2f}' for b in their_graphs)}; ratio {ours / theirs:.4f}")
+    assert len(ours_graphs) == len(their_graphs) == 2  # one forward, one backward graph each: no graph break
+    assert theirs > 0 and abs(ours - theirs) <= 0.01 * theirs
+
+
 @INDUCTOR
 @TORCH_INTERNAL
-def test_compiled_chunked_loss_saves_no_logits_and_moves_the_references_bytes(monkeypatch):
+def test_compiled_chunked_loss_saves_no_logits_and_moves_the_references_bytes(monkeypatch, compiled_reference):
     """The fast model with ``model.loss: chunked`` (two chunks per micro-batch, as fast_config.yaml splits its
     micro-batch), one compiled BF16-autocast forward + backward, B4 x T512: the partition saves no [*, V] tensor for
     backward, and inductor's byte count is within +2 % of the reference's (measured +0.2 %; four chunks +1.8 %).
@@ -153,13 +165,12 @@ def test_compiled_chunked_loss_saves_no_logits_and_moves_the_references_bytes(mo
     hf = load_model(tiny(**{"model.loss": "chunked", "model.loss_chunk_size": 1024}).model).model
     ref = R.from_hf(hf)
     vocab = ref.lm_head.weight.shape[0]
-    course, reference = compiled_steps(hf, ref)
+    course, _ = compiled_steps(hf, ref)
     ours, ours_graphs = compiled_bytes(course)
     ours_saved = [shape for graph in saved for shape in graph]
-    saved.clear()
-    theirs, _ = compiled_bytes(reference)
+    theirs, _, their_saved = compiled_reference
     print(f"\ncompiled traffic, chunked loss: {ours / 1e6:.2f} MB, reference {theirs / 1e6:.2f} MB, ratio "
           f"{ours / theirs:.4f}; saved for backward: {ours_saved}")
-    assert (4, 512, vocab) in [shape for graph in saved for shape in graph]  # the spy sees logits saved
+    assert (4, 512, vocab) in their_saved  # the spy sees the reference's logits saved
     assert len(ours_graphs) == 2 and not [shape for shape in ours_saved if shape and shape[-1] == vocab]
     assert ours <= 1.02 * theirs
