@@ -98,3 +98,85 @@ def test_an_interrupt_inside_the_cpu_tracker_stops_the_block():
         assert seen < k, f"swallowed: the interrupt at call {k} of the block, in {landed[-1]}, did not stop it"
         break
     assert k > 20 and any("memory.py" in w for w in landed)  # it landed in the tracker's own code, many times
+
+
+# --- Every lab in a real kernel (issue 46, item 1) ------------------------------------------------------------------
+# A student's kernel runs a lab's cells in order; at a measuring cell (one that records a table with a peak or a
+# time: tests/lab_kernel.py finds them from what each cell puts into TABLES, not from a list) the cell is run clean,
+# then run again and interrupted partway (Jupyter's stop button), then run once more: its memory columns must equal
+# the clean run's, or the cell must say by how much its start was above the lab's baseline and the lab's record
+# must carry it (labutils.core.memory.start_check). Before: lab 02's equivalence cell read every peak 2.2 MB higher
+# after an interrupt (a lambda's closure kept the tiny model alive past release_failed_cell).
+# CI runs the first measuring cell of each lab that lasts long enough to be interrupted; LAB_INTERRUPT_ALL=1
+# (make test-interrupts) every measuring cell of every lab.
+
+import os  # noqa: E402
+import time  # noqa: E402
+
+from labutils.labs.registry import IDS  # noqa: E402
+
+from tests import lab_kernel as lk  # noqa: E402
+
+ALL = os.environ.get("LAB_INTERRUPT_ALL") == "1"
+MIN_SECONDS = 0.3  # a cell shorter than this is over before an interrupt can land partway; CI picks a longer one
+FRACTIONS = (0.4, 0.25, 0.12, 0.05)  # of the clean run's duration: where the interrupt is tried, until one lands
+
+
+def interrupt_partway(k: lk.LabKernel, source: str, seconds: float) -> lk.Reply | None:
+    """Run the cell and interrupt it partway: the reply of the first run a KeyboardInterrupt stopped, or None."""
+    for f in FRACTIONS:
+        r = k.run(source, interrupt_after=seconds * f)
+        if r.ename == "KeyboardInterrupt":
+            return r
+        assert r.status == "ok", f"the cell failed otherwise:\n{r.text[-1500:]}"
+    return None
+
+
+def check_cell(k: lk.LabKernel, index: int, source: str, clean: lk.Reply, tables: dict) -> str | None:
+    """None when the re-run after an interrupt gives the clean memory columns (or says and records why not)."""
+    where = f"cell {index} ({', '.join(tables)})"
+    if lk.LEFTOVER_LINE.search(clean.text):
+        return f"{where}: the clean run said it started off the baseline:\n{clean.text[-800:]}"
+    cut = interrupt_partway(k, source, clean.seconds)
+    if cut is None:
+        return None  # over before any interrupt landed: nothing was cut short
+    again = k.run(source)
+    if again.status != "ok":
+        return f"{where}: the re-run after an interrupt at {cut.interrupted_at:.2f} s failed:\n{again.text[-1500:]}"
+    diff = lk.differences(tables, {n: t for n, t in k.tables().items() if n in tables})
+    if not diff:
+        return None
+    if lk.LEFTOVER_LINE.search(again.text) and k.leftovers():
+        return None  # not at the baseline: said in the cell, and recorded
+    return (f"{where}, interrupted {cut.interrupted_at:.2f} s into a {clean.seconds:.2f} s cell, re-run: "
+            f"{len(diff)} memory values differ from the clean run, and the cell did not say why:\n  "
+            + "\n  ".join(diff[:8]) + f"\nre-run's output:\n{again.text[-1000:]}")
+
+
+@pytest.mark.real_kernels
+@pytest.mark.parametrize("lab", IDS)
+def test_an_interrupted_measuring_cell_changes_no_number(lab, tmp_path, capsys):
+    failures, checked, short = [], [], []
+    start = time.monotonic()
+    with lk.LabKernel(tmp_path) as k:
+        before = k.tables()
+        for index, source in lk.code_cells(lk.notebook_of(lab)):
+            clean = k.run(source)
+            assert clean.status == "ok", f"lab {lab} cell {index} failed in a clean run:\n{clean.text[-1500:]}"
+            after = k.tables()
+            tables = lk.recorded(before, after)
+            if tables and clean.seconds < MIN_SECONDS:
+                short.append(index)
+            elif tables:
+                checked.append(index)
+                if (failure := check_cell(k, index, source, clean, tables)) is not None:
+                    failures.append(failure)
+                after = k.tables()
+                if not ALL:
+                    break
+            before = after
+    with capsys.disabled():
+        print(f"\nlab {lab}: measuring cells interrupted and re-run: {checked}; shorter than {MIN_SECONDS} s (not "
+              f"interrupted): {short}; {len(failures)} failed; {time.monotonic() - start:.0f} s")
+    assert checked, f"lab {lab}: no measuring cell found"
+    assert not failures, "\n\n".join(failures)

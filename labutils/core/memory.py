@@ -15,6 +15,7 @@ import gc
 import re
 import sys
 import traceback
+import types
 import weakref
 from dataclasses import dataclass, field
 
@@ -280,6 +281,16 @@ def _bytes_in_use() -> int:
     return live.current + (dev.allocated() or 0)
 
 
+def _own_cells(frame) -> list:
+    """The cells of a frame's locals that its inner functions (a lambda, a comprehension) closed over: clearing the
+    frame drops its own reference, but a cleared inner frame still holds its function, whose closure holds them.
+    Not the cells the frame borrowed from an enclosing function (its function's closure: a decorator's, alive)."""
+    refs = gc.get_referents(frame)
+    free = {id(c) for f in refs if type(f) is types.FunctionType and f.__code__ is frame.f_code
+            for c in f.__closure__ or ()}
+    return [c for c in refs if type(c) is types.CellType and id(c) not in free]
+
+
 def release_failed_cell() -> int:
     """Free what the last cell that ended in an error (Ctrl-C included) left alive, say how much, return it: IPython
     keeps the error, and its traceback's frames hold the locals (model, optimizer, data) of every function it went
@@ -296,14 +307,44 @@ def release_failed_cell() -> int:
     before = _bytes_in_use()
     for tb in tbs:
         for frame, _ in traceback.walk_tb(tb):
+            cells = _own_cells(frame)
             with contextlib.suppress(RuntimeError):  # a frame still running is left as it is
                 frame.clear()
                 frame.f_locals  # noqa: B018  Python < 3.13: syncs (empties) the dict of locals a printer took
+                for c in cells:
+                    with contextlib.suppress(ValueError):  # already empty
+                        del c.cell_contents
     _CLEARED[:] = tbs
     if (freed := before - _bytes_in_use()) > 0:
         print(f"released {fmt_bytes(freed)} that a failed or interrupted cell had left alive (IPython keeps its "
               f"error, whose frames held them): not in the measurements from here")
     return max(freed, 0)
+
+
+_BASELINE: dict[str, int] = {}  # device type -> the lab's baseline (set_baseline)
+LEFTOVERS: list[dict] = []  # every start that found memory above the baseline: lu.record_results writes them
+
+
+def set_baseline(device=None) -> int:
+    """The lab's baseline, the memory in use now (``lu.setup()``): every measurement starts from it."""
+    LEFTOVERS.clear()
+    _BASELINE[dev.resolve(device).type] = base = memory_in_use(device)
+    return base
+
+
+def start_check(device=None, where: str = "this measurement") -> int:
+    """A measurement starts here: what a failed or interrupted cell kept is released, then the memory in use is
+    compared with the lab's baseline. Returns the bytes above it (0 without a baseline); a difference is said in the
+    cell (once per amount) and kept in :data:`LEFTOVERS`, which the lab's results record beside its tables."""
+    device = dev.resolve(device)
+    now = memory_in_use(device)
+    extra = now - _BASELINE.get(device.type, now)
+    if extra and not (LEFTOVERS and LEFTOVERS[-1]["bytes"] == extra):
+        print(f"{where} starts {fmt_bytes(extra)} {'above' if extra > 0 else 'below'} the lab's baseline "
+              f"({fmt_bytes(now - extra)}): a tensor that a name still holds, counted in its peaks")
+    if extra:
+        LEFTOVERS.append({"where": where, "bytes": extra, "baseline_bytes": now - extra})
+    return extra
 
 
 def oom_text(exc: BaseException) -> str:
