@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import labutils as lu
-from labutils.core.memory import LiveStorages
+from labutils.core.memory import LiveStorages, release_failed_cell
 
 CELLS = """
 import signal
@@ -98,6 +98,48 @@ def test_an_interrupt_inside_the_cpu_tracker_stops_the_block():
         assert seen < k, f"swallowed: the interrupt at call {k} of the block, in {landed[-1]}, did not stop it"
         break
     assert k > 20 and any("memory.py" in w for w in landed)  # it landed in the tracker's own code, many times
+
+
+CLOSURE_CELLS = """
+import functools
+import torch
+
+def logged(fn):                      # a decorator: its wrapper's closure (fn) outlives every call
+    @functools.wraps(fn)
+    def wrapper(*a):
+        return fn(*a)
+    return wrapper
+
+def step(x):
+    raise KeyboardInterrupt          # Ctrl-C partway
+
+@logged
+def measure(n):
+    model = torch.zeros(n)           # what a lab's measuring function holds
+    return {k: (lambda: step(model))() for k in "ab"}   # a comprehension and a lambda close over `model`
+"""
+
+
+def test_a_failed_cell_s_closures_release_what_they_closed_over(capsys):
+    """Lab 02's equivalence cell after an interrupt (issue 46 §1): clearing the traceback's frames left the tiny
+    model alive, as its comprehension's frame keeps its function, whose closure cell held ``model``. Breaks if
+    release_failed_cell leaves such a cell full; and if it empties a cell the frame only borrowed (the decorator's
+    ``fn``: the decorated function must still run)."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    try:
+        assert shell.run_cell(CLOSURE_CELLS).success
+        assert isinstance(shell.run_cell("measure(2**20)").error_in_exec, KeyboardInterrupt)
+        capsys.readouterr()
+        assert 0 <= release_failed_cell() - 4 * 2**20 < 1024   # the model (+ the lambdas' scalars)
+        assert "4.00 MiB" in capsys.readouterr().out
+        assert isinstance(shell.run_cell("measure(10)").error_in_exec, KeyboardInterrupt)  # fn is still there
+    finally:
+        shell.run_cell("measure = logged = step = None")
+        InteractiveShell.clear_instance()
+        sys.last_type = sys.last_value = sys.last_traceback = None
+        lu.release()
 
 
 # --- Every lab in a real kernel (issue 46, item 1) ------------------------------------------------------------------

@@ -326,7 +326,7 @@ LEFTOVERS: list[dict] = []  # every start that found memory above the baseline: 
 
 
 def set_baseline(device=None) -> int:
-    """The lab's baseline, the memory in use now (``lu.setup()``): every measurement starts from it."""
+    """The lab's baseline, the memory in use now (``lu.setup()`` in a notebook): every measurement starts from it."""
     LEFTOVERS.clear()
     _BASELINE[dev.resolve(device).type] = base = memory_in_use(device)
     return base
@@ -336,14 +336,13 @@ def start_check(device=None, where: str = "this measurement") -> int:
     """A measurement starts here: what a failed or interrupted cell kept is released, then the memory in use is
     compared with the lab's baseline. Returns the bytes above it (0 without a baseline); a difference is said in the
     cell (once per amount) and kept in :data:`LEFTOVERS`, which the lab's results record beside its tables."""
-    device = dev.resolve(device)
-    now = memory_in_use(device)
-    extra = now - _BASELINE.get(device.type, now)
-    if extra and not (LEFTOVERS and LEFTOVERS[-1]["bytes"] == extra):
-        print(f"{where} starts {fmt_bytes(extra)} {'above' if extra > 0 else 'below'} the lab's baseline "
-              f"({fmt_bytes(now - extra)}): a tensor that a name still holds, counted in its peaks")
+    if (base := _BASELINE.get(dev.resolve(device).type)) is None:  # no lab here (outside a notebook's kernel)
+        return release_failed_cell() * 0
+    if (extra := memory_in_use(device) - base) and not (LEFTOVERS and LEFTOVERS[-1]["bytes"] == extra):
+        print(f"{where} starts {fmt_bytes(abs(extra))} {'above' if extra > 0 else 'below'} the lab's baseline "
+              f"({fmt_bytes(base)}): tensors a name still holds, in its peaks")
     if extra:
-        LEFTOVERS.append({"where": where, "bytes": extra, "baseline_bytes": now - extra})
+        LEFTOVERS.append({"where": where, "bytes": extra, "baseline_bytes": base})
     return extra
 
 
