@@ -165,9 +165,10 @@ def recorded(before: dict, after: dict) -> dict:
 
 def memory_by_row(table: dict) -> dict:
     """{row identity: its memory columns}: identity is the row's text columns (its name, kind, status...) with its
-    place among the rows of that identity, so a cell that appends rows on a re-run is compared row by row."""
+    place among the rows of that identity counted from the last, so a cell that appends its rows again on a re-run
+    (lab 03's toy table) is compared by the rows that re-run added."""
     out, seen = {}, {}
-    for ident, memory in table["rows"]:
+    for ident, memory in reversed(table["rows"]):
         key = json.dumps(ident)
         seen[key] = seen.get(key, 0) + 1
         out[f"{key}#{seen[key]}"] = memory

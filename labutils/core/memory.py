@@ -281,16 +281,6 @@ def _bytes_in_use() -> int:
     return live.current + (dev.allocated() or 0)
 
 
-def _own_cells(frame) -> list:
-    """The cells of a frame's locals that its inner functions (a lambda, a comprehension) closed over: clearing the
-    frame drops its own reference, but a cleared inner frame still holds its function, whose closure holds them.
-    Not the cells the frame borrowed from an enclosing function (its function's closure: a decorator's, alive)."""
-    refs = gc.get_referents(frame)
-    free = {id(c) for f in refs if type(f) is types.FunctionType and f.__code__ is frame.f_code
-            for c in f.__closure__ or ()}
-    return [c for c in refs if type(c) is types.CellType and id(c) not in free]
-
-
 def release_failed_cell() -> int:
     """Free what the last cell that ended in an error (Ctrl-C included) left alive, say how much, return it: IPython
     keeps the error, and its traceback's frames hold the locals (model, optimizer, data) of every function it went
@@ -307,13 +297,17 @@ def release_failed_cell() -> int:
     before = _bytes_in_use()
     for tb in tbs:
         for frame, _ in traceback.walk_tb(tb):
-            cells = _own_cells(frame)
+            # a cleared frame keeps its function, whose closure keeps the cells its inner functions (a lambda, a
+            # comprehension) closed over: emptied too; not the cells it borrowed (a decorator's, still in use)
+            refs = gc.get_referents(frame)
+            borrowed = {id(c) for f in refs if type(f) is types.FunctionType and f.__code__ is frame.f_code
+                        for c in f.__closure__ or ()}
             with contextlib.suppress(RuntimeError):  # a frame still running is left as it is
                 frame.clear()
                 frame.f_locals  # noqa: B018  Python < 3.13: syncs (empties) the dict of locals a printer took
-                for c in cells:
-                    with contextlib.suppress(ValueError):  # already empty
-                        del c.cell_contents
+                for c in (c for c in refs if type(c) is types.CellType and id(c) not in borrowed):
+                    c.cell_contents = None
+            refs = None  # it held the frame's locals
     _CLEARED[:] = tbs
     if (freed := before - _bytes_in_use()) > 0:
         print(f"released {fmt_bytes(freed)} that a failed or interrupted cell had left alive (IPython keeps its "
@@ -333,16 +327,15 @@ def set_baseline(device=None) -> int:
 
 
 def start_check(device=None, where: str = "this measurement") -> int:
-    """A measurement starts here: what a failed or interrupted cell kept is released, then the memory in use is
-    compared with the lab's baseline. Returns the bytes above it (0 without a baseline); a difference is said in the
-    cell (once per amount) and kept in :data:`LEFTOVERS`, which the lab's results record beside its tables."""
+    """A measurement starts here: what a failed cell kept is released, the memory in use compared with the lab's
+    baseline; the bytes above it (0: none set), kept in :data:`LEFTOVERS` and said in the cell after a failed one."""
+    cleared = list(_CLEARED), release_failed_cell()
     if (base := _BASELINE.get(dev.resolve(device).type)) is None:  # no lab here (outside a notebook's kernel)
-        return release_failed_cell() * 0
-    if (extra := memory_in_use(device) - base) and not (LEFTOVERS and LEFTOVERS[-1]["bytes"] == extra):
+        return 0
+    if (extra := memory_in_use(device) - base) and cleared[0] != _CLEARED:  # said after a failed cell only
         print(f"{where} starts {fmt_bytes(abs(extra))} {'above' if extra > 0 else 'below'} the lab's baseline "
               f"({fmt_bytes(base)}): tensors a name still holds, in its peaks")
-    if extra:
-        LEFTOVERS.append({"where": where, "bytes": extra, "baseline_bytes": base})
+    LEFTOVERS.extend([{"where": where, "bytes": extra, "baseline_bytes": base}] if extra else [])
     return extra
 
 

@@ -1,6 +1,5 @@
-"""Lab 01, where the memory goes under mixed precision: what autograd saves for backward, by kind, in one measured
-step of the notebook's ``amp_step``, and the batch sweep of FP32 against AMP on an 8 GB card (in smoke its scale model).
-"""
+"""Lab 01, where the memory goes under mixed precision: what autograd saves for backward, by kind, in one measured step
+of the notebook's ``amp_step``, and the batch sweep of FP32 against AMP on an 8 GB card (in smoke its scale model). """
 from __future__ import annotations
 
 import contextlib

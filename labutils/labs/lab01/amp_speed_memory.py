@@ -1,7 +1,6 @@
 """Lab 01, how fast each precision trains, and the course's claims C1, C2. Each precision's run is timed once
 (:func:`speedup_rows`), and every table, reading and claim reads that number. Re-exports
-:mod:`labutils.labs.lab01.amp_memory` and :mod:`labutils.labs.lab01.op_profile` (labs 01 and 04: ``am.``).
-"""
+:mod:`labutils.labs.lab01.amp_memory` and :mod:`labutils.labs.lab01.op_profile` (labs 01 and 04: ``am.``). """
 from __future__ import annotations
 
 import statistics

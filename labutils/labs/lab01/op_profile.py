@@ -1,7 +1,6 @@
 """One training step op by op, from a ``torch.profiler`` profile: each ATen op's group (matmul-like against the
 memory-bound rest), self time per step and input dtypes, the groups side by side (lab 01); the step times before and
-after a fix (lab 04). Op time is the ops' self times under the profiler: a ratio of op times is not a step speed-up.
-"""
+after a fix (lab 04). Op time is the ops' self times under the profiler: a ratio of op times is not a step speed-up. """
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,6 +1,5 @@
-"""Lab 01, the numerics: number formats read from ``torch.finfo``, what FP16 storage does to real gradients
-(underflow) and activations (overflow), and the loss-scale figure. ``import labutils.labs.lab01.precision as lp``.
-"""
+"""Lab 01, the numerics: number formats read from ``torch.finfo``, what FP16 storage does to real gradients (underflow)
+and activations (overflow), and the loss-scale figure. ``import labutils.labs.lab01.precision as lp``. """
 from __future__ import annotations
 
 import math

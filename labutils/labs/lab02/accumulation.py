@@ -1,7 +1,6 @@
-"""Lab 02 (gradient accumulation): the bookkeeping of the notebook's gradient experiments (a model held for them,
-a cell's memory, rows) and the lab's AMP precision, all releasing their memory when they end. The training runs:
-:mod:`labutils.labs.lab02.accumulation_sweeps`.
-"""
+"""Lab 02 (gradient accumulation): the bookkeeping of the notebook's gradient experiments (a model held for them, a
+cell's memory, rows) and the lab's AMP precision, all releasing their memory when they end. The training runs:
+:mod:`labutils.labs.lab02.accumulation_sweeps`. """
 from __future__ import annotations
 
 import contextlib

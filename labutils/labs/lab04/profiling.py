@@ -1,7 +1,6 @@
-"""Looking inside a training step (lab 04): what autograd saves per module, allocator traces (a CUDA snapshot's, or
-the CPU stand-in in the same format) and their memory_viz views, ``torch.profiler`` operators and ranges, the slowest
-ops before and after a fix (each op with its own noise), and a GPU capped to a smaller card.
-"""
+"""Looking inside a training step (lab 04): what autograd saves per module, allocator traces (a CUDA snapshot's, or the
+CPU stand-in in the same format) and their memory_viz views, ``torch.profiler`` operators and ranges, the slowest ops
+before and after a fix (each op with its own noise), and a GPU capped to a smaller card. """
 from __future__ import annotations
 
 import contextlib
