@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 # a table's column that holds memory (compared after an interrupt) or time (it marks a measuring cell, not compared)
 MEMORY_COLUMN = r"peak|bytes|mib|gib|memory|saving|alloc"
-MEASURED_COLUMN = r"peak|time|step_s|_ms\b|\(ms\)|per_s|tokens/s|tflops|overhead"  # a peak or a time: a measurement
+MEASURED_COLUMN = r"peak|time|\bstep_s\b|_ms\b|\(ms\)|per_s\b|tokens/s|tflops|overhead"  # a peak or a time: a measurement
 NOT_IDENTITY = r"error|why|reason|note|reading"  # text columns that quote numbers: not a row's name
 
 PROBE = r'''

@@ -56,7 +56,6 @@ def saved_tensors_by_module(model: torch.nn.Module, batch: dict, autocast=None, 
     return sorted(rows.values(), key=lambda r: order.get(r["module"], len(order)))
 
 
-# -------------------------------------------------------------- allocator traces: CUDA snapshots, a CPU stand-in
 _BACKWARD_NODE = re.compile(r"(?:generated::|autograd::)(\w*Backward\w*)")
 _INTERNAL = ("/torch/", "/site-packages/torch", "<frozen", "/tqdm/", "/contextlib.py", "/threading.py")
 # The phase an allocation belongs to when no module is running, after each mark of a training step
