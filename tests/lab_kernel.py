@@ -163,12 +163,23 @@ def recorded(before: dict, after: dict) -> dict:
             and t["measured"] and t["rows"]}
 
 
+def added(before: dict, after: dict, names) -> dict:
+    """The rows a run put into each of ``names``: all of a table it assigned anew, only the new ones of a table it
+    appended to (lab 03's toy table grows by its rows on every run of the cell)."""
+    out = {}
+    for name in names:
+        t, old = after.get(name), before.get(name)
+        if t is not None:
+            kept = old is not None and old["id"] == t["id"] and t["rows"][:len(old["rows"])] == old["rows"]
+            out[name] = {**t, "rows": t["rows"][len(old["rows"]):] if kept else t["rows"]}
+    return out
+
+
 def memory_by_row(table: dict) -> dict:
-    """{row identity: its memory columns}: identity is the row's text columns (its name, kind, status...) with its
-    place among the rows of that identity counted from the last, so a cell that appends its rows again on a re-run
-    (lab 03's toy table) is compared by the rows that re-run added."""
+    """{row identity: its memory columns}: identity is the row's text columns (its name, kind...) with its place
+    among the rows of that identity."""
     out, seen = {}, {}
-    for ident, memory in reversed(table["rows"]):
+    for ident, memory in table["rows"]:
         key = json.dumps(ident)
         seen[key] = seen.get(key, 0) + 1
         out[f"{key}#{seen[key]}"] = memory

@@ -181,21 +181,23 @@ def check_cell(k: lk.LabKernel, index: int, source: str, clean: lk.Reply, tables
         return f"{where}: the clean run said it started off the baseline:\n{clean.text[-800:]}"
     # the reference is a clean re-run: a cell may measure its first run differently (lab 03's toy table: its
     # selective row reads 0.5 MiB more on every re-run, interrupted or not), which is not what is tested here
+    before = k.tables()
     assert k.run(source).status == "ok"
-    tables = {n: t for n, t in k.tables().items() if n in tables}
+    reference = lk.added(before, k.tables(), tables)
     cut = interrupt_partway(k, source, clean.seconds)
     if cut is None:
         return None  # over before any interrupt landed: nothing was cut short
+    before = k.tables()
     again = k.run(source)
     if again.status != "ok":
         return f"{where}: the re-run after an interrupt at {cut.interrupted_at:.2f} s failed:\n{again.text[-1500:]}"
-    diff = lk.differences(tables, {n: t for n, t in k.tables().items() if n in tables})
+    diff = lk.differences(reference, lk.added(before, k.tables(), tables))
     if not diff:
         return None
     if lk.LEFTOVER_LINE.search(again.text) and k.leftovers():
         return None  # not at the baseline: said in the cell, and recorded
     return (f"{where}, interrupted {cut.interrupted_at:.2f} s into a {clean.seconds:.2f} s cell, re-run: "
-            f"{len(diff)} memory values differ from the clean run, and the cell did not say why:\n  "
+            f"{len(diff)} memory values differ from a clean re-run, and the cell did not say why:\n  "
             + "\n  ".join(diff[:8]) + f"\nre-run's output:\n{again.text[-1000:]}")
 
 
