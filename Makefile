@@ -7,7 +7,7 @@
 #                       once through regenerate --smoke, which also serves the acceptance test of all four labs
 #   make test-regen-all the acceptance test alone: regenerate all four notebooks in smoke mode (minutes)
 #   make test-interrupts every measuring cell of every lab interrupted partway in a real kernel, re-run, and its
-#                       memory columns compared with a clean run's (CI interrupts one cell per lab; minutes)
+#                       memory columns compared with a clean re-run's (CI interrupts one cell per lab; ~8 min)
 #   make gpu-wheels     here, online: the wheels a lent GPU machine's image lacks (Jupyter's kernel and client, GPT-2's
 #                       BPE files), for CPython $(GPU_PYTHON) on x86-64 Linux, into .whl/ (git-ignored)
 #   make gpu-results    on a GPU, offline: .whl/ installed into a temp folder if present, then the time plan, doctor,
