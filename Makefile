@@ -6,6 +6,8 @@
 #   make test           the README's (and .ci/run's) test command: unit tests + every notebook (smoke mode), each run
 #                       once through regenerate --smoke, which also serves the acceptance test of all four labs
 #   make test-regen-all the acceptance test alone: regenerate all four notebooks in smoke mode (minutes)
+#   make test-interrupts every measuring cell of every lab interrupted partway in a real kernel, re-run, and its
+#                       memory columns compared with a clean re-run's (CI interrupts one cell per lab; ~8 min)
 #   make gpu-wheels     here, online: the wheels a lent GPU machine's image lacks (Jupyter's kernel and client, GPT-2's
 #                       BPE files), for CPython $(GPU_PYTHON) on x86-64 Linux, into .whl/ (git-ignored)
 #   make gpu-results    on a GPU, offline: .whl/ installed into a temp folder if present, then the time plan, doctor,
@@ -28,7 +30,7 @@ WHEELS ?= .whl
 # what the lent machines' image already holds of those wheels' dependencies (installing them again would shadow it)
 GPU_IMAGE_HAS ?= attrs packaging psutil pygments python_dateutil six typing_extensions
 
-.PHONY: results smoke-results test test-regen-all gpu-wheels gpu-results
+.PHONY: results smoke-results test test-regen-all test-interrupts gpu-wheels gpu-results
 
 results:
 	$(PYTHON) -m labutils regenerate --gpu-memory-gb $(GPU_MEMORY_GB) $(if $(ONLY),--only $(ONLY)) $(if $(OUT),--out $(OUT))
@@ -41,6 +43,9 @@ test:
 
 test-regen-all:
 	LAB_FULL_REGEN=1 $(PYTHON) -m pytest -q tests/test_regenerate.py tests/test_one_number.py tests/test_worktree_clean.py
+
+test-interrupts:
+	LAB_SMOKE=1 LAB_INTERRUPT_ALL=1 $(PYTHON) -m pytest -q -p no:randomly tests/test_interrupts.py
 
 gpu-wheels:
 	rm -rf .whl

@@ -83,7 +83,7 @@ from .core.data import LMDataset
 from .core.figures import legend_outside, step_axis, step_numbers
 from .core.device import card_allocator_bytes
 from .core.env import environment, matmul_precision, seed_everything, set_memory_budget, setup
-from .core.memory import MemoryTracker, fmt_bytes, release, state_bytes
+from .core.memory import MemoryTracker, fmt_bytes, release, set_baseline, start_check, state_bytes
 from .models.spec import spec_of
 from .models.gpt2 import enable_checkpointing, load_model
 from .core.peaks import peak_info, peak_tflops

@@ -24,6 +24,7 @@ import torch
 import labutils as lu
 import labutils.labs.lab02.accumulation as acc
 import labutils.labs.lab02.accumulation_sweeps as acs
+from labutils.core.memory import memory_in_use
 from labutils.estimator.estimate import parameter_count
 
 from conftest import tiny_config
@@ -53,35 +54,47 @@ def test_gradient_copies_are_copies_on_the_cpu():
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
 
 
-def test_memory_in_use_sees_a_leftover_on_the_cpu():
-    base = acc.memory_in_use("cpu")
+@pytest.fixture
+def no_lab_baseline(monkeypatch):
+    """The lab's baseline is the kernel's state (lu.setup() in a notebook): a test's own, gone after it."""
+    import labutils.core.memory as mem
+
+    monkeypatch.setattr(mem, "_BASELINE", {})
+    monkeypatch.setattr(mem, "LEFTOVERS", [])
+    return mem
+
+
+def test_the_start_check_says_and_records_a_leftover_on_the_cpu(no_lab_baseline, capsys):
+    """issue 46 §1: a measurement that cannot start at the lab's baseline returns by how much, and the lab's record
+    keeps it (memory.LEFTOVERS, written by lu.record_results)."""
+    base = lu.set_baseline("cpu")
     leftover = torch.zeros(2**20)                       # 4 MiB kept by a name
-    now, line = acc.baseline_line("cpu", base, "section 4")
-    assert now - base == 4 * 2**20 and "left over" in line and "4.00 MiB" in line
+    assert lu.start_check("cpu", "section 4") == 4 * 2**20
+    assert lu.start_check("cpu", "section 6") == 4 * 2**20
+    assert capsys.readouterr().out == ""  # said only in the cell after a failed one (tests/test_interrupts.py)
+    assert [(x["where"], x["bytes"], x["baseline_bytes"]) for x in no_lab_baseline.LEFTOVERS] == [
+        ("section 4", 4 * 2**20, base), ("section 6", 4 * 2**20, base)]
     del leftover
-    now, line = acc.baseline_line("cpu", base, "section 4")
-    assert now == base and "nothing left over" in line
+    assert lu.start_check("cpu", "section 7") == 0 and capsys.readouterr().out == ""
 
 
-def test_the_check_reads_the_allocator_on_the_pretend_gpu(monkeypatch):
+def test_the_check_reads_the_allocator_on_the_pretend_gpu(monkeypatch, no_lab_baseline, capsys):
     """On CUDA the lab's baseline and its check at the start of section 4 are torch.cuda.memory_allocated: an
     allocation an earlier section did not free (GPT-2 small's FP32 weights, ~0.46 GiB) shows with its size; freed,
     the start of section 4 equals the baseline."""
     from tests import fake_cuda
 
     gpu = fake_cuda.install(monkeypatch)
-    base = acc.memory_in_use("cuda")
+    base = lu.set_baseline("cuda")
     assert base == torch.cuda.memory_allocated()
     addr = gpu.alloc(460 * 2**20)  # a model's weights left bound by a name (a 2 MiB multiple: torch rounds blocks)
-    now, line = acc.baseline_line("cuda", base, "section 4")
-    assert now - base == 460 * 2**20 and "left over" in line
+    assert lu.start_check("cuda", "section 4") == 460 * 2**20 == no_lab_baseline.LEFTOVERS[-1]["bytes"]
     gpu.free(addr)
-    now, line = acc.baseline_line("cuda", base, "section 4")
-    assert now == base == torch.cuda.memory_allocated() and "nothing left over" in line
+    assert lu.start_check("cuda", "section 4") == 0 and base == torch.cuda.memory_allocated()
 
 
 @pytest.mark.real_kernels
-def test_sections_2_and_3_leave_nothing_and_a_later_peak_does_not_change(monkeypatch):
+def test_sections_2_and_3_leave_nothing_and_a_later_peak_does_not_change(monkeypatch, no_lab_baseline):
     """The notebook's own cells (setup, the written-out loop and its check, section 2's proof, section 3's padding
     pitfall, the figure) run here as a student runs them; then, as section 4 does, the memory in use is compared
     with the lab's baseline, and the sweep's first run (2 x 1) is measured. Its peak must equal the peak of the same
@@ -97,13 +110,12 @@ def test_sections_2_and_3_leave_nothing_and_a_later_peak_does_not_change(monkeyp
     cfg, device = ns["cfg"], ns["device"]
     run_cfg = cfg.override({"train.micro_batch_size": 2, "train.accumulation_steps": 1, "train.steps": 2})
     before = lu.run(run_cfg, device=device, verbose=False, progress=False)
-    assert acc.memory_in_use(device) == ns["BASELINE"]
+    assert lu.start_check(device) == 0
     for i, source in enumerate(cells[1:], start=1):
         exec(compile(source, f"cell {i}", "exec"), ns)
     import matplotlib.pyplot as plt
     plt.close("all")
-    now, line = acc.baseline_line(device, ns["BASELINE"], "section 4")
-    assert now == ns["BASELINE"], line
+    assert lu.start_check(device, "section 4") == 0, no_lab_baseline.LEFTOVERS
     # issue 36: section 2 held the previous gradient copy while it measured the next peak (2 x 8 and 2 x 4 read
     # 2.09 MiB above 2 x 16). The accumulated windows differ only in a few token ids, so their peaks agree to well
     # under half of one gradient copy (FP32, 4 bytes a parameter)
@@ -124,7 +136,7 @@ def test_the_fitted_fixed_memory_is_the_training_state():
     cfg = tiny_config(None, train__steps=2)
     # what this test process holds already (other tests' fixtures) is in every CPU peak: the lab measures from its
     # baseline, and so does this test
-    base = acc.memory_in_use("cpu")
+    base = memory_in_use("cpu")
     runs = {m: lu.run(cfg.override({"train.micro_batch_size": m, "train.accumulation_steps": 16 // m}),
                       device="cpu", verbose=False, progress=False) for m in (2, 4)}
     assert all(r.ok for r in runs.values())
@@ -137,19 +149,16 @@ def test_the_fitted_fixed_memory_is_the_training_state():
     assert fixed == pytest.approx(state, rel=0.25), (fixed / n_params, state / n_params)
 
 
-def test_cublas_workspaces_are_not_called_leftovers(monkeypatch):
+def test_cublas_workspaces_are_not_called_leftovers(monkeypatch, no_lab_baseline):
     """On the H200, lab 02 said "33.00 MiB more: left over from an earlier section": the cuBLAS workspaces torch
     allocates (through the caching allocator, counted as allocated) at the first matmul of the main thread and of
     autograd's thread. Breaks if the baseline line counts them as a leftover again (torch frees them with
     clearCublasWorkspaces, which the pretend driver implements as CublasHandlePool.cpp does)."""
     from tests import fake_cuda
-    import labutils.labs.lab02.accumulation as acc
-
     gpu = fake_cuda.install(monkeypatch, "h100")
     cuda = torch.device("cuda")
-    baseline = acc.memory_in_use(cuda)
+    baseline = lu.set_baseline(cuda)
     gpu.cublas_workspace("main")      # the first forward's matmul
     gpu.cublas_workspace("autograd")  # the first backward, on autograd's thread
     assert gpu.allocated == baseline + 2 * fake_cuda.cublas_workspace_bytes(9)
-    now, line = acc.baseline_line(cuda, baseline, "section 4")
-    assert now == baseline and "nothing left over" in line, line
+    assert lu.start_check(cuda, "section 4") == 0, no_lab_baseline.LEFTOVERS

@@ -177,7 +177,8 @@ def setup(seed: int = 42, verbose: bool = True) -> dict:
                                "(GPT-2's BPE), data, shapes, memory and speed are those of an online run, only "
                                "loss values differ"))
     if "ipykernel" in sys.modules:  # a notebook's kernel: what the labs import is no garbage (memory.py says why)
-        from .memory import freeze_import_state
+        from .memory import freeze_import_state, set_baseline
 
         freeze_import_state()
+        set_baseline(dev)  # what every measurement of the lab starts from (memory.start_check)
     return {"mode": mode, "device": dev, **{k: v for k, v in info.items() if k not in ("mode", "device")}}

@@ -15,6 +15,7 @@ import gc
 import re
 import sys
 import traceback
+import types
 import weakref
 from dataclasses import dataclass, field
 
@@ -296,14 +297,46 @@ def release_failed_cell() -> int:
     before = _bytes_in_use()
     for tb in tbs:
         for frame, _ in traceback.walk_tb(tb):
+            # a cleared frame keeps its function, whose closure keeps the cells its inner functions (a lambda, a
+            # comprehension) closed over: emptied too; not the cells it borrowed (a decorator's, still in use)
+            refs = gc.get_referents(frame)
+            borrowed = {id(c) for f in refs if type(f) is types.FunctionType and f.__code__ is frame.f_code
+                        for c in f.__closure__ or ()}
             with contextlib.suppress(RuntimeError):  # a frame still running is left as it is
                 frame.clear()
                 frame.f_locals  # noqa: B018  Python < 3.13: syncs (empties) the dict of locals a printer took
+                for c in (c for c in refs if type(c) is types.CellType and id(c) not in borrowed):
+                    c.cell_contents = None
+            refs = None  # it held the frame's locals
     _CLEARED[:] = tbs
     if (freed := before - _bytes_in_use()) > 0:
         print(f"released {fmt_bytes(freed)} that a failed or interrupted cell had left alive (IPython keeps its "
               f"error, whose frames held them): not in the measurements from here")
     return max(freed, 0)
+
+
+_BASELINE: dict[str, int] = {}  # device type -> the lab's baseline (set_baseline)
+LEFTOVERS: list[dict] = []  # every start that found memory above the baseline: lu.record_results writes them
+
+
+def set_baseline(device=None) -> int:
+    """The lab's baseline, the memory in use now (``lu.setup()`` in a notebook): every measurement starts from it."""
+    LEFTOVERS.clear()
+    _BASELINE[dev.resolve(device).type] = base = memory_in_use(device)
+    return base
+
+
+def start_check(device=None, where: str = "this measurement") -> int:
+    """A measurement starts here: what a failed cell kept is released, the memory in use compared with the lab's
+    baseline; the bytes above it (0: none set), kept in :data:`LEFTOVERS` and said in the cell after a failed one."""
+    cleared = list(_CLEARED), release_failed_cell()
+    if (base := _BASELINE.get(dev.resolve(device).type)) is None:  # no lab here (outside a notebook's kernel)
+        return 0
+    if (extra := memory_in_use(device) - base) and cleared[0] != _CLEARED:  # said after a failed cell only
+        print(f"{where} starts {fmt_bytes(abs(extra))} {'above' if extra > 0 else 'below'} the lab's baseline "
+              f"({fmt_bytes(base)}): tensors a name still holds, in its peaks")
+    LEFTOVERS.extend([{"where": where, "bytes": extra, "baseline_bytes": base}] if extra else [])
+    return extra
 
 
 def oom_text(exc: BaseException) -> str:

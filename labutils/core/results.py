@@ -231,6 +231,9 @@ def record_results(notebook: str, tables: dict[str, list[dict]], figures: dict |
         env["weights"] = last_weights()
     env.setdefault("gpu_memory_budget_gb", float(os.environ["LAB_GPU_MEMORY_GB"])
                    if os.environ.get("LAB_GPU_MEMORY_GB") else None)
+    from .memory import LEFTOVERS
+
+    notes = {**(notes or {}), "leftovers": list(LEFTOVERS)} if LEFTOVERS else notes  # memory.start_check's
     partial = partial_record()
     if partial:
         print(f"warning: {partial}", file=sys.stderr)

@@ -30,7 +30,7 @@ from .config import Config, validate
 from .precisions import amp_precision, autocast as autocast_for, get, scaler as scaler_for  # noqa: F401 (lu's names)
 from .data import LMDataset, build_dataset
 from .compiling import compile_for_training, compiled_graphs, cpu_compile_untracked
-from .memory import MemoryTracker, oom_text, release, state_bytes
+from .memory import MemoryTracker, oom_text, release, start_check, state_bytes
 from .flops import AttentionProbe, attention_kernel
 from ..models.gpt2 import count_parameters, enable_checkpointing, load_model
 from .run_result import (ALL_SKIPPED_MIN, NONFINITE_WINDOW, STATUSES, NonFiniteLossError,  # noqa: F401 (re-exported)
@@ -227,6 +227,7 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
 def prepare(cfg: Config, device: torch.device | str | None = None, verbose: bool = True):
     """Model, tokenizer and dataset for a config: ``loaded, dataset = prepare(cfg)``."""
     device = torch.device(device or _env.default_device())
+    start_check(device, f"loading {cfg.model.name}")  # from the lab's baseline, whatever a cell left before
     loaded = load_model(cfg.model, device, seed=cfg.train.seed, verbose=verbose)
     return loaded, build_dataset(cfg.data, loaded.tokenizer)
 

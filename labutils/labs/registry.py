@@ -1,6 +1,5 @@
 """The one list of labs, :data:`LABS`: the tests, ``regenerate`` (the repository's notebooks are exactly these), the
-results page and the time plan iterate over it. A fifth lab: its notebook, its entry here, its config, its claims.
-"""
+results page and the time plan iterate over it. A fifth lab: its notebook, its entry here, its config, its claims. """
 from __future__ import annotations
 
 from dataclasses import dataclass

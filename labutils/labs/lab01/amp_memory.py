@@ -1,6 +1,5 @@
-"""Lab 01, where the memory goes under mixed precision: what autograd saves for backward, by kind, in one measured
-step of the notebook's ``amp_step``, and the batch sweep of FP32 against AMP on an 8 GB card (in smoke its scale model).
-"""
+"""Lab 01, where the memory goes under mixed precision: what autograd saves for backward, by kind, in one measured step
+of the notebook's ``amp_step``, and the batch sweep of FP32 against AMP on an 8 GB card (in smoke its scale model). """
 from __future__ import annotations
 
 import contextlib
@@ -17,7 +16,6 @@ HALF_DTYPES = tuple(p.autocast for p in PRECISIONS.values() if p.amp)
 PHASES = {"after forward": "forward", "after backward": "backward", "after optimizer step": "optimizer step"}
 
 
-# --------------------------------------------------------------------------------------------- saved tensors
 @dataclass
 class SavedTensorCensus:
     """Bytes autograd saves for backward, each storage once, by kind: ``parameter`` (an FP32 weight: no new memory),
@@ -55,7 +53,6 @@ def saved_tensor_census(model: torch.nn.Module):
         yield census
 
 
-# --------------------------------------------------------------------------------------------- one step's memory
 def measure_step_memory(cfg, precision: str, step_fn, device) -> dict:
     """Two steps of ``step_fn`` (the notebook's ``amp_step``, calling ``mark(label)``), the second measured: weights,
     gradients, optimizer state, saved tensors by kind, the growth over the forward, the peak, its phase, dtypes."""
@@ -85,8 +82,7 @@ def measure_step_memory(cfg, precision: str, step_fn, device) -> dict:
             held = {"weights": params, "gradients": [p.grad for p in params if p.grad is not None],
                     "optimizer state": [v for s in optimizer.state.values() for v in s.values()
                                         if isinstance(v, torch.Tensor) and v.dim() > 0]}
-            seen.update({k: ", ".join(sorted({dtype_name(t.dtype) for t in ts})) or "-"
-                         for k, ts in held.items()})
+            seen.update({k: ", ".join(sorted({dtype_name(t.dtype) for t in ts})) or "-" for k, ts in held.items()})
 
     amp_dtype, args = get(precision).autocast, (cfg.train.max_grad_norm,)
     with matmul_precision(tf32=False):
@@ -161,7 +157,6 @@ def plot_memory_breakdown(mem: dict, title: str):
     return fig
 
 
-# --------------------------------------------------------------------------------------------- the batch sweep
 def batch_sweep(cfgs: dict, rows: dict, reuse: dict, device, amp: str, budget_bytes: int | None = None,
                 steps: int = 12) -> tuple[dict, list[dict]]:
     """Each of ``rows`` ({label: overrides}) run by ``lu.run`` for ``steps`` steps (CPU: within ``budget_bytes``), or

@@ -1,7 +1,6 @@
 """Lab 01, how fast each precision trains, and the course's claims C1, C2. Each precision's run is timed once
 (:func:`speedup_rows`), and every table, reading and claim reads that number. Re-exports
-:mod:`labutils.labs.lab01.amp_memory` and :mod:`labutils.labs.lab01.op_profile` (labs 01 and 04: ``am.``).
-"""
+:mod:`labutils.labs.lab01.amp_memory` and :mod:`labutils.labs.lab01.op_profile` (labs 01 and 04: ``am.``). """
 from __future__ import annotations
 
 import statistics
@@ -23,7 +22,6 @@ SPEED_TABLE = "precision_comparison"   # the results table that holds the one sp
 SPEEDUP = "speedup_vs_fp32"            # by "run" = the precision), in this column; labutils.estimator.advise reads it too
 
 
-# --------------------------------------------------------------------------------------------- each run timed once
 def speed_evidence(base, r, names: tuple[str, str], gpu_busy: float | None = None) -> tuple[float | None, cl.Evidence]:
     """The speed-up of ``r`` over ``base`` (median over median step time) and its evidence: pair, hardware, timed
     steps, noise (``spread``, +- in x) and ``gpu_busy`` (:func:`labutils.labs.lab01.op_profile.gpu_busy`), if known."""
@@ -126,7 +124,6 @@ def speed_sentence(rows: list[dict], timed_on: str, emulated: dict) -> str:
     return text + ("; " + "; ".join(slow) if slow else "") + "."
 
 
-# --------------------------------------------------------------------------------------------- matmul speed
 def matmul_tflops(m: int, k: int, n: int, precision: str, device: torch.device, min_run_time: float = 0.2) -> float:
     """Achieved TFLOP/s of an (m x k) @ (k x n) matmul in ``precision`` (tf32: FP32 tensors, TF32 math), timed with
     ``torch.utils.benchmark`` (which synchronises CUDA)."""
@@ -180,7 +177,6 @@ def mfu_reading(points: list, amp: str, gpu_name: str | None) -> str:
                    if len(points) > 1 else ".")
 
 
-# --------------------------------------------------------------------------------------------- claims C1, C2
 def course_rows(runs: dict, speed_rows: list[dict], expected: dict, baseline: str = "fp32",
                 gpu_busy: float | None = None) -> list[dict]:
     """The course's expected results (``expected``: {precision: (peak GB, speed vs FP32)}) beside this run's peak

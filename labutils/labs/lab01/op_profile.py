@@ -1,7 +1,6 @@
 """One training step op by op, from a ``torch.profiler`` profile: each ATen op's group (matmul-like against the
 memory-bound rest), self time per step and input dtypes, the groups side by side (lab 01); the step times before and
-after a fix (lab 04). Op time is the ops' self times under the profiler: a ratio of op times is not a step speed-up.
-"""
+after a fix (lab 04). Op time is the ops' self times under the profiler: a ratio of op times is not a step speed-up. """
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,7 +11,6 @@ from ...verdicts import claims as cl
 from ...core.figures import legend_outside
 from ...core.precisions import dtype_name
 
-# --------------------------------------------------------------------------------------------- one step, op by op
 # op_group: matmul-like ops run on tensor cores in half precision; every other ATen op that touches data (autocast's
 # casts included) is bound by memory traffic; views, allocation and the framework's own events move no data.
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::matmul", "aten::linear",
@@ -202,7 +200,6 @@ def profile_reading(profiles: dict, amp: str, activation: str, baseline: str = "
     return [first, second]
 
 
-# --------------------------------------------------------------------------------------------- a fix, timed
 def step_time_rows(times: dict, baseline: str = "before") -> list[dict]:
     """One row per run ``{label: [seconds per timed step]}``: median step time and its noise, the timed steps, and
     the speed-up over ``baseline`` with its noise (:func:`labutils.verdicts.claims.timed_ratio`)."""

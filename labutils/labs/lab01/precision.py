@@ -1,6 +1,5 @@
-"""Lab 01, the numerics: number formats read from ``torch.finfo``, what FP16 storage does to real gradients
-(underflow) and activations (overflow), and the loss-scale figure. ``import labutils.labs.lab01.precision as lp``.
-"""
+"""Lab 01, the numerics: number formats read from ``torch.finfo``, what FP16 storage does to real gradients (underflow)
+and activations (overflow), and the loss-scale figure. ``import labutils.labs.lab01.precision as lp``. """
 from __future__ import annotations
 
 import math
@@ -13,7 +12,6 @@ from ...core.figures import legend_outside, step_axis, step_numbers
 from ...core.precisions import PRECISIONS, get
 
 
-# --------------------------------------------------------------------------------------------- formats
 def _bits_from_finfo(fi: torch.finfo) -> tuple[int, int]:
     """(exponent bits, mantissa bits) of a floating dtype, derived from finfo alone."""
     mantissa = round(-math.log2(fi.eps))
@@ -76,7 +74,6 @@ def plot_bit_layouts(rows: list[dict]):
     return fig
 
 
-# --------------------------------------------------------------------------------------------- gradients
 @dataclass
 class HalfGradientCensus:
     """What storing FP32 gradients in FP16 would do to them, with and without a loss scale."""
@@ -158,7 +155,6 @@ def plot_gradient_census(census: HalfGradientCensus, title: str):
     return fig
 
 
-# --------------------------------------------------------------------------------------------- activations
 def activation_overflow_demo(cfg, device, first_nonfinite, precisions=("fp32", "fp16")):
     """Make the first MLP layer overflow FP16 on purpose (its largest FP32 output scaled to about 4 x FP16's max), then
     run the notebook's ``first_nonfinite(model, batch, amp_dtype)`` per precision. Returns (factor, largest, rows)."""
@@ -185,7 +181,6 @@ def activation_overflow_demo(cfg, device, first_nonfinite, precisions=("fp32", "
     return factor, peak[0], rows
 
 
-# --------------------------------------------------------------------------------------------- loss scaling
 def plot_loss_scale(steps: list, scales: list, skipped: list, title: str, injected=(), losses=None, reference=None):
     """The loss scale per step (steps numbered from 1), the skipped steps marked (injected overflows apart from
     real ones); with ``losses`` a second panel with the loss, and ``reference``'s loss (a run) dashed beside it."""
@@ -224,7 +219,6 @@ def loss_scale_rows(run, inject: set) -> list[dict]:
             for i, (s, l) in enumerate(zip(run.loss_scales, run.losses))]
 
 
-# --------------------------------------------------------------------------------------------- notebook helper
 def guarded(fn, *args, **kw):
     """Run one of the notebook's hand-written experiments: an out-of-memory error becomes ``None`` (the reason
     is printed and the notebook carries on), and memory is released either way."""

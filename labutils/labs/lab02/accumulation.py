@@ -1,7 +1,6 @@
-"""Lab 02 (gradient accumulation): the bookkeeping of the notebook's gradient experiments (a model held for them,
-a cell's memory, rows) and the lab's AMP precision, all releasing their memory when they end. The training runs:
-:mod:`labutils.labs.lab02.accumulation_sweeps`.
-"""
+"""Lab 02 (gradient accumulation): the bookkeeping of the notebook's gradient experiments (a model held for them, a
+cell's memory, rows) and the lab's AMP precision, all releasing their memory when they end. The training runs:
+:mod:`labutils.labs.lab02.accumulation_sweeps`. """
 from __future__ import annotations
 
 import contextlib
@@ -13,7 +12,7 @@ from ...core import device as dev
 from ...core import env as _env
 from ...core.config import Config
 from ...core.data import IGNORE_INDEX, LMDataset
-from ...core.memory import MemoryTracker, fmt_bytes, memory_in_use, oom_caught, release
+from ...core.memory import MemoryTracker, oom_caught, release
 from ...core.precisions import get
 from ...core.train import autocast_for, make_optimizer, prepare, scaler_for, step_scheduler, train
 
@@ -59,17 +58,6 @@ def held_model(cfg: Config, device=None, adamw_state: bool = False):
         model.zero_grad(set_to_none=True)
         loaded = state = model = None
         release()
-
-
-def baseline_line(device, baseline: int, where: str) -> tuple[int, str]:
-    """(bytes in use now, a line saying so next to the lab's ``baseline``): every measured run of a section starts
-    from the baseline it reports, so a leftover of an earlier section shows here, with its size."""
-    now = memory_in_use(device)
-    extra = now - baseline
-    return now, (f"memory in use at the start of {where}: {fmt_bytes(now)} (the lab's baseline: {fmt_bytes(baseline)}"
-                 + ("; nothing left over from earlier sections)" if extra == 0 else
-                    f"; {fmt_bytes(abs(extra))} {'more' if extra > 0 else 'less'}: "
-                    + ("left over from an earlier section, counted in every peak below)" if extra > 0 else ")")))
 
 
 def max_relative_gap(xs, ys) -> float:

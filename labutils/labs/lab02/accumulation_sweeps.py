@@ -1,6 +1,5 @@
 """Lab 02 (gradient accumulation): reading the lab's ``lu.run`` sweeps over the split of a batch into micro-batches:
-their tables and figures, the cost of accumulating and claim C3, and the micro-batch advice per card.
-"""
+their tables and figures, the cost of accumulating and claim C3, and the micro-batch advice per card. """
 from __future__ import annotations
 
 import math

@@ -166,8 +166,7 @@ def _wrap_forward(model, variant: Variant):
         with hooks:
             out = original(*args, **kwargs)
         variant.info["host_bytes"] = max(variant.info.get("host_bytes", 0), hooks.bytes)
-        variant.info["weights_not_moved_bytes"] = max(variant.info.get("weights_not_moved_bytes", 0),
-                                                      hooks.kept_bytes)
+        variant.info["weights_not_moved_bytes"] = max(variant.info.get("weights_not_moved_bytes", 0), hooks.kept_bytes)
         return out
 
     model.forward = forward  # instance attribute: nn.Module.__call__ finds it before the class's forward

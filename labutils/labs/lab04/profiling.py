@@ -1,7 +1,6 @@
-"""Looking inside a training step (lab 04): what autograd saves per module, allocator traces (a CUDA snapshot's, or
-the CPU stand-in in the same format) and their memory_viz views, ``torch.profiler`` operators and ranges, the slowest
-ops before and after a fix (each op with its own noise), and a GPU capped to a smaller card.
-"""
+"""Looking inside a training step (lab 04): what autograd saves per module, allocator traces (a CUDA snapshot's, or the
+CPU stand-in in the same format) and their memory_viz views, ``torch.profiler`` operators and ranges, the slowest ops
+before and after a fix (each op with its own noise), and a GPU capped to a smaller card. """
 from __future__ import annotations
 
 import contextlib
@@ -57,7 +56,6 @@ def saved_tensors_by_module(model: torch.nn.Module, batch: dict, autocast=None, 
     return sorted(rows.values(), key=lambda r: order.get(r["module"], len(order)))
 
 
-# -------------------------------------------------------------- allocator traces: CUDA snapshots, a CPU stand-in
 _BACKWARD_NODE = re.compile(r"(?:generated::|autograd::)(\w*Backward\w*)")
 _INTERNAL = ("/torch/", "/site-packages/torch", "<frozen", "/tqdm/", "/contextlib.py", "/threading.py")
 # The phase an allocation belongs to when no module is running, after each mark of a training step

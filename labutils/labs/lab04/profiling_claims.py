@@ -1,7 +1,6 @@
-"""C6 and C7, the course-design claims lab 04 measures: :func:`c6_claim` runs all three techniques together against
-the FP32 baseline with the notebook's one loop; :func:`c7_claim` DeepSpeed ZeRO-2 + CPU offload against plain fp16
-where DeepSpeed and CUDA are here, else not measured with the estimator's prediction.
-"""
+"""C6 and C7, the course-design claims lab 04 measures: :func:`c6_claim` runs all three techniques together against the
+FP32 baseline with the notebook's one loop; :func:`c7_claim` DeepSpeed ZeRO-2 + CPU offload against plain fp16 where
+DeepSpeed and CUDA are here, else not measured with the estimator's prediction. """
 from __future__ import annotations
 
 from ...core import cards

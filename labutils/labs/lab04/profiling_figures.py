@@ -1,6 +1,5 @@
-"""Lab 04's figures: each function takes the rows a cell already measured and returns the figure. Bytes are drawn in
-GiB from 1 GiB up, else MiB; steps are counted from 1, as in every lab's figures (:mod:`labutils.core.figures`).
-"""
+"""Lab 04's figures: each function takes the rows a cell already measured and returns the figure. Bytes are drawn in GiB
+from 1 GiB up, else MiB; steps are counted from 1, as in every lab's figures (:mod:`labutils.core.figures`). """
 from __future__ import annotations
 
 import numpy as np

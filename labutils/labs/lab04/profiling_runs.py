@@ -1,7 +1,6 @@
-"""Lab 04's experiments as rows: every run measured under the lab's one budget (an 8 GB card) next to the
-estimator's prediction for it. The written-out training step and the raw ``torch.cuda`` / ``torch.profiler``
-calls stay in the notebook: they are what the lab teaches.
-"""
+"""Lab 04's experiments as rows: every run measured under the lab's one budget (an 8 GB card) next to the estimator's
+prediction for it. The written-out training step and the raw ``torch.cuda`` / ``torch.profiler`` calls stay in the
+notebook: they are what the lab teaches. """
 from __future__ import annotations
 
 import re
