@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -14,25 +12,26 @@ import pytest
 from labutils.tools import regenerate as rg
 
 
-def test_doctor_on_a_cpu_machine(tmp_path, root):
-    """In a subprocess, i.e. on this machine's real hardware (a pretend GPU of the session is in-process only).
-    Fails if the doctor stops saying there is no GPU, marks a GPU-only check pass on a CPU, or fails a CPU check."""
-    from tests import fake_cuda
+@pytest.mark.regen_labs("all")
+def test_doctor_on_a_cpu_machine():
+    """The doctor the session's rehearsal ran first (tests/regen_once.py: regenerate starts ``python -m labutils
+    doctor`` in a child process, which the pretend GPU of regenerate's own process does not reach), i.e. on this
+    machine's real hardware. Fails if the doctor stops saying there is no GPU, marks a GPU-only check pass on a CPU,
+    or fails a CPU check."""
+    from tests import fake_cuda, regen_once
+    from labutils.labs.registry import IDS
+
     if fake_cuda.real_gpu_present():
         pytest.skip("a real CUDA GPU is present: the doctor runs its GPU checks, which .github/workflows/gpu-smoke.yml "
                     "runs as its own step (`python -m labutils doctor`)")
-    out = tmp_path / "doctor.json"
-    t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "labutils", "doctor", "--json", str(out)], cwd=root,
-                       capture_output=True, text=True, timeout=300)
-    seconds = time.perf_counter() - t0
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert "no CUDA GPU found" in p.stdout and seconds < 120
-    report = json.loads(out.read_text())
+    run = regen_once.run_for(IDS)
+    report = json.loads((run.out / "doctor.json").read_text())
+    seconds = json.loads((run.out / "run.json").read_text())["seconds"]["doctor"]
+    assert "no CUDA GPU found" in run.stdout and seconds < 120
     assert set(report) >= {"checks", "env"} and report["env"]["device"] == "cpu"
     # its own total time, in the summary line and the JSON (the README points there instead of a promise), the
     # checks' time apart from compiling (none on the CPU: the fast path is skipped)
-    assert 0 < report["seconds"] <= seconds and f", {report['seconds']:.0f} s in all" in p.stdout
+    assert 0 < report["seconds"] <= seconds and f", {report['seconds']:.0f} s in all" in run.stdout
     assert report["compile_seconds"] == 0 and report["checks_seconds"] == report["seconds"]
     checks = {c["name"]: c for c in report["checks"]}
     assert all({"name", "status"} <= set(c) for c in report["checks"])
