@@ -64,8 +64,8 @@ CPU_TRACE_PHASES = {"before forward": "forward (outside modules)", "after forwar
 
 
 class PhaseMarks:
-    """``mark = PhaseMarks(); ...; mark("after forward")``: the phase each later allocation belongs to (backward's have
-    no Python frames), for :func:`trace_summary` (``phases=mark.phases``), in the trace's clock (``time_us``)."""
+    """``mark("after forward")``: the phase of each later allocation (backward's have no Python frames), in the trace's
+    clock (``time_us``), for :func:`trace_summary` (``phases=mark.phases``)."""
 
     def __init__(self, clock=None):
         self.clock = clock or (lambda: time.time_ns() / 1e3)
@@ -137,12 +137,12 @@ def trace_summary(snapshot: dict, device: int = 0, start_bytes: int = 0, top: in
 
 class _RecordingStorages(LiveStorages):
     """The CPU tracker's storage counting, writing alloc/free_completed entries like the CUDA allocator."""
-
     def __init__(self, site_of):
         super().__init__()
         self.trace, self.site_of, self.t0, self.op = [], site_of, time.perf_counter(), "?"
 
     def add(self, t) -> None:
+        self._count_dead()  # the storages that died first (frees): else an alloc beside a free is not logged
         n_before = len(self.live)
         super().add(t)
         if len(self.live) > n_before:
