@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import math
+import re
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import torch
 import labutils as lu
 import labutils.labs.lab02.accumulation as acc
 from labutils.core.train import train
+from labutils.labs.registry import IDS
 
 from conftest import tiny_config
 
@@ -63,3 +65,19 @@ def test_one_loop_matches_labutils_train(ragged_corpus, precision):
     assert len(mine["losses"]) == len(ref.losses) == 2 and len(mine["step_times"]) == 2
     assert mine["losses"] == pytest.approx(ref.losses, rel=1e-4)
     assert mine["grad_norms"] == pytest.approx(ref.grad_norms, rel=1e-3)
+
+
+@pytest.mark.parametrize("lab", IDS)
+def test_every_checkpointing_call_a_student_copies_is_non_reentrant(lab):
+    """Lab 03 teaches to always pass use_reentrant=False (torch's reentrant variant drops gradients of inputs that do
+    not require grad, and torch asks for the argument); lab 04's capstone swap table, what a student copies into their
+    own loop, gave ``model.gradient_checkpointing_enable()`` without it (issue 44 §5). Every enable call and every
+    ``torch.utils.checkpoint.checkpoint(`` in a code cell, and in lab 04's capstone text, passes it on the same line."""
+    from tests.test_output_budget import notebook
+
+    _, nb = notebook(lab)
+    copied = [c for c in nb["cells"] if c["cell_type"] == "code" or "| 迴圈裡的 | 換成你的 |" in "".join(c["source"])]
+    calls = [line for cell in copied for line in "".join(cell["source"]).splitlines()
+             if re.search(r"checkpointing_enable\(|utils\.checkpoint\.checkpoint\(", line)]
+    assert all("use_reentrant" in line for line in calls), [line for line in calls if "use_reentrant" not in line]
+    assert lab != "04" or calls  # the capstone's swap table names the call
