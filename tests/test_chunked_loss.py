@@ -209,3 +209,50 @@ def test_tiny_chunks_under_compile_are_refused_before_any_work():
     assert lu.load_config(None, {**keys, "model.loss_chunk_size": 16}, mode="smoke").model.loss_chunk_size == 16
     assert lu.load_config(None, {**keys, "train.compile": False}, mode="smoke").model.loss_chunk_size == 1
     assert lu.load_config("configs/fast_config.yaml", mode="full").train.compile
+
+
+# Issue 45 §6: the chunked loss forms the head's weight gradient in the forward, before the loss scale reaches it. In
+# fp16 a chunk's product g^T @ h overflowed when the hidden states have a large offset (GPT-2's massive activations:
+# a few channels of pretrained hidden states in the hundreds), at every loss scale, even 1: GradScaler skipped every
+# step and never recovered, while the full loss (its gradient divided by the target count and scaled in backward)
+# recovers by backing off.
+def offset_case(offset=300.0, rows=512, d=64, vocab=320):
+    g = torch.Generator().manual_seed(3)
+    hidden = (torch.randn(rows, d, generator=g) + offset).requires_grad_()
+    weight = (0.02 * torch.randn(vocab, d, generator=g)).requires_grad_()
+    labels = torch.full((1, rows), 7)  # one frequent token: its column of g sums to about -rows
+    return hidden, weight, labels
+
+
+def test_an_fp16_chunk_with_a_large_hidden_offset_gives_the_full_losss_gradient():
+    """512 positions x (hidden + 300) in one fp16 chunk: the weight-gradient product reaches 512 x 300 = 153,600,
+    past fp16's 65,504 (inf before the fix, at any scale). Now finite and equal to the full loss's gradient (mean over
+    the targets, autocast fp16: the oracle's overflow depends only on its loss scale, here 1) within fp16 rounding."""
+    hidden, weight, labels = offset_case()
+    with torch.autocast("cpu", dtype=torch.float16):
+        LC.chunked_lm_loss(hidden[None], weight, labels, chunk_size=512).backward()
+    chunked = weight.grad.clone()
+    weight.grad = None
+    with torch.autocast("cpu", dtype=torch.float16):
+        logits = hidden[None] @ weight.t()
+    ForCausalLMLoss(logits.float(), labels, vocab_size=weight.shape[0]).backward()
+    assert torch.isfinite(chunked).all(), "the chunk's fp16 product overflowed"
+    assert torch.isfinite(weight.grad).all()
+    assert (chunked - weight.grad).abs().max() <= 2e-3 * weight.grad.abs().max(), (chunked - weight.grad).abs().max()
+
+
+def test_fp16_training_with_the_chunked_loss_recovers_from_a_large_hidden_offset(ragged_corpus):
+    """A short fp16 run of the tiny model whose final LayerNorm puts one channel of every hidden state at 5,000: the
+    chunked loss trains (GradScaler skips at most a few steps, then every step is applied) instead of skipping every
+    step. Breaks if the chunk's weight-gradient product overflows whatever the loss scale."""
+    from conftest import tiny_config
+
+    cfg = tiny_config(ragged_corpus, data__pack=True, train__steps=6, train__precision="fp16",
+                      model__loss="chunked", model__loss_chunk_size=64)
+    loaded, data = lu.prepare(cfg, "cpu", verbose=False)
+    ln_f = loaded.model.transformer.ln_f
+    with torch.no_grad():
+        ln_f.weight[0], ln_f.bias[0] = 0.0, 5000.0  # channel 0 of every position: 5,000
+    res = lu.train(cfg, loaded.model, data, "cpu", progress=False)
+    assert res.ok and res.skipped_steps <= 3 and max(res.skipped, default=-1) < len(res.losses) - 2, \
+        (res.status, res.skipped, res.loss_scales)

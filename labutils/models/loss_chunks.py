@@ -1,22 +1,18 @@
 """The LM head and cross-entropy in chunks of positions: the logits never exist whole (``model.loss: chunked``).
 
-GPT-2's largest tensor in a training step is the logits, ``[B, T, V]`` with V = 50257 (1.6 GB in fp32 at B8 x T1024),
-and the full loss holds two or three tensors of that size at once. The loss needs per position only a log-sum-exp and
-one target logit, the gradient ``softmax - onehot``; so :class:`ChunkedLinearCrossEntropy` walks the positions in
-chunks of ``chunk_size`` and, as Liger-Kernel's fused linear cross-entropy does, computes the gradients in the forward:
+GPT-2's largest tensor in a training step is the logits, ``[B, T, V]`` (1.6 GB in fp32 at B8 x T1024), and the full
+loss holds two or three of them at once. Per position the loss needs a log-sum-exp and one target logit, its gradient
+``softmax - onehot``; so :class:`ChunkedLinearCrossEntropy` walks ``chunk_size`` positions at a time and, as
+Liger-Kernel's fused linear cross-entropy does, computes the gradients in the forward: ``logits = h @ W^T (+ bias)``
+in the matmul's dtype, their log-sum-exp and target logit in fp32, ``g = softmax - onehot`` cast to the matmul dtype,
+then ``g @ W`` (the hidden states' gradient) and ``g^T @ h`` into one fp32 accumulator (fp16: ``g`` scaled down by the
+power of two the chunk needs, so that only backward's loss scale can overflow). Backward only scales the stored
+gradients: no recompute, no host sync. Compiled, the backward graph holds no head matmul that AOT autograd could merge
+with the forward's (tests/test_fast_path.py). FLOPs are the full head's; each extra chunk reads the head's weight twice
+and the accumulator once more (about ``16 * V * d`` bytes), so a chunk should be large.
 
-* per chunk: ``logits = h @ W^T (+ bias)`` in the matmul's dtype, their log-sum-exp and target logit in fp32, then
-  ``softmax - onehot`` elementwise (no scatter), cast to the matmul dtype; it gives the chunk's share of the hidden
-  states' gradient (``g @ W``) and of the weight's, added into one fp32 accumulator (``g^T @ h``);
-* backward only scales the stored gradients by the incoming one: no recompute, no host sync.
-
-Compiled, the backward graph holds no head matmul that AOT autograd could merge with the forward's (which would save
-every chunk's logits: tests/test_fast_path.py). FLOPs are the full head's. The cost: each extra chunk reads the
-head's weight twice and the accumulator once more (about ``16 * V * d`` bytes), so a chunk should be large.
-
-:func:`install` replaces a GPT2LMHeadModel instance's ``forward`` for training calls with labels (the transformer runs
-as before, checkpointing and ``nn.Module.compile`` included, then the chunked loss; the output carries no logits).
-Other calls (no labels, eval mode) go to the model's own forward.
+:func:`install` replaces a GPT2LMHeadModel instance's ``forward`` for training calls with labels (the transformer as
+before, checkpointing and ``nn.Module.compile`` included, then the chunked loss; no logits in the output).
 """
 from __future__ import annotations
 
@@ -65,12 +61,17 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 g = g.to(dtype)                                                 # as the head's matmul sees it
                 if need_h:
                     grad_h.append(g @ w)
-                if need_w and grad_w is None:                                   # an fp32 accumulator
+                if need_w and dtype == torch.float16:  # fp16 tops at 65504: g scaled down by the power of two the
+                    # chunk's largest column sum of |h| needs, undone in fp32 (only the loss scale can overflow)
+                    k = torch.ceil(torch.log2(h[s:e].float().abs().sum(0).amax() / 2**15)).clamp_min(0)
+                    grad_w = w.new_zeros(w.shape, dtype=torch.float32) if grad_w is None else grad_w
+                    grad_w.addcmul_(g.mul_(torch.exp2(-k).to(dtype)).t() @ h[s:e], torch.exp2(k))
+                elif need_w and grad_w is None:                                 # an fp32 accumulator
                     grad_w = (g.t() @ h[s:e]).float()
                 elif need_w and g.dtype == grad_w.dtype:  # fp32: in place, no [V, d] temporary (out=, which
                     torch.addmm(grad_w, g.t(), h[s:e], out=grad_w)            # torch's FLOP counter sees)
                 elif need_w:
-                    grad_w.add_(g.t() @ h[s:e])                                 # a half product, added in
+                    grad_w.add_(g.t() @ h[s:e])                                 # a bf16 product, added in
                 del x, g
         ctx.save_for_backward(torch.cat(grad_h) if need_h else None, grad_w, grad_b)
         ctx.dtypes = hidden.dtype, weight.dtype, None if bias is None else bias.dtype
@@ -120,8 +121,7 @@ def head_bias(head: torch.nn.Module) -> torch.Tensor | None:
 
 
 def _training_forward(self, input_ids=None, labels=None, num_items_in_batch=None, **kwargs):
-    """GPT2LMHeadModel.forward for training calls with labels: the transformer, then :func:`chunked_lm_loss`;
-    ``logits`` is None. Any other call goes to the class's own forward."""
+    """A training call with labels: the transformer, then :func:`chunked_lm_loss` (no logits); else the class's."""
     if labels is None or not self.training or kwargs.get("inputs_embeds") is not None:
         return type(self).forward(self, input_ids, labels=labels, num_items_in_batch=num_items_in_batch, **kwargs)
     from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
