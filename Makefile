@@ -13,8 +13,9 @@
 #   make gpu-results    on a GPU, offline: .whl/ installed into a temp folder if present, then the time plan, doctor,
 #                       the four labs under the 8 GB cap and bench (BENCH_REPEATS runs of each side: 2 fit beside the
 #                       labs in one 10-minute command, the plan says so) into results/<gpu>/ (JSON, figures,
-#                       doctor.json, bench.json, run.json, README-results.md) and the README's results blocks;
-#                       REHEARSE=1: the same path at smoke sizes into OUT or a temp folder (regenerate --rehearse)
+#                       doctor.json, bench.json, run.json, README-results.md) and the README's results blocks, or
+#                       into OUT=DIR; REHEARSE=1 (only 1 or 0): the same path at smoke sizes into OUT or a temp folder
+#                       (regenerate --rehearse). OUT may hold spaces; WHEELS= skips the wheels (this machine's packages)
 PYTHON ?= python
 GPU_MEMORY_GB ?= 8
 ONLY ?=
@@ -22,6 +23,11 @@ OUT ?=
 
 BENCH_REPEATS ?= 2
 REHEARSE ?=
+ifneq ($(filter-out 0 1,$(REHEARSE)),)
+$(error REHEARSE = '$(REHEARSE)': allowed 1 (rehearse at smoke sizes) or 0 / empty (the full run))
+endif
+# OUT passed whole (a folder name with spaces stays one argument) to every target that writes results
+OUT_ARG = $(if $(OUT),--out "$(OUT)")
 
 GPU_PYTHON ?= 3.12
 SITE ?= /tmp/labutils-site
@@ -33,10 +39,10 @@ GPU_IMAGE_HAS ?= attrs packaging psutil pygments python_dateutil six typing_exte
 .PHONY: results smoke-results test test-regen-all test-interrupts gpu-wheels gpu-results
 
 results:
-	$(PYTHON) -m labutils regenerate --gpu-memory-gb $(GPU_MEMORY_GB) $(if $(ONLY),--only $(ONLY)) $(if $(OUT),--out $(OUT))
+	$(PYTHON) -m labutils regenerate --gpu-memory-gb $(GPU_MEMORY_GB) $(if $(ONLY),--only $(ONLY)) $(OUT_ARG)
 
 smoke-results:
-	$(PYTHON) -m labutils regenerate --smoke --gpu-memory-gb $(GPU_MEMORY_GB) $(if $(ONLY),--only $(ONLY)) $(if $(OUT),--out $(OUT))
+	$(PYTHON) -m labutils regenerate --smoke --gpu-memory-gb $(GPU_MEMORY_GB) $(if $(ONLY),--only $(ONLY)) $(OUT_ARG)
 
 test:
 	LAB_SMOKE=1 $(PYTHON) -m pytest -n auto tests *.ipynb
@@ -56,5 +62,5 @@ gpu-wheels:
 	cd .whl && for p in $(GPU_IMAGE_HAS); do rm -f $$p-[0-9]*.whl; done
 
 gpu-results:
-	@if [ -n "$(WHEELS)" ] && [ -d "$(WHEELS)" ]; then $(PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(SITE) $(WHEELS)/*.whl; fi
-	PYTHONPATH=$(SITE)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m labutils regenerate --bench $(BENCH_REPEATS) --gpu-memory-gb $(GPU_MEMORY_GB) $(if $(ONLY),--only $(ONLY)) $(if $(REHEARSE),--rehearse $(if $(OUT),--out $(OUT)))
+	@if [ -n "$(WHEELS)" ] && [ -d "$(WHEELS)" ]; then set -- "$(WHEELS)"/*.whl; [ -e "$$1" ] || { echo "make gpu-results: WHEELS = '$(WHEELS)' holds no wheel: fill it with make gpu-wheels (online), or WHEELS= to use this machine's packages" >&2; exit 2; }; $(PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(SITE) "$$@"; fi
+	PYTHONPATH=$(SITE)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m labutils regenerate --bench $(BENCH_REPEATS) --gpu-memory-gb $(GPU_MEMORY_GB) $(if $(ONLY),--only $(ONLY)) $(if $(filter 1,$(REHEARSE)),--rehearse) $(OUT_ARG)
