@@ -48,6 +48,12 @@ def test_plan_refuses_a_card_it_has_no_peak_for(capsys):
     assert cli.main(["regenerate", "--plan", "--gpu", "Nonexistent X9"]) == 2
     assert "labutils.core.peaks" in capsys.readouterr().err
     assert cli.main(["regenerate", "--gpu", H100]) == 2  # --gpu without --plan
+    capsys.readouterr()
+    # an empty name is a name given, refused as such (issue 45: it said "no CUDA GPU here: name one with --gpu")
+    assert cli.main(["regenerate", "--plan", "--gpu", ""]) == 2
+    err = capsys.readouterr().err
+    assert "--plan: '':" in err and "no CUDA GPU here" not in err
+    assert cli.main(["regenerate", "--gpu", ""]) == 2 and "only goes with --plan" in capsys.readouterr().err
 
 
 def test_a_run_the_cap_does_not_fit_costs_one_step():

@@ -373,9 +373,9 @@ def cli_regenerate(args) -> int:
     results_default = REPO_ROOT / RESULTS_DIR
     if smoke and rehearse:
         return _refuse("--rehearse already runs smoke sizes (the full run's path, smoke-sized): leave --smoke out")
-    if getattr(args, "gpu", None) and not getattr(args, "plan", False):
+    if getattr(args, "gpu", None) is not None and not getattr(args, "plan", False):
         return _refuse("--gpu NAME only goes with --plan (a run plans for the GPU it runs on)")
-    gpu = getattr(args, "gpu", None) or _gpu_name()
+    gpu = _gpu_name() if getattr(args, "gpu", None) is None else args.gpu  # --gpu "": named, and refused below
     if getattr(args, "plan", False):
         from ..core.peaks import peak_tflops
         if gpu is None or peak_tflops(gpu, "fp32") is None:
