@@ -107,3 +107,19 @@ def test_a_full_run_records_its_card_plan_and_actual_times(tmp_path):
     assert rg.card_folder(H100) == "nvidia-h100-80gb-hbm3"
     lines = timeplan.against_actual(plan, {"doctor": 90.0, "01": 42.0})
     assert any(re.search(r"lab 01 +\d+ s -> +42 s", line) for line in lines)
+
+
+def test_a_machine_without_git_still_gets_its_run_record(tmp_path, monkeypatch):
+    """Issue 45: write_run_record ran ``git`` at the very end, and a bare GPU image without it raised
+    FileNotFoundError after all the work: now the record is written with commit null. The machine without git is
+    real: PATH holds only a folder with this Python, so the subprocess call itself fails as it would there."""
+    import sys
+
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    (bare / "python").symlink_to(sys.executable)
+    monkeypatch.setenv("PATH", str(bare))
+    outcome = rg.Outcome("01-Mixed_Precision", ok=True, seconds=42.0)
+    rg.write_run_record(tmp_path, H100, None, {"01": 42.0}, [outcome])
+    got = json.loads((tmp_path / "run.json").read_text())
+    assert got["commit"] is None and got["labs"] == {"01-Mixed_Precision": "ok"}

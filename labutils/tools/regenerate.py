@@ -339,8 +339,11 @@ def write_run_record(out: Path, gpu: str | None, plan: dict | None, actual: dict
     from ..core.env import environment
 
     env = environment(mode="full")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                            text=True).stdout.strip() or None
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                                text=True).stdout.strip() or None
+    except OSError:  # no git on the machine (a bare GPU image): the record says null, after all the work
+        commit = None
     predicted = None if plan is None else {"doctor": plan["doctor_seconds"], **{p["lab"]: p["seconds"] for p in
                                                                                plan["labs"]}}
     if plan is not None and plan.get("bench"):
