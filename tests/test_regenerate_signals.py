@@ -75,7 +75,9 @@ def test_signal_stops_regenerate_cleanly(tmp_path, sig, code, middle, first):
     marks.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("LAB_SMOKE", "LAB_RESULTS_DIR")}
     env["SIGTEST_DIR"] = str(marks)
-    proc = subprocess.Popen([sys.executable, "-m", "labutils", "regenerate", "--smoke", "--notebooks", str(notebooks),
+    # after a finished lab: the GPU command's path (--rehearse: run.json, a README copy), without its doctor
+    mode = ["--rehearse", "--skip-doctor"] if first else ["--smoke"]
+    proc = subprocess.Popen([sys.executable, "-m", "labutils", "regenerate", *mode, "--notebooks", str(notebooks),
                              "--out", str(out)], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
@@ -97,7 +99,8 @@ def test_signal_stops_regenerate_cleanly(tmp_path, sig, code, middle, first):
     assert took < 10, f"took {took:.1f} s to stop"
     last = stderr.strip().splitlines()[-1]
     assert last.startswith(f"interrupted by {signal.Signals(sig).name}: "), stderr
-    assert f"stopped {middle}" in last and "not started 82-Next" in last and "not updated" in last
+    assert f"stopped {middle}" in last and "not started 82-Next" in last
+    assert ("the results pages show the finished labs" if first else "not updated") in last
     assert ("finished 80-Done (ok)" if first else "finished none") in last
     assert "Traceback" not in stderr and "AssertionError" not in stdout + stderr
     assert not (marks / "82-Next.started").exists()  # no next notebook
@@ -108,10 +111,21 @@ def test_signal_stops_regenerate_cleanly(tmp_path, sig, code, middle, first):
     assert not alive(kernel)
     # nothing half-written: no staging folder, no temp file, nothing of the stopped lab, no results page;
     # a lab that finished before the signal is kept whole
-    kept = ["80-Done.json", "executed/80-Done.ipynb"] if first else []
+    # (issue 45 §2) a lab that finished is rendered at once: its results page is there, and --render-only redraws
+    # the same page from the folder
+    kept = ["80-Done.json", "README-results.md", "README.md", "executed/80-Done.ipynb", "run.json"] if first else []
     assert files_under(out) == kept
     if first:
         assert json.loads((out / "80-Done.json").read_text())["tables"] == {"t": [{"a": 1}]}
+        record = json.loads((out / "run.json").read_text())  # written at the start, then after each lab
+        assert record["labs"] == {"80-Done": "ok"} and set(record["seconds"]) == {"80"}, record
+        page = (out / "README-results.md").read_text()
+        assert "80-Done" in page and "81-" not in page
+        (out / "README-results.md").unlink()
+        again = subprocess.run([sys.executable, "-m", "labutils", "regenerate", "--render-only", "--rehearse",
+                                "--notebooks", str(notebooks), "--out", str(out)], cwd=REPO, env=env,
+                               capture_output=True, text=True, timeout=120)
+        assert again.returncode == 0 and (out / "README-results.md").read_text() == page, again.stdout + again.stderr
 
 
 def test_signal_guard_holds_a_signal_until_the_critical_section_ends():

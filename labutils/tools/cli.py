@@ -256,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "a temporary folder, never results/ or README.md: a dry run of make gpu-results")
     p.add_argument("--plan", action="store_true", help="print the predicted time per lab on this GPU (or --gpu) "
                                                        "and stop; a full run prints it first anyway")
+    p.add_argument("--render-only", action="store_true", help="run nothing: README-results.md (and, for results/, "
+                                                              "the README's blocks) from the results --out holds")
     p.add_argument("--gpu", metavar="NAME", help="with --plan: the GPU to plan for, as torch names it "
                                                  "(e.g. 'NVIDIA H100 80GB HBM3'); runs on a CPU too")
     p.set_defaults(func=cmd_regenerate)

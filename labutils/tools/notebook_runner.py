@@ -1,10 +1,7 @@
 """Running one lab notebook safely: in a fresh kernel of this interpreter, in a worker thread, stoppable by a signal.
-
-:func:`execute_notebook` runs a notebook top to bottom with nbclient and returns an :class:`Outcome` (ok, seconds,
-the failing cell and the line that raised); it never raises for the notebook's own errors. The kernel's stdout and
-stderr go to a log beside the executed copy, and the kernel is always shut down, whatever happens. Ctrl-C and
-SIGTERM: see :class:`SignalGuard`. ``regenerate`` runs every lab through this module.
-"""
+:func:`execute_notebook` runs it top to bottom with nbclient and returns an :class:`Outcome` (ok, seconds, the failing
+cell and line; never raises for the notebook's errors); the kernel's output goes to a log beside the executed copy, and
+the kernel is always shut down. Ctrl-C and SIGTERM: :class:`SignalGuard`. ``regenerate`` runs every lab through it."""
 from __future__ import annotations
 
 import atexit
@@ -31,7 +28,6 @@ FULL_CELL_TIMEOUT = 4 * 3600  # s per cell; a full sweep cell can legitimately t
 class KernelPollNoise(logging.Filter):
     """Drops asyncio's "Task exception was never retrieved" for nbclient's kernel-alive poll, and nothing else: that
     poll can outlive a kernel killed on Ctrl-C, and its traceback would bury the line that says what stopped."""
-
     def filter(self, record: logging.LogRecord) -> bool:
         return "_async_poll_kernel_alive" not in record.getMessage()
 
@@ -161,7 +157,7 @@ class Interrupted(BaseException):
         self.finished: list[Outcome] = []
         self.current: str | None = None
         self.not_started: list[str] = []
-        self.rendered = False  # the signal came while the results pages were being written: they are complete
+        self.rendered = False  # the results pages were written (after a finished lab): they show what finished
 
     @property
     def name(self) -> str:
@@ -179,7 +175,8 @@ class Interrupted(BaseException):
             parts.append(f"stopped {self.current} (kernel shut down, nothing of it kept)")
         if self.not_started:
             parts.append(f"not started {', '.join(self.not_started)}")
-        parts.append("results pages written" if self.rendered else "README-results.md and README.md not updated")
+        parts.append("the results pages show the finished labs (regenerate --render-only redraws them)" if self.rendered
+                     else "README-results.md and README.md not updated")
         return "; ".join(parts)
 
 

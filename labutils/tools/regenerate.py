@@ -2,20 +2,16 @@
 
     python -m labutils regenerate                       # full run on a GPU: results/ and README.md
     python -m labutils regenerate --smoke --only 03     # does lab 03 still run? results in a temp folder
-    python -m labutils regenerate --gpu-memory-gb 0     # no cap: use the whole card
     python -m labutils regenerate --rehearse --bench 1  # make gpu-results' whole path at smoke sizes, in a temp dir
+    python -m labutils regenerate --render-only --out results/<card>   # redraw the pages from what is there
 
-Each notebook runs in its own fresh kernel (:mod:`labutils.tools.notebook_runner`), in its own folder, with
-``LAB_RESULTS_DIR`` pointing at a private staging folder; what its ``lu.record_results(...)`` writes there is checked
-(written at all? the mode we asked for?) and only then moved into the output folder. So a failed notebook keeps the
-previous results, and a "full" run that fell back to smoke never lands smoke numbers in ``results/``. Executed
-copies go to ``<out>/executed/``, traces and snapshots to ``<out>/artifacts/<lab>/``; the repository's notebooks are
-only read. Rendering is :mod:`labutils.tools.report`.
-
-Bad options, an unwritable --out, a corrupt results file or broken README markers are refused (exit 2, one line)
-before any notebook runs. The README is rewritten only between well-formed markers, keeping every other byte, its
-line endings, mode and symlink. Ctrl-C / SIGTERM stop the run within seconds (exit 130 / 143), leaving nothing
-half-written and saying what finished.
+Each notebook runs in a fresh kernel (:mod:`labutils.tools.notebook_runner`) in its own folder, writing into a private
+staging folder; what it records is checked (written? the mode asked for?) before it moves into the output folder, so
+a failed notebook keeps the previous results and a full run that fell back to smoke never lands in ``results/``.
+After each lab the results page and README blocks are redrawn, and ``run.json`` is written at the start and after
+each part. Bad options, an unwritable --out, a corrupt results file or broken README markers are refused (exit 2, one
+line) before any notebook runs; the README changes only between well-formed markers (every other byte, line endings,
+mode, symlink kept). Ctrl-C / SIGTERM stop within seconds (exit 130 / 143), nothing half-written.
 """
 from __future__ import annotations
 
@@ -40,8 +36,7 @@ NOTEBOOK_GLOB = "[0-9][0-9]-*.ipynb"
 
 
 def find_notebooks(folder: str | os.PathLike, only: str | list[str] | None = None) -> list[Path]:
-    """The lab notebooks in ``folder`` (``NN-Name.ipynb``; the repository's: exactly the registry's labs), optionally
-    only the labs listed ("01,3" or [...])."""
+    """The lab notebooks in ``folder`` (the repository's: exactly the registry's labs), or ``only`` those ("01,3")."""
     notebooks = sorted(Path(folder).glob(NOTEBOOK_GLOB))
     if not notebooks:  # e.g. labutils installed without -e, run outside the checkout: say where it looked
         raise ValueError(f"no lab notebooks (NN-Name.ipynb) in {folder}: pass --notebooks DIR (the course's folder, "
@@ -97,8 +92,7 @@ OUT_FOLDERS = ("figures", "executed", "artifacts")  # what regenerate writes int
 
 
 def linked_folder(out: Path) -> str | None:
-    """Why one of the folders regenerate writes into inside ``out`` cannot be used: a symlink (it would write, or
-    delete a lab's old figures, outside ``out``) or not a folder. None when all are fine (or absent)."""
+    """Why a folder regenerate writes into inside ``out`` cannot be used (a symlink, or not a folder), or None."""
     for sub in OUT_FOLDERS:
         p = out / sub
         if p.is_symlink():
@@ -110,8 +104,8 @@ def linked_folder(out: Path) -> str | None:
 
 
 def promote(staging: Path, out: Path, stem: str, expected_mode: str) -> tuple[Path | None, str | None]:
-    """Check what a notebook recorded in ``staging`` and move it into ``out``: only ``<stem>.json`` (the notebook's own
-    name) is kept. Returns (json path, None) or (None, why nothing was kept)."""
+    """Check what a notebook recorded in ``staging`` (only ``<stem>.json``) and move it into ``out``: (path, None) or
+    (None, why nothing was kept)."""
     found = sorted(staging.glob("*.json"))
     if not found:
         return None, "no results recorded (the notebook's last cell should call lu.record_results)"
@@ -151,17 +145,16 @@ def promote(staging: Path, out: Path, stem: str, expected_mode: str) -> tuple[Pa
 # ---------------------------------------------------------------------------------------------------- the command
 def regenerate(notebooks: list[Path], out: Path, *, smoke: bool, gpu_memory_gb: float | None,
                readme: Path | None = None, timeout: int | None = None, log=print,
-               stems: list[str] | None = None) -> list[Outcome]:
-    """Execute ``notebooks``, keep what they record in ``out``, write ``out/README-results.md`` and, when ``readme`` is
-    given (full runs into results/ only), update its marked sections. Returns one Outcome each. ``stems``: the
-    notebooks whose results are rendered (default: those run). SIGINT/SIGTERM (main thread) kill the running kernel
+               stems: list[str] | None = None, on_lab=None) -> list[Outcome]:
+    """Execute ``notebooks`` into ``out``; after each, :func:`render` (``stems``' results; ``readme``: full runs into
+    results/ only) and ``on_lab(outcomes)``. One Outcome each. SIGINT/SIGTERM (main thread) kill the running kernel
     and raise :class:`Interrupted` with what finished and what did not."""
     out.mkdir(parents=True, exist_ok=True)
     mode = "smoke" if smoke else "full"
     timeout = timeout or (SMOKE_CELL_TIMEOUT if smoke else FULL_CELL_TIMEOUT)
     stems = stems or [nb.stem for nb in notebooks]
     tty = sys.stdout.isatty()
-    outcomes = []
+    outcomes, readme_failed = [], []
     with SignalGuard() as guard:
         current, rendered = None, False
         try:
@@ -188,26 +181,31 @@ def regenerate(notebooks: list[Path], out: Path, *, smoke: bool, gpu_memory_gb: 
                 finally:
                     if staging is not None:
                         shutil.rmtree(staging, ignore_errors=True)
-                with guard.critical():
-                    outcomes.append(o)
-                    current = None
                 status = "ok" if o.ok else "FAILED"
                 log(f"{head} {status:<6} {o.seconds:7.1f} s" + ("" if o.ok else f"  {o.where()[1:].lstrip()}")
                     + " " * 12)
-
-            with guard.critical():
-                results = load_results(out, stems)
-                write_atomic(out / "README-results.md", render_results(results).encode("utf-8"))
-                log(f"wrote {out / 'README-results.md'} ({len(results)} labs)")
-                if readme is not None:
-                    _update_readme_file(readme, out, results, outcomes, log)
-                rendered = True
+                with guard.critical():
+                    outcomes.append(o)
+                    current = None
+                    rendered = render(out, stems, readme, readme_failed, log)
+                    on_lab and on_lab(outcomes)
         except Interrupted as exc:
             exc.rendered = rendered
             exc.finished, exc.current = list(outcomes), current
             exc.not_started = [nb.stem for nb in notebooks[len(outcomes) + (current is not None):]]
             raise
-    return outcomes
+    return outcomes + readme_failed[:1]
+
+
+def render(out: Path, stems: list[str], readme: Path | None, failed: list[Outcome], log=print) -> bool:
+    """``out/README-results.md`` and ``readme``'s blocks from whatever results ``out`` holds (after each lab, and
+    ``regenerate --render-only``); a README that cannot be updated adds an Outcome to ``failed``. Returns True."""
+    results = load_results(out, stems)
+    write_atomic(out / "README-results.md", render_results(results).encode("utf-8"))
+    log(f"wrote {out / 'README-results.md'} ({len(results)} labs)")
+    if readme is not None:
+        _update_readme_file(readme, out, results, failed, log)
+    return True
 
 
 def _update_readme_file(readme: Path, out: Path, results: dict, outcomes: list[Outcome], log) -> None:
@@ -234,14 +232,12 @@ def _update_readme_file(readme: Path, out: Path, results: dict, outcomes: list[O
 
 def _cuda_available() -> bool:
     from ..core import device as dev
-
     return dev.cuda_available()
 
 
 def _gpu_name() -> str | None:
     """This machine's GPU as torch names it, or None (no CUDA GPU that answers)."""
     from ..core import device as dev
-
     try:
         return dev.name("cuda") if dev.cuda_available() else None
     except (RuntimeError, AssertionError):  # a CPU build of torch, a driver that does not answer
@@ -275,8 +271,7 @@ def _not_a_gate(row: dict, gpu_memory_gb: float | None) -> str | None:
 
 
 def command_env(gpu_memory_gb: float | None, smoke_sizes: bool = False) -> dict:
-    """The doctor's and the bench's environment: the notebooks' card (``LAB_GPU_MEMORY_GB``), so both fit the fast
-    config to one budget and compile one step (issue 43: 4 x 4 capped, 16 x 1 not); a rehearsal's smoke sizes."""
+    """The doctor's and the bench's environment: the notebooks' card (one budget, one compiled step), smoke sizes."""
     env = {k: v for k, v in os.environ.items() if k != "LAB_GPU_MEMORY_GB"}
     if smoke_sizes:
         env["LAB_SMOKE"] = "1"
@@ -286,9 +281,8 @@ def command_env(gpu_memory_gb: float | None, smoke_sizes: bool = False) -> dict:
 
 
 def run_doctor_first(out: Path, gpu_memory_gb: float | None, smoke_sizes: bool = False) -> int:
-    """``python -m labutils doctor`` in its own process, with the notebooks' memory budget; its JSON goes to
-    ``<out>/doctor.json``. Returns 0 to go on, else the doctor's exit code: a failed row stops the notebooks unless
-    :func:`_not_a_gate` says why not; a doctor without a readable report stops them."""
+    """``python -m labutils doctor`` (the notebooks' budget) into ``<out>/doctor.json``: 0 to go on, else its exit
+    code (a failed row stops the notebooks unless :func:`_not_a_gate` says why not; so does an unreadable report)."""
     out.mkdir(parents=True, exist_ok=True)
     env = command_env(gpu_memory_gb, smoke_sizes)
     print("regenerate: checking this machine first (python -m labutils doctor)", flush=True)
@@ -311,16 +305,13 @@ def run_doctor_first(out: Path, gpu_memory_gb: float | None, smoke_sizes: bool =
 
 
 def card_folder(name: str) -> str:
-    """results/<this>: one folder per card ("NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3"), so a run on another
-    card adds its own folder and never overwrites this one."""
+    """results/<this>, one folder per card: "NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3"."""
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
 
 
 def run_bench(out: Path, repeats: int, gpu_memory_gb: float | None = None, smoke_sizes: bool = False) -> float:
-    """``python -m labutils bench configs/fast_config.yaml --repeats N --json <out>/bench.json`` after the labs (a
-    command stopped at its time limit loses the bench, not the labs), under the doctor's budget
-    (:func:`command_env`); never a gate. Returns seconds. A rehearsal (``smoke_sizes``) runs LAB_SMOKE=1 with
-    ``train.compile=false``."""
+    """``bench configs/fast_config.yaml --repeats N --json <out>/bench.json`` after the labs, under the doctor's budget
+    (:func:`command_env`); never a gate. Returns seconds. A rehearsal: LAB_SMOKE=1, ``train.compile=false``."""
     t0 = time.perf_counter()
     cmd = ["bench", "configs/fast_config.yaml", "--repeats", str(repeats), "--json", str(out / "bench.json")]
     print(f"regenerate: the fast path against the reference (python -m labutils {' '.join(cmd[:4])})", flush=True)
@@ -351,6 +342,7 @@ def write_run_record(out: Path, gpu: str | None, plan: dict | None, actual: dict
     record = {"gpu": gpu, "torch": env.get("torch"), "cuda": env.get("cuda"), "date": env.get("date"),
               "commit": commit, "mode": mode, "labs": {o.stem: "ok" if o.ok else "FAILED" for o in outcomes},
               "seconds": actual, "predicted_seconds": predicted}
+    out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "run.json", (json.dumps(record, indent=2) + "\n").encode("utf-8"))
 
 
@@ -432,6 +424,12 @@ def cli_regenerate(args) -> int:
             marker_spans(read_readme(readme))
         except ValueError as exc:
             return _refuse(f"{exc}" if str(exc).startswith(str(readme)) else f"{readme}: {exc}")
+    if getattr(args, "render_only", False):  # what a cut run left in the folder, rendered (issue 45 §2)
+        if out is None or not out.is_dir():
+            return _refuse(f"--render-only: no results folder {out or '(give --out DIR)'}")
+        failed = []
+        render(out, stems, readme or (out / "README.md" if rehearse and (out / "README.md").exists() else None), failed)
+        return 1 if failed else 0
     if not smoke and not rehearse and not _cuda_available():
         return _refuse("a full run needs a CUDA GPU (without one every notebook falls back to the tiny smoke "
                        "configuration); to check that the notebooks run, use --smoke")
@@ -449,20 +447,26 @@ def cli_regenerate(args) -> int:
         readme = out / "README.md"
         out.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(REPO_ROOT / "README.md", readme)
+    mode = "rehearsal" if rehearse else "full"
+    record = (lambda done: None) if smoke else (  # run.json from the start, after each part (issue 45 §2)
+        lambda done: write_run_record(out, gpu, plan, actual, done, mode=mode))
+    record([])
     if not smoke and not getattr(args, "skip_doctor", False):
         code = run_doctor_first(out, gb, smoke_sizes=rehearse)
         actual["doctor"] = time.perf_counter() - t0
+        record([])
         if code != 0:
             print(f"regenerate: `python -m labutils doctor` failed (exit {code}; its table is above, its JSON in "
                   f"{out / 'doctor.json'}): no notebook was run. Fix what failed, or pass --skip-doctor to run "
                   f"the labs anyway.", file=sys.stderr)
             return 1
     try:
-        outcomes = regenerate(notebooks, out, smoke=smoke or rehearse, gpu_memory_gb=gb, readme=readme, stems=stems)
+        outcomes = regenerate(notebooks, out, smoke=smoke or rehearse, gpu_memory_gb=gb, readme=readme, stems=stems,
+                              on_lab=lambda done: (actual.update({lab_id(done[-1].stem): done[-1].seconds}),
+                                                   record(done)))
     except Interrupted as exc:
         print(exc.summary(), file=sys.stderr, flush=True)
         return exc.exit_code
-    actual.update({lab_id(o.stem): o.seconds for o in outcomes})
     if getattr(args, "bench", None):
         actual["bench"] = run_bench(out, args.bench, gb, smoke_sizes=rehearse)
     if plan is not None and not rehearse:
@@ -471,7 +475,6 @@ def cli_regenerate(args) -> int:
         print("\n".join(against_actual(plan, actual)), flush=True)
     elif rehearse:
         print("regenerate: rehearsal at smoke sizes: the times are not the plan's (it is for the full run)")
-    if not smoke:
-        write_run_record(out, gpu, plan, actual, outcomes, mode="rehearsal" if rehearse else "full")
+    record(outcomes)
     print(summary_line(outcomes, time.perf_counter() - t0))
     return 0 if all(o.ok for o in outcomes) else 1

@@ -1,7 +1,5 @@
-"""The results pages: recorded lab results (``<stem>.json``) read back and rendered as Markdown, for
-``README-results.md`` and for the README's ``<!-- results:NN -->`` blocks (full-run results only). All of it is pure
-(text in, text out) except the two readers; ``regenerate`` decides what is written where.
-"""
+"""The results pages: recorded lab results (``<stem>.json``) rendered as Markdown for ``README-results.md`` and the
+README's ``<!-- results:NN -->`` blocks (full runs only); pure but the readers. ``regenerate`` writes them."""
 from __future__ import annotations
 
 import json
@@ -46,8 +44,7 @@ def _kind(v) -> str:
 
 
 def results_shape_error(data) -> str | None:
-    """Why ``data`` (a parsed ``<stem>.json``) is not what :func:`labutils.core.results.record_results` writes and the
-    rendering reads, naming the key; None when it is (optional keys may be missing or null)."""
+    """Why ``data`` (a parsed ``<stem>.json``) is not what ``record_results`` writes, naming the key; else None."""
     if not isinstance(data, dict):
         return f"not a results file (a JSON object expected, found {_kind(data)})"
     tables = data.get("tables")
