@@ -212,3 +212,27 @@ def test_a_folder_without_notebooks_says_where_it_looked_and_how_to_point_at_the
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(tmp_path) in err[0] and "--notebooks DIR" in err[0] and "pip install -e" in err[0]
     assert "allowed: lab numbers none" not in err[0]
+
+
+@pytest.mark.parametrize("blocked", ["nbformat", "nbclient", "ipykernel"])
+def test_the_gpu_command_without_jupyters_packages_is_one_line_within_seconds(tmp_path, blocked):
+    """Issue 45 §1: a lent GPU's image has no nbformat / nbclient / ipykernel unless .whl/ travelled with the checkout;
+    regenerate died with a ModuleNotFoundError traceback (19-59 lines), for nbclient after the doctor ran 17-19 s. Now:
+    the GPU command under the pretend H100 (tests/pretend_gpu.py), the package made unimportable as a missing one is
+    (None in sys.modules: importlib finds no spec), exits 2 in seconds with one line naming it and .whl/, and writes
+    nothing (its --out is not even created)."""
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    code = (f"import sys, runpy; sys.modules[{blocked!r}] = None; "
+            f"sys.argv = ['tests/pretend_gpu.py', 'h100', '-m', 'labutils', 'regenerate', '--rehearse', '--out', "
+            f"{str(out)!r}]; runpy.run_path('tests/pretend_gpu.py', run_name='__main__')")
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in os.environ.items() if k != "LAB_SMOKE"})
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stdout[-2000:] + p.stderr[-3000:]
+    assert f"regenerate needs {blocked}" in lines[0] and ".whl/" in lines[0] and "Traceback" not in p.stderr
+    assert time.monotonic() - t0 < 60 and not out.exists() and "doctor" not in p.stdout

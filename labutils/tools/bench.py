@@ -1,16 +1,11 @@
 """``python -m labutils bench CONFIG``: the course's path against a reference, a nanoGPT-style GPT-2.
 
-The course's path is the one loop (:func:`labutils.core.train.train`); the reference
-(:mod:`labutils.models.reference`) holds the *same weights* and is driven by a bare loop (its micro-batches on the
-device before the clock starts, nanoGPT's AdamW, no scheduler, no checkpointing). Both run the config's precision,
-compile setting, batch and steps, fitted to this card as ``run`` fits them
-(:func:`labutils.core.train.for_this_card`). The ratio, course over reference throughput, prices what the course
-adds: transformers' model code and the loop's bookkeeping.
-
-A run's step time is the median of its timed steps (:func:`labutils.core.run_result.first_timed_step`); each side
-gets ``repeats`` fresh runs in ABBA order, and each repeat's neighbouring pair gives one ratio, judged against
-:data:`GOAL` by :func:`judge` on a GPU only (MFU: :func:`mfu_goal`). An out-of-memory run is a row (status "oom")
-and ends its section.
+The course's path is the one loop (:func:`labutils.core.train.train`); the reference (:mod:`labutils.models.reference`)
+holds the *same weights*, driven by a bare loop (micro-batches on the device before the clock starts, nanoGPT's AdamW,
+no scheduler, no checkpointing). Both run the config's precision, compile setting, batch and steps, fitted to this card
+as ``run`` fits them (:func:`labutils.core.train.for_this_card`): the ratio prices what the course adds. A run's step
+time is the median of its timed steps; each side gets ``repeats`` fresh runs in ABBA order, each neighbouring pair one
+ratio, judged against :data:`GOAL` by :func:`judge` on a GPU only. An out-of-memory run is a row and ends its section.
 """
 from __future__ import annotations
 
@@ -39,11 +34,9 @@ SIDES = ("reference", "labutils")
 
 
 def reference_loop(cfg: Config, model, dataset, device, warmup: int) -> dict:
-    """The reference model (a :class:`labutils.models.reference.GPT`) trained by a bare loop, timed as the course's
-    loop is: ``step_times``, ``step_time_seconds``, ``timed_steps``, retries and compile status."""
+    """The reference GPT trained by a bare loop, timed as the course's loop is (step times, retries, compile status)."""
     t = cfg.train
-    model.train()
-    # in place, exactly as labutils' loop compiles (dynamo reset, backend check, same settings)
+    model.train()  # compiled in place, exactly as labutils' loop compiles (dynamo reset, backend check, settings)
     compiling = compile_for_training(model, device) if t.compile else None
     opt = ref_model.make_optimizer(model, t.lr, t.weight_decay, device)
     autocast, scaler = autocast_for(t.precision, device), scaler_for(t.precision, device)

@@ -15,6 +15,7 @@ mode, symlink kept). Ctrl-C / SIGTERM stop within seconds (exit 130 / 143), noth
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -366,6 +367,12 @@ def cli_regenerate(args) -> int:
 
     smoke, rehearse = bool(args.smoke), bool(getattr(args, "rehearse", False))
     results_default = REPO_ROOT / RESULTS_DIR
+    runs = not (getattr(args, "plan", False) or getattr(args, "render_only", False))  # executes notebooks
+    if missing := [m for m in ("nbformat", *("nbclient", "jupyter_client", "ipykernel") * runs)
+                   if importlib.util.find_spec(m) is None]:  # issue 45 §1: in its first second, not after the doctor
+        return _refuse(f"regenerate needs {', '.join(missing)} (Jupyter's packages that run the notebooks), not "
+                       "installed here: pip install -e '.[test]'; a GPU machine without a package index: copy the "
+                       ".whl/ folder `make gpu-wheels` fills (git-ignored: not in a checkout) and run make gpu-results")
     if smoke and rehearse:
         return _refuse("--rehearse already runs smoke sizes (the full run's path, smoke-sized): leave --smoke out")
     if getattr(args, "gpu", None) is not None and not getattr(args, "plan", False):
