@@ -142,6 +142,34 @@ def test_a_failed_cell_s_closures_release_what_they_closed_over(capsys):
         lu.release()
 
 
+def test_a_leftover_is_said_after_a_failed_cell_even_when_release_freed_it_first(monkeypatch, capsys):
+    """Lab 03's largest-batch cell after an interrupt: its memory_budget() called release() (which released the
+    interrupted cell's frames) before the run's start check, which then said nothing of the 0.7 MiB still above the
+    baseline while every peak read that much higher. Breaks if the check only speaks when it released a cell itself."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    import labutils.core.memory as mem
+
+    monkeypatch.setattr(mem, "_BASELINE", {})
+    monkeypatch.setattr(mem, "LEFTOVERS", [])
+    shell = InteractiveShell.instance()
+    try:
+        lu.set_baseline("cpu")
+        cell = "kept = torch.zeros(2**18)\ndef f(x):\n    raise KeyboardInterrupt\nf(torch.zeros(2**20))"
+        assert isinstance(shell.run_cell("import torch\n" + cell).error_in_exec, KeyboardInterrupt)
+        lu.release()  # frees the failed cell's 4 MiB; `kept` (1 MiB) stays bound
+        capsys.readouterr()
+        assert lu.start_check("cpu", "section 4") == 2**20
+        assert "section 4 starts 1.00 MiB above the lab's baseline" in capsys.readouterr().out
+        assert lu.start_check("cpu", "section 5") == 2**20 and capsys.readouterr().out == ""  # said once
+        assert [x["where"] for x in mem.LEFTOVERS] == ["section 4", "section 5"]
+    finally:
+        shell.run_cell("kept = f = None")
+        InteractiveShell.clear_instance()
+        sys.last_type = sys.last_value = sys.last_traceback = None
+        lu.release()
+
+
 # --- Every lab in a real kernel (issue 46, item 1) ------------------------------------------------------------------
 # A student's kernel runs a lab's cells in order; at a measuring cell (one that records a table with a peak or a
 # time: tests/lab_kernel.py finds them from what each cell puts into TABLES, not from a list) the cell is run clean,
