@@ -257,7 +257,8 @@ def check_cell(k: lk.LabKernel, index: int, source: str, clean: lk.Reply, tables
         return None  # not at the baseline: said in the cell, and recorded
     return (f"{where}, interrupted {cut.interrupted_at:.2f} s into a {clean.seconds:.2f} s cell, re-run: "
             f"{len(diff)} memory values differ from a clean re-run, and the cell did not say why:\n  "
-            + "\n  ".join(diff[:8]) + f"\nre-run's output:\n{again.text[-1000:]}")
+            + "\n  ".join(diff[:8]) + f"\nre-run's output:\n{again.text[-1000:]}\nthe lab's last recorded "
+            f"starts off its baseline (memory.LEFTOVERS, said or not): {k.leftovers()[-4:]}")
 
 
 @pytest.mark.real_kernels
