@@ -174,7 +174,7 @@ def test_lab03_toy_peaks_do_not_depend_on_when_the_gc_runs():
     """Lab 03's toy table (sections 3 and 5) after an interrupt read its selective row 0.5 MiB higher than a clean
     re-run: its peak was measured inside FlopCounterMode, whose module hooks hold each autograd node in a reference
     cycle, so the memory they keep is freed whenever the gc happens to run (12.9, 13.4 or, without a collection,
-    15 MiB). Breaks if a toy row's peak changes with the gc's state: collections off, or at other points."""
+    15 MiB). Breaks if a toy row's peak changes when the gc does not run."""
     import gc
     import json
 
@@ -187,18 +187,17 @@ def test_lab03_toy_peaks_do_not_depend_on_when_the_gc_runs():
     exec(cells[14].split("toy, x_toy = make_toy()")[0], ns)
     exec(cells[23].split("toy, x_toy = make_toy()")[0], ns)
     toy, x = ns["make_toy"]()
-    forwards = [ns[f] for f in ("plain", "checkpointed", "selective", "offloaded")]
+    forwards = [ns[f] for f in ("checkpointed", "selective")]  # the rows whose autograd nodes the counter held
     peaks = []
-    for state in ("collected", "junk", "no gc"):
+    for collections in (True, False):
         gc.collect()
-        junk = [[] for _ in range(333)] if state == "junk" else None  # noqa: F841  the gc's counters elsewhere
-        if state == "no gc":
+        if not collections:
             gc.disable()
         try:
             peaks.append([ns["toy_step"](toy, x, f)[0]["peak_above_start_mib"] for f in forwards])
         finally:
             gc.enable()
-    assert peaks[0] == peaks[1] == peaks[2], peaks
+    assert peaks[0] == peaks[1], peaks
 
 
 # --- Every lab in a real kernel (issue 46, item 1) ------------------------------------------------------------------
