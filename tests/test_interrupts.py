@@ -142,6 +142,64 @@ def test_a_failed_cell_s_closures_release_what_they_closed_over(capsys):
         lu.release()
 
 
+def test_a_leftover_is_said_after_a_failed_cell_even_when_release_freed_it_first(monkeypatch, capsys):
+    """Lab 03's largest-batch cell after an interrupt: its memory_budget() called release() (which released the
+    interrupted cell's frames) before the run's start check, which then said nothing of the 0.7 MiB still above the
+    baseline while every peak read that much higher. Breaks if the check only speaks when it released a cell itself."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    import labutils.core.memory as mem
+
+    monkeypatch.setattr(mem, "_BASELINE", {})
+    monkeypatch.setattr(mem, "LEFTOVERS", [])
+    shell = InteractiveShell.instance()
+    try:
+        lu.set_baseline("cpu")
+        cell = "kept = torch.zeros(2**18)\ndef f(x):\n    raise KeyboardInterrupt\nf(torch.zeros(2**20))"
+        assert isinstance(shell.run_cell("import torch\n" + cell).error_in_exec, KeyboardInterrupt)
+        lu.release()  # frees the failed cell's 4 MiB; `kept` (1 MiB) stays bound
+        capsys.readouterr()
+        assert lu.start_check("cpu", "section 4") == 2**20
+        assert "section 4 starts 1.00 MiB above the lab's baseline" in capsys.readouterr().out
+        assert lu.start_check("cpu", "section 5") == 2**20 and capsys.readouterr().out == ""  # said once
+        assert [x["where"] for x in mem.LEFTOVERS] == ["section 4", "section 5"]
+    finally:
+        shell.run_cell("kept = f = None")
+        InteractiveShell.clear_instance()
+        sys.last_type = sys.last_value = sys.last_traceback = None
+        lu.release()
+
+
+def test_lab03_toy_peaks_do_not_depend_on_when_the_gc_runs():
+    """Lab 03's toy table (sections 3 and 5) after an interrupt read its selective row 0.5 MiB higher than a clean
+    re-run: its peak was measured inside FlopCounterMode, whose module hooks hold each autograd node in a reference
+    cycle, so the memory they keep is freed whenever the gc happens to run (12.9, 13.4 or, without a collection,
+    15 MiB). Breaks if a toy row's peak changes when the gc does not run."""
+    import gc
+    import json
+
+    from tests.lab_kernel import code_cells, notebook_of
+
+    cells = dict(code_cells(notebook_of("03")))
+    ns = {"device": torch.device("cpu"), "MiB": 2**20, "TABLES": {}}
+    exec(cells[1].split("info = lu.setup()")[0], ns)  # the lab's imports
+    exec(cells[13], ns)
+    exec(cells[14].split("toy, x_toy = make_toy()")[0], ns)
+    exec(cells[23].split("toy, x_toy = make_toy()")[0], ns)
+    toy, x = ns["make_toy"]()
+    forwards = [ns[f] for f in ("checkpointed", "selective")]  # the rows whose autograd nodes the counter held
+    peaks = []
+    for collections in (True, False):
+        gc.collect()
+        if not collections:
+            gc.disable()
+        try:
+            peaks.append([ns["toy_step"](toy, x, f)[0]["peak_above_start_mib"] for f in forwards])
+        finally:
+            gc.enable()
+    assert peaks[0] == peaks[1], peaks
+
+
 # --- Every lab in a real kernel (issue 46, item 1) ------------------------------------------------------------------
 # A student's kernel runs a lab's cells in order; at a measuring cell (one that records a table with a peak or a
 # time: tests/lab_kernel.py finds them from what each cell puts into TABLES, not from a list) the cell is run clean,
@@ -198,7 +256,8 @@ def check_cell(k: lk.LabKernel, index: int, source: str, clean: lk.Reply, tables
         return None  # not at the baseline: said in the cell, and recorded
     return (f"{where}, interrupted {cut.interrupted_at:.2f} s into a {clean.seconds:.2f} s cell, re-run: "
             f"{len(diff)} memory values differ from a clean re-run, and the cell did not say why:\n  "
-            + "\n  ".join(diff[:8]) + f"\nre-run's output:\n{again.text[-1000:]}")
+            + "\n  ".join(diff[:8]) + f"\nre-run's output:\n{again.text[-1000:]}\nthe lab's last recorded "
+            f"starts off its baseline (memory.LEFTOVERS, said or not): {k.leftovers()[-4:]}")
 
 
 @pytest.mark.real_kernels

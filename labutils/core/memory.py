@@ -265,14 +265,13 @@ def freeze_import_state() -> bool:
 
 
 def release() -> None:
-    """Collect garbage and return cached memory to the driver (the GPU allocator's blocks and pinned host memory,
-    which CPU offload fills): call after every experiment. Also frees what a failed cell left."""
+    """After every experiment: frees what a failed cell left, collects garbage, empties the GPU and pinned caches."""
     release_failed_cell()
     gc.collect()
     dev.empty_caches()
 
 
-_CLEARED: list = []  # the tracebacks release_failed_cell cleared last (not measured again)
+_CLEARED, _SAID = [], []  # the tracebacks release_failed_cell cleared last; their ids when start_check last ran
 
 
 def _bytes_in_use() -> int:
@@ -328,11 +327,13 @@ def set_baseline(device=None) -> int:
 
 def start_check(device=None, where: str = "this measurement") -> int:
     """A measurement starts here: what a failed cell kept is released, the memory in use compared with the lab's
-    baseline; the bytes above it (0: none set), kept in :data:`LEFTOVERS` and said in the cell after a failed one."""
-    cleared = list(_CLEARED), release_failed_cell()
+    baseline; the bytes above it (0: none set), kept in :data:`LEFTOVERS`, said at the first check after a failed
+    cell (whoever released it: a ``release()`` before this check too)."""
+    release_failed_cell()
+    failed, _SAID[:] = [id(tb) for tb in _CLEARED] != _SAID, [id(tb) for tb in _CLEARED]
     if (base := _BASELINE.get(dev.resolve(device).type)) is None:  # no lab here (outside a notebook's kernel)
         return 0
-    if (extra := memory_in_use(device) - base) and cleared[0] != _CLEARED:  # said after a failed cell only
+    if (extra := memory_in_use(device) - base) and failed:
         print(f"{where} starts {fmt_bytes(abs(extra))} {'above' if extra > 0 else 'below'} the lab's baseline "
               f"({fmt_bytes(base)}): tensors a name still holds, in its peaks")
     LEFTOVERS.extend([{"where": where, "bytes": extra, "baseline_bytes": base}] if extra else [])
@@ -359,8 +360,7 @@ def budget_words() -> str:
 
 
 class CaughtOOM:
-    """What :func:`oom_caught` caught: falsy until an out-of-memory error ends its block, then ``error`` is its
-    :func:`oom_text`. The error is not kept: its traceback's frames hold the activations :func:`release` frees."""
+    """Falsy until an out-of-memory error ends :func:`oom_caught`'s block, then ``error`` is its :func:`oom_text`."""
 
     def __init__(self):
         self.error: str | None = None
@@ -371,8 +371,8 @@ class CaughtOOM:
 
 @contextlib.contextmanager
 def oom_caught():
-    """``with oom_caught() as oom: ...`` then ``if oom: ... oom.error``: an out-of-memory error
-    (:func:`labutils.core.device.is_oom`) ends the block and becomes a row's one line; any other error propagates."""
+    """``with oom_caught() as oom: ...`` then ``if oom: ... oom.error``: an out-of-memory error (not kept: its
+    traceback's frames hold the activations) ends the block, a row's one line; any other error propagates."""
     caught = CaughtOOM()
     try:
         yield caught
