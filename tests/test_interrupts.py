@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import pytest
@@ -18,6 +19,22 @@ import torch
 
 import labutils as lu
 from labutils.core.memory import LiveStorages, release_failed_cell
+
+
+@contextlib.contextmanager
+def ipython_shell(names: str):
+    """IPython's own shell (what a notebook's kernel runs); afterwards ``names`` unbound, the shell and the last
+    error (``sys.last_*``) gone, and memory released, so that nothing a test left is seen by the next one."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    try:
+        yield shell
+    finally:
+        shell.run_cell(f"{names} = None")
+        InteractiveShell.clear_instance()
+        sys.last_type = sys.last_value = sys.last_traceback = None
+        lu.release()
 
 CELLS = """
 import signal
@@ -39,10 +56,7 @@ def measure():
 
 @pytest.mark.real_kernels
 def test_a_run_after_an_interrupted_run_measures_the_clean_numbers(capsys):
-    from IPython.core.interactiveshell import InteractiveShell
-
-    shell = InteractiveShell.instance()
-    try:
+    with ipython_shell("cfg = interrupt = measure") as shell:
         assert shell.run_cell(CELLS).success
         assert shell.run_cell("clean = measure()").success
         interrupted = shell.run_cell("lu.run(cfg, 'cpu', progress=False, verbose=False, on_step=interrupt)")
@@ -55,11 +69,6 @@ def test_a_run_after_an_interrupted_run_measures_the_clean_numbers(capsys):
         assert "interrupted cell" in out and "MiB" in out, out   # said, with its size
         assert shell.run_cell("lu.release()").success                    # said once: nothing is left to free
         assert "interrupted cell" not in capsys.readouterr().out
-    finally:
-        shell.run_cell("cfg = interrupt = measure = None")
-        InteractiveShell.clear_instance()
-        sys.last_type = sys.last_value = sys.last_traceback = None
-        lu.release()
 
 
 def _body(arm, disarm):
@@ -125,35 +134,24 @@ def test_a_failed_cell_s_closures_release_what_they_closed_over(capsys):
     model alive, as its comprehension's frame keeps its function, whose closure cell held ``model``. Breaks if
     release_failed_cell leaves such a cell full; and if it empties a cell the frame only borrowed (the decorator's
     ``fn``: the decorated function must still run)."""
-    from IPython.core.interactiveshell import InteractiveShell
-
-    shell = InteractiveShell.instance()
-    try:
+    with ipython_shell("measure = logged = step") as shell:
         assert shell.run_cell(CLOSURE_CELLS).success
         assert isinstance(shell.run_cell("measure(2**20)").error_in_exec, KeyboardInterrupt)
         capsys.readouterr()
         assert 0 <= release_failed_cell() - 4 * 2**20 < 1024   # the model (+ the lambdas' scalars)
         assert "4.00 MiB" in capsys.readouterr().out
         assert isinstance(shell.run_cell("measure(10)").error_in_exec, KeyboardInterrupt)  # fn is still there
-    finally:
-        shell.run_cell("measure = logged = step = None")
-        InteractiveShell.clear_instance()
-        sys.last_type = sys.last_value = sys.last_traceback = None
-        lu.release()
 
 
 def test_a_leftover_is_said_after_a_failed_cell_even_when_release_freed_it_first(monkeypatch, capsys):
     """Lab 03's largest-batch cell after an interrupt: its memory_budget() called release() (which released the
     interrupted cell's frames) before the run's start check, which then said nothing of the 0.7 MiB still above the
     baseline while every peak read that much higher. Breaks if the check only speaks when it released a cell itself."""
-    from IPython.core.interactiveshell import InteractiveShell
-
     import labutils.core.memory as mem
 
     monkeypatch.setattr(mem, "_BASELINE", {})
     monkeypatch.setattr(mem, "LEFTOVERS", [])
-    shell = InteractiveShell.instance()
-    try:
+    with ipython_shell("kept = f") as shell:
         lu.set_baseline("cpu")
         cell = "kept = torch.zeros(2**18)\ndef f(x):\n    raise KeyboardInterrupt\nf(torch.zeros(2**20))"
         assert isinstance(shell.run_cell("import torch\n" + cell).error_in_exec, KeyboardInterrupt)
@@ -163,11 +161,6 @@ def test_a_leftover_is_said_after_a_failed_cell_even_when_release_freed_it_first
         assert "section 4 starts 1.00 MiB above the lab's baseline" in capsys.readouterr().out
         assert lu.start_check("cpu", "section 5") == 2**20 and capsys.readouterr().out == ""  # said once
         assert [x["where"] for x in mem.LEFTOVERS] == ["section 4", "section 5"]
-    finally:
-        shell.run_cell("kept = f = None")
-        InteractiveShell.clear_instance()
-        sys.last_type = sys.last_value = sys.last_traceback = None
-        lu.release()
 
 
 def test_lab03_toy_peaks_do_not_depend_on_when_the_gc_runs():
