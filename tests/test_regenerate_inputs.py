@@ -236,3 +236,17 @@ def test_the_gpu_command_without_jupyters_packages_is_one_line_within_seconds(tm
     assert p.returncode == 2 and len(lines) == 1, p.stdout[-2000:] + p.stderr[-3000:]
     assert f"regenerate needs {blocked}" in lines[0] and ".whl/" in lines[0] and "Traceback" not in p.stderr
     assert time.monotonic() - t0 < 60 and not out.exists() and "doctor" not in p.stdout
+
+
+def test_a_rehearsal_never_writes_over_someone_elses_readme(tmp_path, capsys, no_lab_runs):
+    """Issue 45: ``regenerate --rehearse --out DIR`` copied the course's README over ``DIR/README.md``, whatever was
+    there. Now a folder holding another README is refused in one line before any work, and the file is kept byte for
+    byte; a folder holding the course's own README (an earlier rehearsal's copy) is fine."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "README.md").write_text("# my notes\n")
+    nb = write_notebooks(tmp_path / "nb", ["91-Tiny"])
+    assert cli.main(["regenerate", "--rehearse", "--skip-doctor", "--notebooks", str(nb), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not this course's README" in err[0] and str(out / "README.md") in err[0]
+    assert (out / "README.md").read_text() == "# my notes\n" and sorted(p.name for p in out.iterdir()) == ["README.md"]

@@ -407,9 +407,12 @@ def cli_regenerate(args) -> int:
         notebooks = find_notebooks(folder, args.only)
         if out is not None:
             check_output_dir(out, "--out")
-            linked = linked_folder(out)
-            if linked:
+            if linked := linked_folder(out):
                 return _refuse(linked)
+            own = out / "README.md"  # a rehearsal writes its README copy there: never over someone else's file
+            if rehearse and own.exists() and own.read_bytes() != (REPO_ROOT / "README.md").read_bytes():
+                return _refuse(f"--rehearse --out {args.out}: {own} is not this course's README (the rehearsal "
+                               "writes its copy there): choose a new or empty folder")
         for nb in notebooks:  # all of them now: a merge conflict in lab 04 must not wait for labs 01-03 to run
             read_notebook(nb)
     except (ValueError, OutputPathError) as exc:

@@ -1,13 +1,11 @@
 """How long the instructors' full run takes on a card: predicted before it starts (``regenerate --plan``).
 
-A lab's cost is its training runs (its entry in :mod:`labutils.labs.registry`, full mode) plus a fresh kernel's
-fixed cost. One run costs ``steps x max(compute, host)``: compute is the step's executed FLOPs
-(:func:`labutils.core.flops.flops_per_token`) over the card's dense peak (:mod:`labutils.core.peaks`) times
-:data:`ACHIEVED`; host is eager PyTorch's launch time, :data:`HOST_BLOCK_S` per block and micro-batch (more under
-autocast and checkpointing) plus :data:`HOST_STEP_S` per optimizer step.
-
-The constants are assumptions from one full GPU run (H200, torch 2.11, GPT-2 small at 8 x 256: its step times
-beside them); every full ``regenerate`` prints the prediction and each part's real time, which is how they are checked.
+A lab's cost is its training runs (its entry in :mod:`labutils.labs.registry`, full mode) plus a fresh kernel's fixed
+cost. One run costs ``steps x max(compute, host)``: compute is the step's executed FLOPs over the card's dense peak
+(:mod:`labutils.core.peaks`) times :data:`ACHIEVED`; host is eager PyTorch's launch time, :data:`HOST_BLOCK_S` per
+block and micro-batch (more under autocast and checkpointing) plus :data:`HOST_STEP_S` per optimizer step.
+The constants are assumptions from one full GPU run (H200, torch 2.11, GPT-2 small at 8 x 256); every full
+``regenerate`` prints the prediction and each part's real time, which is how they are checked.
 """
 from __future__ import annotations
 
@@ -33,9 +31,8 @@ COMMAND_S = 10 * 60        # one command on a lent GPU (regenerate, then bench) 
 
 
 def run_cost(cfg, gpu_name: str | None, device: str = "cuda", loads: bool = True, card_bytes: int | None = None):
-    """FLOPs and predicted seconds of ``lu.run(cfg)`` on ``gpu_name`` (``device="cpu"``: the FLOPs a CPU run counts, to
-    check against a smoke run). ``loads``: False for a run on a model already loaded. ``card_bytes``: the memory cap;
-    a run the estimator says does not fit stops in its first step (an "oom" row)."""
+    """FLOPs and predicted seconds of ``lu.run(cfg)`` on ``gpu_name`` (``device="cpu"``: a CPU run's FLOPs). ``loads``:
+    False on a model already loaded; ``card_bytes``: the cap (a run that does not fit stops in its first step)."""
     t, m, d = cfg.train, cfg.model, cfg.data
     fused = device == "cuda" and m.attn_implementation in ("sdpa", "sdpa_causal")
     per_token = flops_per_token(m.name, d.seq_length, recompute=t.gradient_checkpointing,
