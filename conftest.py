@@ -187,3 +187,39 @@ def pytest_collection_finish(session):
     _warm_up()
     gc.collect()
     gc.freeze()
+
+
+def _repo_files() -> str | None:
+    """``git status`` of the checkout, ignored files included (results/, build outputs): what the session wrote into
+    it. None outside a git checkout."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return None if out.returncode else "\n".join(l for l in out.stdout.splitlines() if ".pytest_cache" not in l)
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):  # the controller (or the only process): the checkout before
+        session.config.stash[_REPO_BEFORE] = _repo_files()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """No test writes into the repository (a test's full-mode regenerate wrote results/run.json, and it was
+    committed): the checkout is the same after the session as before it, or the session fails, naming the files."""
+    before = session.config.stash.get(_REPO_BEFORE, None)
+    if before is None or hasattr(session.config, "workerinput"):
+        return
+    after = _repo_files()
+    if after is not None and after != before:
+        changed = sorted(set(after.splitlines()) ^ set(before.splitlines()))
+        session.config.get_terminal_writer().line(
+            "\nthe tests changed the repository (they write only under temp folders):\n  " + "\n  ".join(changed[:20]),
+            red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_REPO_BEFORE = pytest.StashKey[str | None]()

@@ -164,11 +164,18 @@ def test_out_through_a_symlink_into_the_repository_is_refused(capsys, no_lab_run
 
 
 def test_full_run_into_results_is_still_allowed(monkeypatch, capsys, no_lab_runs):
-    """results/ (the default of a full run) is the one place in the repository regenerate writes to."""
+    """results/ (the default of a full run) is the one place in the repository regenerate writes to. Its first
+    write (run.json, issue 45 §2) is caught here: the test itself never writes into the repository (it did:
+    results/run.json of a run with no labs was committed twice)."""
     monkeypatch.setattr(rg, "_cuda_available", lambda: True)
     monkeypatch.setattr(rg, "run_doctor_first", lambda *a, **k: 7)  # stops right after the checks: nothing is run
+    records = []
+    monkeypatch.setattr(rg, "write_run_record", lambda out, *a, **k: records.append(out))
+    before = sorted((REPO / "results").rglob("*")) if (REPO / "results").exists() else None
     assert cli.main(["regenerate", "--only", "01"]) == 1
     assert "doctor` failed (exit 7" in capsys.readouterr().err
+    assert records and set(records) == {REPO / "results"}, records
+    assert (sorted((REPO / "results").rglob("*")) if (REPO / "results").exists() else None) == before
 
 
 # ------------------------------------------------------------------------------------------ symlinks in --out
