@@ -4,8 +4,8 @@ Before: ``with acc.held_model(...) as (model, dataset, device)`` in a notebook c
 block, and the gradient "copies" of ``acc.grads_to_cpu`` were ``p.grad`` itself on the CPU: about 12.8 MiB of
 sections 2-3 sat in every later CPU peak (the fitted "fixed cost" read 22.5 MiB where the training state is 8.6 MiB).
 
-- the notebook's own cells of sections 0-3 are run (taken from the .ipynb), then the lab's section-4 check: the memory
-  in use equals the lab's baseline, and a measured run's peak is the same as before those sections ran;
+- the session's run of the notebook (tests/regen_once.py) records, at section 4's check, memory in use equal to the
+  lab's baseline, and no leftover anywhere in the lab;
 - the memory line of a training run at two micro-batches has a fixed part of about the training state, 16 bytes a
   parameter (FP32 weights 4 + gradients 4 + AdamW m and v 8), the oracle being labutils' own count of the model and
   optimizer tensors (``RunResult.memory``), not a number from the notebook;
@@ -14,10 +14,8 @@ sections 2-3 sat in every later CPU peak (the fitted "fixed cost" read 22.5 MiB 
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
+import json
 
-import nbformat
 import pytest
 import torch
 
@@ -28,21 +26,6 @@ from labutils.core.memory import memory_in_use
 from labutils.estimator.estimate import parameter_count
 
 from conftest import tiny_config
-
-NOTEBOOK = Path(__file__).resolve().parent.parent / "02-Gradient_Accumulation.ipynb"
-
-
-def cells_before(marker: str) -> list[str]:
-    """The notebook's code cells before the one containing ``marker``."""
-    out = []
-    for c in nbformat.read(NOTEBOOK, as_version=4).cells:
-        if c.cell_type != "code":
-            continue
-        if marker in c.source:
-            return out
-        out.append(c.source)
-    raise AssertionError(f"no code cell of {NOTEBOOK.name} contains {marker!r}")
-
 
 def test_gradient_copies_are_copies_on_the_cpu():
     """Breaks if grads_to_cpu hands back p.grad itself (``.float().cpu()`` of an FP32 CPU tensor is a no-op):
@@ -93,38 +76,28 @@ def test_the_check_reads_the_allocator_on_the_pretend_gpu(monkeypatch, no_lab_ba
     assert lu.start_check("cuda", "section 4") == 0 and base == torch.cuda.memory_allocated()
 
 
-@pytest.mark.real_kernels
-def test_sections_2_and_3_leave_nothing_and_a_later_peak_does_not_change(monkeypatch, no_lab_baseline):
-    """The notebook's own cells (setup, the written-out loop and its check, section 2's proof, section 3's padding
-    pitfall, the figure) run here as a student runs them; then, as section 4 does, the memory in use is compared
-    with the lab's baseline, and the sweep's first run (2 x 1) is measured. Its peak must equal the peak of the same
-    run measured before sections 1-3 ran. Breaks if a section leaves its model, dataset or gradient copies bound
-    (before the fix: +12.8 MiB in both checks)."""
-    monkeypatch.setenv("LAB_SMOKE", "1")
-    monkeypatch.setenv("MPLBACKEND", "Agg")
-    import matplotlib
-    matplotlib.use("Agg")
-    cells = cells_before('check_baseline("section 4")')
-    ns: dict = {"__name__": "lab02"}
-    exec(compile(cells[0], "setup cell", "exec"), ns)       # the setup cell: mode, device, budget, BASELINE
-    cfg, device = ns["cfg"], ns["device"]
-    run_cfg = cfg.override({"train.micro_batch_size": 2, "train.accumulation_steps": 1, "train.steps": 2})
-    before = lu.run(run_cfg, device=device, verbose=False, progress=False)
-    assert lu.start_check(device) == 0
-    for i, source in enumerate(cells[1:], start=1):
-        exec(compile(source, f"cell {i}", "exec"), ns)
-    import matplotlib.pyplot as plt
-    plt.close("all")
-    assert lu.start_check(device, "section 4") == 0, no_lab_baseline.LEFTOVERS
+@pytest.mark.regen_labs("02")
+def test_sections_2_and_3_leave_nothing_in_the_notebooks_own_run():
+    """The session's run of the real notebook (a kernel, as a student runs it; tests/regen_once.py): at the start of
+    section 4, after the setup, the written-out loop and its check, section 2's proof, section 3's padding pitfall and
+    the figure, the memory in use equals the lab's baseline, so every later peak starts where a clean kernel does; no
+    check of the lab recorded a leftover (notes["leftovers"], memory.start_check). Breaks if a section leaves its
+    model, dataset or gradient copies bound (before the fix: +12.8 MiB at section 4 and in every later peak)."""
+    from tests import regen_once
+
+    stem = "02-Gradient_Accumulation"
+    run = regen_once.run_for(["02"])
+    assert run.lab_ok(stem), run.lab_failure(stem)
+    data = json.loads((run.out / f"{stem}.json").read_text(encoding="utf-8"))
+    checks = {r["where"]: r["bytes_in_use"] for r in data["tables"]["baseline_checks"]}
+    assert checks.get("section 4") == 0, checks
+    assert all(v == 0 for v in checks.values()), checks  # and no leftover at all: tests/test_labs.py
     # issue 36: section 2 held the previous gradient copy while it measured the next peak (2 x 8 and 2 x 4 read
     # 2.09 MiB above 2 x 16). The accumulated windows differ only in a few token ids, so their peaks agree to well
     # under half of one gradient copy (FP32, 4 bytes a parameter)
-    acc_peaks = [r["peak_memory_bytes"] for r in ns["eq_rows"] if r["kind"] == "accumulated"]
-    half_copy = 2 * parameter_count(cfg.model.name)
+    acc_peaks = [r["peak_memory_bytes"] for r in data["tables"]["equivalence"] if r["kind"] == "accumulated"]
+    half_copy = 2 * parameter_count(data["tables"]["sweep"][0]["model"])
     assert len(acc_peaks) >= 2 and max(acc_peaks) - min(acc_peaks) < half_copy, acc_peaks
-    after = lu.run(run_cfg, device=device, verbose=False, progress=False)
-    assert before.ok and after.ok
-    assert after.peak_memory_bytes == before.peak_memory_bytes
 
 
 @pytest.mark.real_kernels
@@ -162,3 +135,20 @@ def test_cublas_workspaces_are_not_called_leftovers(monkeypatch, no_lab_baseline
     gpu.cublas_workspace("autograd")  # the first backward, on autograd's thread
     assert gpu.allocated == baseline + 2 * fake_cuda.cublas_workspace_bytes(9)
     assert lu.start_check(cuda, "section 4") == 0, no_lab_baseline.LEFTOVERS
+
+
+def test_the_replay_of_the_notebook_loop_leaves_no_model_for_its_second_side(no_lab_baseline):
+    """``acc.replay`` trains the same steps with lu.train, then with the notebook's loop. The names of its first
+    ``with held_model(...) as (model, ...)`` outlived the block, so the second side's start check found the first
+    side's model alive and recorded it as a leftover (2.3 MB, twice, in every clean run of lab 02)."""
+    def step(model, optimizer, window, autocast, scaler=None, max_grad_norm=1.0):
+        loss = sum(model(**mb, use_cache=False).loss for mb in window.micro_batches)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item(), 0.0
+
+    lu.set_baseline("cpu")
+    rep = acc.replay(tiny_config(None, train__steps=1), step, device="cpu")
+    assert len(rep["notebook_losses"]) == len(rep["labutils_losses"]) == 1
+    assert no_lab_baseline.LEFTOVERS == []

@@ -75,3 +75,18 @@ def test_each_lab_records_only_the_claims_it_owns(lab):
     assert run.lab_ok(stem), run.lab_failure(stem)
     data = json.loads((run.out / f"{stem}.json").read_text(encoding="utf-8"))
     assert sorted(e["id"] for e in data["claims"]) == sorted(labs.lab(lab).claims)
+
+
+@pytest.mark.parametrize("lab", [pytest.param(lab, marks=pytest.mark.regen_labs(lab)) for lab in labs.IDS])
+def test_a_clean_run_records_no_leftover(lab):
+    """issue 46 §1: every measurement starts by comparing memory with the lab's baseline, and a difference is
+    recorded in the lab's results (notes["leftovers"]) because it is in that measurement's peak. In a clean run of
+    the notebook nothing may be there. Before: lab 01's ``x`` (4 KiB) and its gradient census's histogram tensor,
+    lab 02's replay keeping its first model while it loaded the second (2.3 MB, twice), lab 03's loop variable
+    ``mod`` keeping lm_head and its tied embedding (128.5 KiB) for the rest of the lab."""
+    from tests import regen_once
+
+    run, stem = regen_once.run_for([lab]), labs.lab(lab).stem
+    assert run.lab_ok(stem), run.lab_failure(stem)
+    data = json.loads((run.out / f"{stem}.json").read_text(encoding="utf-8"))
+    assert "leftovers" not in data["notes"], data["notes"]["leftovers"][:4]

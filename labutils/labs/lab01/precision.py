@@ -83,7 +83,7 @@ class HalfGradientCensus:
     subnormal: int = 0          # below FP16's smallest normal: stored with fewer mantissa bits
     underflow_scaled: int = 0   # same, after multiplying by ``scale``
     overflow_scaled: int = 0    # inf in FP16 after multiplying by ``scale``
-    log2_hist: torch.Tensor | None = None
+    log2_hist: list | None = None  # counts, not a tensor: a result kept by a name is not in a later peak
     bins: tuple = (-40, 20)
 
     def fractions(self) -> dict:
@@ -115,7 +115,7 @@ def half_gradient_census(grads, scale: float) -> HalfGradientCensus:
         c.overflow_scaled += int(hs.isinf().sum())
         e = torch.log2(g.abs()).floor().clamp(lo, hi - 1) - lo
         hist += torch.bincount(e.long(), minlength=hi - lo).cpu().double()
-    c.log2_hist = hist
+    c.log2_hist = hist.tolist()
     return c
 
 

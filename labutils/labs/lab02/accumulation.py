@@ -137,12 +137,12 @@ def padding_rows(data_name: str, data: LMDataset, window, g_full: dict, measured
 
 
 def replay(cfg: Config, step_fn, device=None) -> dict:
-    """``cfg.train.steps`` steps from the same weights and data with :func:`labutils.core.train` and with ``step_fn(model,
-    optimizer, window, autocast, scaler, max_grad_norm) -> (loss, grad_norm)``, the notebook's: both losses, norms."""
+    """The same steps, weights and data with ``train`` and with the notebook's ``step_fn``: both losses and norms."""
     out = {}
     with held_model(cfg, device) as (model, dataset, device):
         r = train(cfg, model, dataset, device, progress=False, track_memory=False)
         out["labutils_losses"], out["labutils_grad_norms"] = r.losses, r.grad_norms
+    model = dataset = r = None  # a with-block's names outlive it: unbound before the notebook's side loads its model
     with held_model(cfg, device) as (model, dataset, device), _env.matmul_precision(tf32=get(cfg.train.precision).tf32):
         optimizer, scheduler = make_optimizer(model, cfg, device)
         autocast, scaler = autocast_for(cfg.train.precision, device), scaler_for(cfg.train.precision, device)
