@@ -4,7 +4,6 @@ GPU workflow's own step (.github/workflows/gpu-smoke.yml)."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -92,16 +91,16 @@ def _doctor_process(monkeypatch, rows, code=1):
     (rows None: it crashed before writing). A row marked ``"gates_regenerate": False`` stands for any finding the
     doctor lets through (the fast path's MFU no longer fails at all: issue 28, tests/test_doctor_checks.py)."""
     monkeypatch.setattr(rg, "_cuda_available", lambda: True)        # past the "full needs a GPU" gate
-    real = subprocess.run
+    real = rg._child  # python -m labutils ARGV as a child process
 
-    def run(cmd, **kw):
-        if cmd[1:4] != ["-m", "labutils", "doctor"]:
-            return real(cmd, **kw)
-        path = Path(cmd[cmd.index("--json") + 1])
+    def child(argv, env):
+        if argv[0] != "doctor":
+            return real(argv, env)
+        path = Path(argv[argv.index("--json") + 1])
         if rows is not None:
             path.write_text(json.dumps({"checks": rows, "summary": {}}))
-        return subprocess.CompletedProcess(cmd, code)
-    monkeypatch.setattr(rg.subprocess, "run", run)
+        return code
+    monkeypatch.setattr(rg, "_child", child)
     ran = []
     monkeypatch.setattr(rg, "regenerate", lambda *a, **k: ran.append(a) or [])
     return ran

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
-import subprocess
 
 import pytest
 
@@ -61,10 +59,10 @@ def test_regenerate_hands_the_doctor_and_the_bench_the_same_card(monkeypatch, tm
     two subprocesses now get one environment. Breaks if either is built apart again."""
     envs = {}
 
-    def fake_run(cmd, cwd=None, env=None, **kw):
-        envs["doctor" if "doctor" in cmd else "bench"] = dict(env if env is not None else os.environ)
-        return subprocess.CompletedProcess(cmd, 0)
-    monkeypatch.setattr(rg.subprocess, "run", fake_run)
+    def fake_child(argv, env):  # python -m labutils ARGV as a child process
+        envs["doctor" if "doctor" in argv else "bench"] = dict(env)
+        return 0
+    monkeypatch.setattr(rg, "_child", fake_child)
     monkeypatch.delenv("LAB_GPU_MEMORY_GB", raising=False)
     assert rg.run_doctor_first(tmp_path, 8) == 0
     rg.run_bench(tmp_path, 1, 8)

@@ -7,6 +7,7 @@ in a real process that receives a real signal: nbclient installs signal handlers
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -211,3 +212,62 @@ def test_only_the_kernel_poll_of_a_killed_kernel_is_silenced(caplog):
     err = "\n".join(r.getMessage() for r in caplog.records if r.name == "asyncio")
     assert "other_task" in err and "a real error" in err
     assert "_async_poll_kernel_alive" not in err
+
+
+def children(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (Linux: /proc/PID/task/*/children)."""
+    kids = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            kids += [int(c) for c in (task / "children").read_text().split()]
+    return kids
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads child processes from /proc (Linux)")
+def test_sigterm_during_the_doctor_stops_its_process_too(tmp_path):
+    """issue 45 §7: the doctor (and the bench) run as child processes; SIGTERM to regenerate (a CI cancellation, a
+    lent machine's time running out) used to kill regenerate at once and leave the child running, an orphan holding
+    the GPU, with exit 143 and no word. Now the child is stopped with it, one line says what was stopped, no lab
+    ran. Breaks if the child outlives regenerate, or regenerate does not end within seconds."""
+    notebooks, out = write(tmp_path / "nb", ["80-Done"]), tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k not in ("LAB_SMOKE", "LAB_RESULTS_DIR")}
+    proc = subprocess.Popen([sys.executable, "-m", "labutils", "regenerate", "--rehearse", "--notebooks",
+                             str(notebooks), "--out", str(out)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline, doctor = time.monotonic() + 120, None
+        while doctor is None and proc.poll() is None and time.monotonic() < deadline:
+            doctor = next((c for c in children(proc.pid) if b"doctor" in Path(f"/proc/{c}/cmdline").read_bytes()),
+                          None)
+            time.sleep(0.1)
+        assert doctor is not None, proc.communicate(timeout=30)
+        time.sleep(1.0)  # the doctor is importing torch or checking
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)  # to regenerate alone, as `timeout` sends it
+        stdout, stderr = proc.communicate(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143 and took < 10, (took, stdout + stderr)
+    for _ in range(50):
+        if not alive(doctor):
+            break
+        time.sleep(0.1)
+    assert not alive(doctor), "the doctor's process outlived regenerate"
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("interrupted by SIGTERM: finished none; stopped the doctor"), stderr
+    assert "not started 80-Done" in last and "Traceback" not in stderr
+    assert not (out / "80-Done.json").exists()
+
+
+def test_a_failed_bench_fails_the_run_and_leaves_no_earlier_bench_json(tmp_path, capsys):
+    """issue 45 §7: a bench that fails (here: a memory budget it refuses, exit 2) used to leave the previous run's
+    bench.json beside the new results, and regenerate exited 0. Now the old file is gone, the exit code says so."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "bench.json").write_text('{"from": "an earlier run"}')
+    seconds, code = rg.run_bench(out, 1, gpu_memory_gb=0.001, smoke_sizes=True)
+    assert code == 2 and seconds > 0
+    assert not (out / "bench.json").exists()
+    assert "bench failed (exit 2" in capsys.readouterr().out

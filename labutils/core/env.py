@@ -124,15 +124,10 @@ def environment(dev: torch.device | str | None = None, mode: str | None = None, 
     except ValueError:
         requested = None
     return {
-        "device": dev.type,
-        "gpu_name": gpu["name"] if gpu else None,
-        "gpu": gpu,
-        "cpu": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "mode": mode or detect_mode()[0],
-        "weights": weights,
+        "device": dev.type, "gpu_name": gpu["name"] if gpu else None, "gpu": gpu,
+        "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "python": platform.python_version(),
+        "mode": mode or detect_mode()[0], "weights": weights,
         "gpu_memory_budget_gb": budget["card_gib"] if budget else requested,
         "tokenizer": last_tokenizer(),  # of the most recent model loaded (run() sets the run's own)
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

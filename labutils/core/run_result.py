@@ -115,16 +115,14 @@ class RunResult:
     def row(self, **extra) -> dict:
         """A flat summary for result tables."""
         t = self.config.get("train", {})
-        return {**extra,
-                "model": self.config.get("model", {}).get("name"), "precision": t.get("precision"),
+        return {**extra, "model": self.config.get("model", {}).get("name"), "precision": t.get("precision"),
                 "micro_batch": t.get("micro_batch_size"), "accum": t.get("accumulation_steps"),
                 "checkpointing": t.get("gradient_checkpointing"), "status": self.status,
                 "avg_loss": self.to_dict()["avg_loss"], "final_loss": self.to_dict()["final_loss"],
                 "step_time_s": self.step_time_seconds, "tokens_per_s": self.tokens_per_second,
                 "target_tokens_per_s": self.target_tokens_per_second, "padding_fraction": self.padding_fraction,
                 "tflops": self.achieved_tflops, "peak_memory_bytes": self.peak_memory_bytes,
-                "peak_reserved_bytes": self.peak_reserved_bytes,
-                "mfu": self.mfu,
+                "peak_reserved_bytes": self.peak_reserved_bytes, "mfu": self.mfu,
                 "skipped_steps": self.skipped_steps, "error": self.error,
                 **({"compiled_graphs": self.compiled_graphs, "compile_fallback": self.compile_fallback}
                    if t.get("compile") else {})}  # a compiled row says how much compiled, or why it did not

@@ -146,8 +146,7 @@ def cli_estimate(cfg, args) -> int:
           f"checkpointing {'every ' + str(t.checkpoint_every_n_layers) if t.gradient_checkpointing else 'off'}, "
           f"{cfg.model.attn_implementation} attention, {cfg.model.activation}, vocabulary {est['vocab_rows']} rows "
           f"-- predicted for CUDA ({est['basis']})")
-    rows = [("params (fp32 master weights)", est["params_bytes"]),
-            ("grads (fp32)", est["grads_bytes"]),
+    rows = [("params (fp32 master weights)", est["params_bytes"]), ("grads (fp32)", est["grads_bytes"]),
             ("optimizer (AdamW exp_avg + exp_avg_sq)", est["optimizer_bytes"]),
             ("activations (saved by one micro-batch)", est["activations_bytes"]),
             ("  of which log_softmax(logits) fp32" if est.get("loss", "full") == "full" else

@@ -100,8 +100,7 @@ def estimate_plan(plan: Plan) -> dict:
         "seq_length": plan.seq, "gradient_checkpointing": plan.checkpointing,
         "checkpoint_every_n_layers": plan.every_n, "attn_implementation": plan.attn,
         "activation": plan.activation, "vocab_rows": replay.V, "compile": plan.compile,
-        "basis": COMPILE_BASIS if plan.compile else EAGER_BASIS,
-        "params_bytes": 4 * P, "grads_bytes": 4 * P,
+        "basis": COMPILE_BASIS if plan.compile else EAGER_BASIS, "params_bytes": 4 * P, "grads_bytes": 4 * P,
         "optimizer_bytes": 8 * P,
         "activations_bytes": acts,                      # saved for backward by one micro-batch's forward
         "half_weights_bytes": half,                     # autocast's weight copies saved for backward
@@ -110,8 +109,7 @@ def estimate_plan(plan: Plan) -> dict:
         "saved_logits_bytes": probe.led.saved_bytes(("logits",)),  # chunked: none (its gradients are saved)
         "loss_chunk_bytes": 4 * min(plan.loss_chunk, replay.N) * replay.V if plan.loss == "chunked" else None,
         "peak_bytes": led.peak,                         # compare with torch.cuda.max_memory_allocated()
-        "peak_phase": led.peak_phase,
-        "peak_breakdown": kinds,
+        "peak_phase": led.peak_phase, "peak_breakdown": kinds,
         "resident_bytes": led.timeline[0][1],           # weights + dataset (+ workspace) before training
         "timeline": [{"label": lb, "bytes": cur, "peak": pk} for lb, cur, pk in led.timeline],
     }

@@ -275,8 +275,7 @@ class Replay(AttentionReplay, LossReplay):
         # a transposed view of the matmul's output in fp32 (so the sum is a new tensor); the chunked loss's is
         # its own fp32 accumulator (added into in place)
         self.accumulate("wte.buffer", "g.wte", self.inplace_accumulate and (p.amp or self.chunked))
-        self.node(params=[("wpe", self.n_pos * h)], free=["g.wpe_in", "g.res", "emb.pos_ids", "mask4d"],
-                  cast=False)
+        self.node(params=[("wpe", self.n_pos * h)], free=["g.wpe_in", "g.res", "emb.pos_ids", "mask4d"], cast=False)
         if grads_exist:
             led.free("wte.buffer")                                          # .grad += buffer
         else:

@@ -86,10 +86,8 @@ def print_summary(result) -> None:
     rows = [
         ("model", f"{d['config']['model']['name']} ({result.parameters / 1e6:.1f}M params, "
                   f"{d['env'].get('weights')} weights)"),
-        ("tokenizer", d["env"].get("tokenizer")),
-        ("device", d["env"].get("gpu_name") or d["env"].get("device")),
-        ("mode", d["env"].get("mode")),
-        ("precision", t["precision"]),
+        ("tokenizer", d["env"].get("tokenizer")), ("device", d["env"].get("gpu_name") or d["env"].get("device")),
+        ("mode", d["env"].get("mode")), ("precision", t["precision"]),
         ("batch", f"{t['micro_batch_size']} x {t['accumulation_steps']}"
                   + (f" x {d['env']['world_size']} processes" if d["env"].get("world_size", 1) > 1 else "")
                   + f" = {result.effective_batch_size} sequences of {d['config']['data']['seq_length']} tokens"),

@@ -172,7 +172,7 @@ class Interrupted(BaseException):
         done = ", ".join(f"{o.stem} ({'ok' if o.ok else 'failed'})" for o in self.finished) or "none"
         parts = [f"interrupted by {self.name}: finished {done}"]
         if self.current:
-            parts.append(f"stopped {self.current} (kernel shut down, nothing of it kept)")
+            parts.append(f"stopped {self.current}")
         if self.not_started:
             parts.append(f"not started {', '.join(self.not_started)}")
         parts.append("the results pages show the finished labs (regenerate --render-only redraws them)" if self.rendered

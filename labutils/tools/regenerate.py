@@ -5,13 +5,10 @@
     python -m labutils regenerate --rehearse --bench 1  # make gpu-results' whole path at smoke sizes, in a temp dir
     python -m labutils regenerate --render-only --out results/<card>   # redraw the pages from what is there
 
-Each notebook runs in a fresh kernel (:mod:`labutils.tools.notebook_runner`) in its own folder, writing into a private
-staging folder; what it records is checked (written? the mode asked for?) before it moves into the output folder, so
-a failed notebook keeps the previous results and a full run that fell back to smoke never lands in ``results/``.
-After each lab the results page and README blocks are redrawn, and ``run.json`` is written at the start and after
-each part. Bad options, an unwritable --out, a corrupt results file or broken README markers are refused (exit 2, one
-line) before any notebook runs; the README changes only between well-formed markers (every other byte, line endings,
-mode, symlink kept). Ctrl-C / SIGTERM stop within seconds (exit 130 / 143), nothing half-written.
+Each notebook runs in a fresh kernel (:mod:`labutils.tools.notebook_runner`), writing into a staging folder; what it
+records is checked before it moves into the output folder, then the pages are redrawn and ``run.json`` updated. Bad
+input is refused (exit 2, one line) before any notebook runs; the README changes only between well-formed markers.
+Ctrl-C / SIGTERM stop within seconds, child processes too (exit 130 / 143), nothing half-written.
 """
 from __future__ import annotations
 
@@ -27,8 +24,8 @@ import time
 from pathlib import Path
 
 from ..labs.registry import mismatch
-from .notebook_runner import (FULL_CELL_TIMEOUT, REPO_ROOT, SMOKE_CELL_TIMEOUT, Interrupted, Outcome, SignalGuard,
-                              execute_notebook, read_notebook)
+from .notebook_runner import (FULL_CELL_TIMEOUT, REPO_ROOT, SMOKE_CELL_TIMEOUT, STOP_GRACE, Interrupted, Outcome,
+                              SignalGuard, execute_notebook, read_notebook)
 from .report import (ResultsError, lab_id, load_results, marker_spans, read_readme, readme_blocks,
                      render_results, results_shape_error, update_readme)
 from ..core.results import ARTIFACTS_ENV, RESULTS_DIR, write_atomic, write_keeping_file
@@ -105,8 +102,7 @@ def linked_folder(out: Path) -> str | None:
 
 
 def promote(staging: Path, out: Path, stem: str, expected_mode: str) -> tuple[Path | None, str | None]:
-    """Check what a notebook recorded in ``staging`` (only ``<stem>.json``) and move it into ``out``: (path, None) or
-    (None, why nothing was kept)."""
+    """Check what a notebook recorded in ``staging`` and move it into ``out``: (path, None) or (None, why not)."""
     found = sorted(staging.glob("*.json"))
     if not found:
         return None, "no results recorded (the notebook's last cell should call lu.record_results)"
@@ -147,9 +143,8 @@ def promote(staging: Path, out: Path, stem: str, expected_mode: str) -> tuple[Pa
 def regenerate(notebooks: list[Path], out: Path, *, smoke: bool, gpu_memory_gb: float | None,
                readme: Path | None = None, timeout: int | None = None, log=print,
                stems: list[str] | None = None, on_lab=None) -> list[Outcome]:
-    """Execute ``notebooks`` into ``out``; after each, :func:`render` (``stems``' results; ``readme``: full runs into
-    results/ only) and ``on_lab(outcomes)``. One Outcome each. SIGINT/SIGTERM (main thread) kill the running kernel
-    and raise :class:`Interrupted` with what finished and what did not."""
+    """Execute ``notebooks`` into ``out``; after each, :func:`render` and ``on_lab(outcomes)``. One Outcome each.
+    SIGINT/SIGTERM kill the running kernel and raise :class:`Interrupted` with what finished and what did not."""
     out.mkdir(parents=True, exist_ok=True)
     mode = "smoke" if smoke else "full"
     timeout = timeout or (SMOKE_CELL_TIMEOUT if smoke else FULL_CELL_TIMEOUT)
@@ -192,7 +187,7 @@ def regenerate(notebooks: list[Path], out: Path, *, smoke: bool, gpu_memory_gb: 
                     on_lab and on_lab(outcomes)
         except Interrupted as exc:
             exc.rendered = rendered
-            exc.finished, exc.current = list(outcomes), current
+            exc.finished, exc.current = list(outcomes), current and f"{current} (kernel shut down, nothing of it kept)"
             exc.not_started = [nb.stem for nb in notebooks[len(outcomes) + (current is not None):]]
             raise
     return outcomes + readme_failed[:1]
@@ -289,8 +284,7 @@ def run_doctor_first(out: Path, gpu_memory_gb: float | None, smoke_sizes: bool =
     print("regenerate: checking this machine first (python -m labutils doctor)", flush=True)
     report = out / "doctor.json"
     report.unlink(missing_ok=True)  # a crashed doctor also exits 1: never judge it by an earlier run's report
-    code = subprocess.run([sys.executable, "-m", "labutils", "doctor", "--json", str(report)],
-                          cwd=REPO_ROOT, env=env).returncode
+    code = _child(["doctor", "--json", str(report)], env)
     if code != 1:  # 0: all passed; anything else: the doctor itself broke
         return code
     try:
@@ -310,18 +304,33 @@ def card_folder(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
 
 
-def run_bench(out: Path, repeats: int, gpu_memory_gb: float | None = None, smoke_sizes: bool = False) -> float:
+def _child(argv: list[str], env: dict) -> int:
+    """``python -m labutils ARGV``'s exit code; a SIGINT / SIGTERM stops the child too and raises Interrupted here."""
+    proc = subprocess.Popen([sys.executable, "-m", "labutils", *argv], cwd=REPO_ROOT, env=env)
+    try:
+        with SignalGuard():
+            return proc.wait()
+    finally:
+        if proc.poll() is None:  # stopped by a signal: never an orphan that goes on using the GPU (issue 45 §7)
+            proc.terminate()
+            try:
+                proc.wait(STOP_GRACE)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def run_bench(out: Path, repeats: int, gpu_memory_gb: float | None = None, smoke_sizes: bool = False):
     """``bench configs/fast_config.yaml --repeats N --json <out>/bench.json`` after the labs, under the doctor's budget
-    (:func:`command_env`); never a gate. Returns seconds. A rehearsal: LAB_SMOKE=1, ``train.compile=false``."""
+    (:func:`command_env`): (seconds, exit code). A rehearsal: LAB_SMOKE=1, ``train.compile=false``."""
     t0 = time.perf_counter()
     cmd = ["bench", "configs/fast_config.yaml", "--repeats", str(repeats), "--json", str(out / "bench.json")]
     print(f"regenerate: the fast path against the reference (python -m labutils {' '.join(cmd[:4])})", flush=True)
-    cmd += ["--set", "train.compile=false"] if smoke_sizes else []
-    code = subprocess.run([sys.executable, "-m", "labutils", *cmd], cwd=REPO_ROOT,
-                          env=command_env(gpu_memory_gb, smoke_sizes)).returncode
+    (out / "bench.json").unlink(missing_ok=True)  # a failed bench leaves no earlier run's numbers beside new ones
+    code = _child(cmd + ["--set", "train.compile=false"] * smoke_sizes, command_env(gpu_memory_gb, smoke_sizes))
     if code:
-        print(f"regenerate: bench exited {code} (its output is above)", flush=True)
-    return time.perf_counter() - t0
+        print(f"regenerate: bench failed (exit {code}; its output is above): no bench.json", flush=True)
+    return time.perf_counter() - t0, code
 
 
 def write_run_record(out: Path, gpu: str | None, plan: dict | None, actual: dict, outcomes: list[Outcome],
@@ -461,24 +470,29 @@ def cli_regenerate(args) -> int:
     record = (lambda done: None) if smoke else (  # run.json from the start, after each part (issue 45 §2)
         lambda done: write_run_record(out, gpu, plan, actual, done, mode=mode))
     record([])
-    if not smoke and not getattr(args, "skip_doctor", False):
-        code = run_doctor_first(out, gb, smoke_sizes=rehearse)
-        actual["doctor"] = time.perf_counter() - t0
-        record([])
-        if code != 0:
-            print(f"regenerate: `python -m labutils doctor` failed (exit {code}; its table is above, its JSON in "
-                  f"{out / 'doctor.json'}): no notebook was run. Fix what failed, or pass --skip-doctor to run "
-                  f"the labs anyway.", file=sys.stderr)
-            return 1
-    try:
+    outcomes, bench_code = [], 0
+    try:  # a signal during the doctor or the bench stops its child process too (_child)
+        if not smoke and not getattr(args, "skip_doctor", False):
+            code = run_doctor_first(out, gb, smoke_sizes=rehearse)
+            actual["doctor"] = time.perf_counter() - t0
+            record([])
+            if code != 0:
+                print(f"regenerate: `python -m labutils doctor` failed (exit {code}; its table is above, its JSON in "
+                      f"{out / 'doctor.json'}): no notebook was run. Fix what failed, or pass --skip-doctor to run "
+                      f"the labs anyway.", file=sys.stderr)
+                return 1
         outcomes = regenerate(notebooks, out, smoke=smoke or rehearse, gpu_memory_gb=gb, readme=readme, stems=stems,
                               on_lab=lambda done: (actual.update({lab_id(done[-1].stem): done[-1].seconds}),
                                                    record(done)))
+        if getattr(args, "bench", None):
+            actual["bench"], bench_code = run_bench(out, args.bench, gb, smoke_sizes=rehearse)
     except Interrupted as exc:
+        if not exc.finished and not exc.current:  # the doctor's or the bench's process (the labs fill these in)
+            exc.finished, exc.rendered = outcomes, bool(outcomes) and readme is not None
+            exc.current = f"the {'bench' if outcomes else 'doctor'} (its process too, nothing of it kept)"
+            exc.not_started = [] if outcomes else [nb.stem for nb in notebooks]
         print(exc.summary(), file=sys.stderr, flush=True)
         return exc.exit_code
-    if getattr(args, "bench", None):
-        actual["bench"] = run_bench(out, args.bench, gb, smoke_sizes=rehearse)
     if plan is not None and not rehearse:
         from .timeplan import against_actual
 
@@ -486,5 +500,6 @@ def cli_regenerate(args) -> int:
     elif rehearse:
         print("regenerate: rehearsal at smoke sizes: the times are not the plan's (it is for the full run)")
     record(outcomes)
-    print(summary_line(outcomes, time.perf_counter() - t0))
-    return 0 if all(o.ok for o in outcomes) else 1
+    print(summary_line(outcomes, time.perf_counter() - t0) + (f"; bench failed (exit {bench_code})" if bench_code
+                                                               else ""))
+    return 0 if all(o.ok for o in outcomes) and not bench_code else 1

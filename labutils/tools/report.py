@@ -125,8 +125,7 @@ def render_lab(data: dict, figure_prefix: str = "", *, readme: bool = False) -> 
         lines += [f"> **{str(mode).upper()} RUN** (tiny model, few steps): these numbers only show that the "
                   "notebook runs; they are not results.", ""]
     versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "transformers") if env.get(k))
-    lines += [f"- Hardware: {hardware_line(env)}",
-              f"- Weights: {weights_line(data)}",
+    lines += [f"- Hardware: {hardware_line(env)}", f"- Weights: {weights_line(data)}",
               f"- Run: {mode} mode, {env.get('date') or 'date not recorded'}" + (f"; {versions}" if versions else ""),
               ""]
     lines += render_claims(data.get("claims") or [])
