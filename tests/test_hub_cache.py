@@ -32,6 +32,8 @@ from labutils.models.hub import HUB_IDS, TINY_CACHE_ID, offline_gpt2_tokenizer
 from labutils.models.gpt2 import gpt2_config
 
 REPO = Path(__file__).resolve().parent.parent
+# Under pytest-xdist one worker takes them all: the cache (hf_home) is written, and the cases' process runs, once
+pytestmark = pytest.mark.xdist_group("hub_cache")
 
 
 def write_hub_cache(hub: Path, repo_id: str, model, tokenizer=None) -> str:
