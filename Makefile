@@ -15,11 +15,13 @@
 #                       labs in one 10-minute command, the plan says so) into results/<gpu>/ (JSON, figures,
 #                       doctor.json, bench.json, run.json, README-results.md) and the README's results blocks, or
 #                       into OUT=DIR; REHEARSE=1 (only 1 or 0): the same path at smoke sizes into OUT or a temp folder
-#                       (regenerate --rehearse). OUT may hold spaces; WHEELS= skips the wheels (this machine's packages)
+#                       (regenerate --rehearse). OUT may hold spaces; WHEELS= skips the wheels (this machine's packages).
+#                       PART=K: only the K-th command of the plan's sequence (regenerate --plan: each <= 7.5 min)
 PYTHON ?= python
 GPU_MEMORY_GB ?= 8
 ONLY ?=
 OUT ?=
+PART ?=
 
 BENCH_REPEATS ?= 2
 REHEARSE ?=
@@ -63,4 +65,4 @@ gpu-wheels:
 
 gpu-results:
 	@if [ -n "$(WHEELS)" ] && [ -d "$(WHEELS)" ]; then set -- "$(WHEELS)"/*.whl; [ -e "$$1" ] || { echo "make gpu-results: WHEELS = '$(WHEELS)' holds no wheel: fill it with make gpu-wheels (online), or WHEELS= to use this machine's packages" >&2; exit 2; }; $(PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(SITE) "$$@"; fi
-	PYTHONPATH=$(SITE)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m labutils regenerate --bench $(BENCH_REPEATS) --gpu-memory-gb $(GPU_MEMORY_GB) $(if $(ONLY),--only $(ONLY)) $(if $(filter 1,$(REHEARSE)),--rehearse) $(OUT_ARG)
+	PYTHONPATH=$(SITE)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m labutils regenerate --bench $(BENCH_REPEATS) --gpu-memory-gb $(GPU_MEMORY_GB) $(if $(ONLY),--only $(ONLY)) $(if $(PART),--part $(PART)) $(if $(filter 1,$(REHEARSE)),--rehearse) $(OUT_ARG)

@@ -64,6 +64,7 @@ tools/  the commands and what they share
   doctor_speed        the doctor's speed checks: matmul TFLOP/s per format, the fast path's MFU (never a fail)
   bench               `python -m labutils bench`: the one loop against the reference, side by side
   regenerate          `python -m labutils regenerate`: re-run the notebooks, render results and README
+  command_parts       what regenerate runs besides them (doctor, bench), each a child process; run.json
   notebook_runner     runs one notebook in a kernel, safely: timeouts, Ctrl-C, the failing line
   report              Markdown from result files: the results page and the README's tables
   timeplan            how long the full regeneration takes on a card: predicted first, then against actual

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from labutils.tools import regenerate as rg
+from labutils.tools import command_parts, regenerate as rg
 
 
 @pytest.mark.regen_labs("all")
@@ -91,7 +91,7 @@ def _doctor_process(monkeypatch, rows, code=1):
     (rows None: it crashed before writing). A row marked ``"gates_regenerate": False`` stands for any finding the
     doctor lets through (the fast path's MFU no longer fails at all: issue 28, tests/test_doctor_checks.py)."""
     monkeypatch.setattr(rg, "_cuda_available", lambda: True)        # past the "full needs a GPU" gate
-    real = rg._child  # python -m labutils ARGV as a child process
+    real = command_parts._child  # python -m labutils ARGV as a child process
 
     def child(argv, env):
         if argv[0] != "doctor":
@@ -100,7 +100,7 @@ def _doctor_process(monkeypatch, rows, code=1):
         if rows is not None:
             path.write_text(json.dumps({"checks": rows, "summary": {}}))
         return code
-    monkeypatch.setattr(rg, "_child", child)
+    monkeypatch.setattr(command_parts, "_child", child)
     ran = []
     monkeypatch.setattr(rg, "regenerate", lambda *a, **k: ran.append(a) or [])
     return ran

@@ -13,7 +13,7 @@ import pytest
 import labutils.tools.bench as bench
 from labutils.tools import cli
 from labutils.tools import doctor_speed as ds
-from labutils.tools import regenerate as rg
+from labutils.tools import command_parts, regenerate as rg
 from tests.test_doctor_checks import CUDA0, FAST, _fake_run, pretend, rows
 
 tr = importlib.import_module("labutils.core.train")
@@ -62,7 +62,7 @@ def test_regenerate_hands_the_doctor_and_the_bench_the_same_card(monkeypatch, tm
     def fake_child(argv, env):  # python -m labutils ARGV as a child process
         envs["doctor" if "doctor" in argv else "bench"] = dict(env)
         return 0
-    monkeypatch.setattr(rg, "_child", fake_child)
+    monkeypatch.setattr(command_parts, "_child", fake_child)
     monkeypatch.delenv("LAB_GPU_MEMORY_GB", raising=False)
     assert rg.run_doctor_first(tmp_path, 8) == 0
     rg.run_bench(tmp_path, 1, 8)

@@ -1,17 +1,13 @@
 """The memory of common GPUs as torch reports it: what ``--gpu-memory-gb G`` models.
 
-A card sold as "8 GB" gives torch less: ``get_device_properties(i).total_memory`` (the "X GiB total capacity" of a
-CUDA out-of-memory message) is what the driver leaves after its reservations, and it moves a little between drivers.
-The numbers below are read from real out-of-memory messages in public issues (each row names them), never computed;
-where sources disagree the smallest is kept, so a row fits every such card. Windows (WDDM) reports the round size
-and takes the driver's share from *free* memory instead; the Linux figure is the smaller, so it holds on both.
-
-``card_total_bytes(G)``: the table's smallest total among cards sold as G GB; for any other G, the nearest card
-scaled by G / its size (``rule`` says which happened).
+A card sold as "8 GB" gives torch less: ``get_device_properties(i).total_memory`` (an OOM message's "X GiB total
+capacity") is what the driver leaves, and it moves a little between drivers. The numbers are read from real OOM
+messages in public issues (each row names them), never computed; where sources disagree the smallest is kept. Windows
+(WDDM) reports the round size and takes the driver's share from free memory; the smaller Linux figure holds on both.
+``card_total_bytes(G)``: the smallest total among cards sold as G GB; another G: the nearest card scaled (``rule``).
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 

@@ -1,14 +1,11 @@
 """``train.compile: true`` that really compiles, says how much it compiled, and falls back to eager out loud.
 
-* **Skip marks that outlive a dispatch mode.** dynamo does not compile a frame met under a non-infra
-  ``TorchDispatchMode`` (the CPU memory tracker :class:`labutils.core.memory.LiveStorages`, ``FlopCounterMode``)
-  and marks its code object skipped for the rest of the process. :func:`compile_for_training` therefore calls
-  ``torch._dynamo.reset()`` first, so no earlier tracked run decides for this one (each run compiles its own graphs,
-  and its graph count and compile time are its own).
-* **A backend that cannot work** (no Triton on CUDA, no C++ compiler on CPU): :func:`backend_problem` compiles and
-  runs a two-op function first; if that fails the run trains eagerly with one warning and records why
-  (``RunResult.compile_fallback``).
-* **Counting.** dynamo's own counters; a run that compiled no graph warns and says so in ``compile_fallback``.
+* dynamo does not compile a frame met under a non-infra ``TorchDispatchMode`` (the CPU tracker, ``FlopCounterMode``)
+  and marks its code skipped for the process: :func:`compile_for_training` calls ``torch._dynamo.reset()`` first, so
+  each run compiles its own graphs, its graph count and compile time its own.
+* A backend that cannot work (no Triton on CUDA, no C++ compiler on CPU): :func:`backend_problem` compiles a two-op
+  function first; if that fails the run trains eagerly with one warning (``RunResult.compile_fallback``).
+* dynamo's own counters count the graphs; a run that compiled none warns and says so in ``compile_fallback``.
 """
 from __future__ import annotations
 

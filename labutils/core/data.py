@@ -1,12 +1,11 @@
 """Data: an offline corpus, tokenised into fixed-length samples, and a sampler that is exact for accumulation.
 
-- ``builtin`` corpus: the English prose of Python's own documentation (``pydoc_data``): nothing is downloaded.
-  A ``.txt`` path: documents separated by blank lines.
-- ``pack=False``: one document per sample, truncated and right-padded (label -100, attention mask 0).
-  ``pack=True``: documents joined by EOS and cut into full blocks, no padding and no attention mask (so SDPA's
-  flash kernel is eligible). Labs that measure speed or memory pack; lab 02 pads, as padding is its lesson.
-- :meth:`LMDataset.windows` yields, per optimizer step, its ``micro x accum`` samples split into micro-batches;
-  they depend only on the seed and the effective batch, so (8 x 1), (2 x 4) and (1 x 8) compare exactly.
+``builtin`` corpus: the English prose of Python's own documentation (``pydoc_data``), nothing downloaded; a ``.txt``
+path: documents separated by blank lines. ``pack=False``: one document per sample, truncated and right-padded (label
+-100, attention mask 0); ``pack=True``: documents joined by EOS and cut into full blocks, no padding, no mask (SDPA's
+flash kernel eligible). Labs that measure speed or memory pack; lab 02 pads, as padding is its lesson.
+:meth:`LMDataset.windows` yields, per optimizer step, its ``micro x accum`` samples split into micro-batches; they
+depend only on the seed and the effective batch, so (8 x 1), (2 x 4) and (1 x 8) compare exactly.
 """
 from __future__ import annotations
 

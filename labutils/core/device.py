@@ -1,14 +1,12 @@
 """Every difference between a CUDA GPU and the CPU that labutils needs, in one place.
 
-No other labutils module calls ``torch.cuda`` but :mod:`labutils.core.device_facts`, its lowest layer; a lab
-notebook may, where that API is its lesson (each such call is also a ``doctor`` check). Each function takes a device
-(``torch.device``, "cuda", "cuda:1", "cpu" or None = the default) and does the CPU equivalent, or returns None, where
-CUDA has no counterpart. CUDA functions always get an explicit device *index* (several refuse ``"cuda"``).
+No other labutils module calls ``torch.cuda`` but its lowest layer, :mod:`labutils.core.device_facts`; a notebook may,
+where that API is its lesson (each such call is a ``doctor`` check). Each function takes a device (or None: the
+default) and does the CPU equivalent, or returns None; CUDA functions always get an explicit device *index*.
 
 Memory budget (:func:`card_budget`, "behave like a G-GB card"): the allocator is capped at what torch reports on such
-a card (:mod:`labutils.core.cards`) minus what lives outside the allocator on *this* GPU (CUDA context, library
-handles, kernels), measured with ``cudaMemGetInfo``; cuBLAS workspaces count against the cap like tensors. Memory
-that other processes hold is named in the budget's notice, not taken from the cap.
+a card (:mod:`labutils.core.cards`) minus what lives outside the allocator on *this* GPU (context, handles, kernels),
+measured with ``cudaMemGetInfo``; cuBLAS workspaces count like tensors; other processes' memory is named, not taken.
 """
 from __future__ import annotations
 
@@ -254,8 +252,7 @@ def outside_allocator_bytes(device=None, refresh: bool = False) -> tuple[int, st
             free, total = torch.cuda.mem_get_info(i)
             used = int(total - free - torch.cuda.memory_reserved(i))
             if others["bytes"] is not None and others["bytes"] > used:  # more than the driver says is used
-                others = _state[("others", i)] = {
-                    "bytes": None, "processes": [],
+                others = _state[("others", i)] = {"bytes": None, "processes": [],
                     "how": f"NVML's other processes ({others['bytes'] / GiB:.2f} GiB) exceed what the driver "
                            f"reports used outside this allocator ({used / GiB:.2f} GiB): not comparable"}
             if others["bytes"] is None:

@@ -123,8 +123,7 @@ def environment(dev: torch.device | str | None = None, mode: str | None = None, 
         requested = device.budget_from_env()
     except ValueError:
         requested = None
-    return {
-        "device": dev.type, "gpu_name": gpu["name"] if gpu else None, "gpu": gpu,
+    return {"device": dev.type, "gpu_name": gpu["name"] if gpu else None, "gpu": gpu,
         "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
         "transformers": transformers.__version__, "python": platform.python_version(),
         "mode": mode or detect_mode()[0], "weights": weights,

@@ -1,13 +1,8 @@
-"""FLOPs of a training step of any transformers causal LM (from its :class:`labutils.models.spec.ModelSpec`), the
-attention kernel that runs it, and the MFU / HFU of a run.
-
-* :func:`model_flops_per_token`: the model's FLOPs (PaLM's 6N + 12LTd), the numerator of MFU;
-* :func:`flops_per_token`: what the GPU really executes, with checkpointing's recompute and fused attention's
-  score recompute (HFU); :func:`recomputed_flops_per_token` is the recompute alone;
-* :func:`attention_kernel`: the SDPA kernel torch would choose; :class:`AttentionProbe`: the one that really ran
-  (from the profiler's aten ops: right under torch.compile too);
-* :func:`account_flops`: fills a finished run's achieved TFLOP/s, MFU and HFU (``lu.train`` calls it).
-
+"""FLOPs of a training step of any transformers causal LM (its :class:`labutils.models.spec.ModelSpec`), the attention
+kernel that runs it, and the MFU / HFU of a run: :func:`model_flops_per_token` (PaLM's 6N + 12LTd, MFU's numerator);
+:func:`flops_per_token`, what the GPU executes (checkpointing's and fused attention's recompute: HFU);
+:func:`attention_kernel`, the SDPA kernel torch would choose, :class:`AttentionProbe` the one that ran (profiler ops,
+right under torch.compile too); :func:`account_flops` fills a finished run's TFLOP/s, MFU and HFU (``lu.train``).
 Counts are checked against ``torch.utils.flop_counter.FlopCounterMode`` (tests/test_flops.py, test_other_models.py).
 """
 from __future__ import annotations
@@ -178,8 +173,7 @@ def account_flops(result, cfg, seq_length: int, device: torch.device, n_timed: i
     # mask; the others say "(masked)" when they got one, see AttentionProbe)
     executed = flops_per_token(spec, seq_length, recompute=t.gradient_checkpointing,
                                every_n_layers=t.checkpoint_every_n_layers, dropout=m.dropout is None or m.dropout > 0,
-                               fused_attention=fused, causal_skip=fused and "masked" not in kernel,
-                               vocab=rows)
+                               fused_attention=fused, causal_skip=fused and "masked" not in kernel, vocab=rows)
     targets = result.target_tokens[-n_timed:]
     step = result.step_time_seconds  # the median timed step: the one step time every speed reads
     result.model_flops_per_step = model_flops_per_token(spec, seq_length) * sum(targets) / len(targets)

@@ -1,10 +1,9 @@
 """Memory measurement for a region of code: the same meaning on CUDA and on CPU.
 
 On CUDA the caching allocator is asked (allocated, reserved, and their peaks, reset when the region starts); a cap
-limits *reserved*, cached free blocks included. On CPU, where RSS counts the Python heap and cached pages, the
-tracker counts live tensor storages itself: those alive at the start (found through the garbage collector) plus
-every storage an operator creates inside (seen through a ``TorchDispatchMode``), minus those freed. Same meaning
-as ``torch.cuda.max_memory_allocated``.
+limits *reserved*, cached free blocks included. On CPU, where RSS counts the Python heap and cached pages, the tracker
+counts live tensor storages itself: those alive at the start (found through the garbage collector) plus every storage
+an operator creates inside (a ``TorchDispatchMode``), minus those freed: ``torch.cuda.max_memory_allocated``'s meaning.
 """
 from __future__ import annotations
 

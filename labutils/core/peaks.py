@@ -1,12 +1,10 @@
 """Dense peak TFLOP/s of NVIDIA GPUs per precision, from the vendor's datasheets: the denominator of MFU.
 
 ``peak_tflops(gpu_name, precision)`` takes the name ``torch.cuda.get_device_name`` returns and a lab precision:
-fp32 (CUDA cores, TF32 off), tf32 (TF32 tensor cores), fp16 / bf16 (tensor cores, FP32 accumulate: what autocast's
-matmuls use; half rate on GeForce cards). Dense figures only: training never uses the 2:4-sparsity ones. ``None``
-when the card lacks the format (V100, T4, Turing GeForce: no BF16 or TF32) or is not in the table: never a guess.
-Names are matched whole after dropping "NVIDIA", "GeForce", "Tesla" and separators, so "RTX 4060 Ti" is never read
-as "RTX 4060", "H100 NVL" never as the SXM part, and "A10G" never as "A10".
-
+fp32 (CUDA cores, TF32 off), tf32 (TF32 tensor cores), fp16 / bf16 (tensor cores, FP32 accumulate: autocast's matmuls;
+half rate on GeForce cards). Dense figures only. ``None`` when the card lacks the format (V100, T4, Turing GeForce: no
+BF16 or TF32) or is not in the table: never a guess. Names are matched whole after dropping "NVIDIA", "GeForce",
+"Tesla" and separators, so "RTX 4060 Ti" is never read as "RTX 4060", "H100 NVL" never as the SXM part, "A10G" as "A10".
 Datacenter cards: each datasheet's figures. GeForce cards: CUDA cores x boost clock x FLOPs per core and clock from
 the architecture whitepapers (:data:`PER_CORE_CLOCK`); GPU Boost may run a card above that clock. Laptop parts: the
 top of NVIDIA's boost-clock range, so the peak is an upper bound for that chip and its MFU a lower bound.

@@ -213,8 +213,7 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
         result.peak_reserved_bytes = tracker.peak_reserved_bytes
         result.memory.update(start_bytes=tracker.start_bytes, peak_bytes=tracker.peak_bytes,
                              end_bytes=tracker.end_bytes, reserved_bytes=tracker.reserved_bytes,
-                             peak_reserved_bytes=tracker.peak_reserved_bytes,
-                             tracked_steps=tracked_steps)
+                             peak_reserved_bytes=tracker.peak_reserved_bytes, tracked_steps=tracked_steps)
     elif untracked_why:
         result.memory.update(tracked_steps=0, not_tracked=untracked_why)
     slow = tracked_steps if device.type != "cuda" and tracker is not None else 0

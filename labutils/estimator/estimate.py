@@ -94,8 +94,7 @@ def estimate_plan(plan: Plan) -> dict:
     acts = probe.led.saved_bytes()
     half = probe.led.saved_bytes(("half_weights",))
     kinds = {k: int(led.peak_kinds.get(k, 0)) for k in KINDS}
-    return {
-        "model": plan.model, "parameters": P, "device": plan.device,
+    return {"model": plan.model, "parameters": P, "device": plan.device,
         "precision": plan.precision, "micro_batch_size": plan.micro, "accumulation_steps": plan.accum,
         "seq_length": plan.seq, "gradient_checkpointing": plan.checkpointing,
         "checkpoint_every_n_layers": plan.every_n, "attn_implementation": plan.attn,

@@ -2,17 +2,11 @@
 
 :class:`Replay` walks a step as PyTorch runs it (forward, loss, backward node by node, AdamW), with the sizes and
 dtypes CUDA produces, booking every tensor in a :class:`Ledger` (live bytes and peak, by kind). Arithmetic only.
-
-The accounting follows Korthikanti et al. 2022 (section 4.1), the tensors autograd saves per block,
-``s*b*h*(34 + 5*a*s/h)`` bytes with 16-bit activations; HF GPT-2 under ``torch.autocast`` saves more, because:
-
-* the residual stream and LayerNorm stay FP32 (embeddings are FP32; LayerNorm is on autocast's float32 list);
-* ``gelu_new`` is a Python expression whose ``pow`` is on the float32 list: 67 bytes per token and hidden unit in
-  the MLP, where Korthikanti counts 19;
-* SDPA's fused kernels save no ``a*s*s`` scores: q, k, v, the output and a log-sum-exp;
-* the loss's FP32 logits ``[B, T, V]`` (:mod:`labutils.estimator.replay_loss`): often the largest single term;
-* autocast's cached half-precision weight copies live until their backward.
-
+It follows Korthikanti et al. 2022 (§4.1: ``s*b*h*(34 + 5*a*s/h)`` bytes saved per block with 16-bit activations);
+HF GPT-2 under ``torch.autocast`` saves more: the residual stream and LayerNorm stay FP32; ``gelu_new``'s ``pow`` is
+on autocast's float32 list (67 bytes per token and hidden unit in the MLP, not 19); SDPA's fused kernels save no
+``a*s*s`` scores (q, k, v, the output, a log-sum-exp); the loss's FP32 logits ``[B, T, V]``
+(:mod:`labutils.estimator.replay_loss`), often the largest term; autocast's cached half weight copies until backward.
 Master weights, gradients and AdamW's moments are FP32 in every precision: 16 bytes per parameter. ``device="cpu"``
 switches to the CPU kernels' behaviour (float dropout masks, math attention under dropout, CPU autocast's lists, the
 unfused AdamW), so the replay can be checked against the CPU tracker without a GPU.

@@ -179,17 +179,21 @@ class Lab:
                                       # its cells train, where they run (a card by name: the time plan)
     claims: tuple[str, ...] = ()      # the claims it owns (labutils.verdicts.claims): it measures and records them
     budget: Callable[..., dict] | None = None  # (amp, amp_fast) -> its runs under the card's budget (labs.scale_model)
+    extras: tuple = ()  # besides its runs, for the time plan: models built and not trained by lu.train, profiler runs,
+    #                     child processes that import torch (labutils.tools.timeplan.EXTRA_S)
 
 
 LABS = (
     Lab("01", "01-Mixed_Precision", "Mixed precision",
-        tuple(f"configs/{p}_config.yaml" for p in ("fp32", "fp16", "bf16")), _lab01, ("C1", "C2"), _budget01),
+        tuple(f"configs/{p}_config.yaml" for p in ("fp32", "fp16", "bf16")), _lab01, ("C1", "C2"), _budget01,
+        (("models", 4), ("profiles", 2))),
     Lab("02", "02-Gradient_Accumulation", "Gradient accumulation", ("configs/lab02_accumulation.yaml",), _lab02,
-        ("C3",), _budget02),
+        ("C3",), _budget02, (("models", 4),)),
     Lab("03", "03-Gradient_Checkpointing", "Gradient checkpointing", ("configs/lab03_checkpointing.yaml",), _lab03,
-        ("C4", "C5"), _budget03),
+        ("C4", "C5"), _budget03, (("models", 4),)),
     Lab("04", "04-Memory_Profiling", "Memory profiling",
-        ("configs/lab04_profile.yaml", "configs/lab04_techniques.yaml"), _lab04, ("C6", "C7"), _budget04),
+        ("configs/lab04_profile.yaml", "configs/lab04_techniques.yaml"), _lab04, ("C6", "C7"), _budget04,
+        (("models", 8), ("profiles", 7), ("processes", 3))),
 )
 IDS = tuple(lab.id for lab in LABS)
 

@@ -1,10 +1,10 @@
 """"An 8 GB card", the same in every lab: torch's total on one (:mod:`labutils.core.cards`) minus what lives outside its
 allocator (on a GPU measured there, as the labs' caps take it; for a prediction the estimator's CUDA context, as
-:func:`labutils.estimator.estimate.fits` takes it), and in smoke ONE scale model of it for the whole course (:func:`course`):
-every run any lab measures under the budget (its entry's ``budget`` in :mod:`labutils.labs.registry`) is predicted in full mode to fit the card or not, and
-the smoke budget lies halfway (log scale) between the largest smoke peak of a run that fits and the smallest of one
-that does not. Where no size can do that, :func:`course` raises naming the two: change the smoke sizes (a config's
-``smoke:`` section), not the rule. Every lab takes its budget, and the line it prints, from :func:`lab_budget`.
+:func:`labutils.estimator.estimate.fits` takes it), and in smoke ONE scale model of it for the whole course
+(:func:`course`): every run any lab measures under the budget (its registry entry's ``budget``) is predicted in full
+mode to fit the card or not, and the smoke budget lies halfway (log scale) between the largest smoke peak of a run that
+fits and the smallest of one that does not; where no size can, :func:`course` raises naming the two (change a config's
+``smoke:`` section, not the rule). Every lab takes its budget, and the line it prints, from :func:`lab_budget`.
 """
 from __future__ import annotations
 

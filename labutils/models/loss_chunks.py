@@ -1,18 +1,15 @@
 """The LM head and cross-entropy in chunks of positions: the logits never exist whole (``model.loss: chunked``).
 
 GPT-2's largest tensor in a training step is the logits, ``[B, T, V]`` (1.6 GB in fp32 at B8 x T1024), and the full
-loss holds two or three of them at once. Per position the loss needs a log-sum-exp and one target logit, its gradient
+loss holds two or three of them. Per position the loss needs a log-sum-exp and one target logit, its gradient
 ``softmax - onehot``; so :class:`ChunkedLinearCrossEntropy` walks ``chunk_size`` positions at a time and, as
 Liger-Kernel's fused linear cross-entropy does, computes the gradients in the forward: ``logits = h @ W^T (+ bias)``
-in the matmul's dtype, their log-sum-exp and target logit in fp32, ``g = softmax - onehot`` cast to the matmul dtype,
-then ``g @ W`` (the hidden states' gradient) and ``g^T @ h`` into one fp32 accumulator (fp16: ``g`` scaled down by the
-power of two the chunk needs, so that only backward's loss scale can overflow). Backward only scales the stored
-gradients: no recompute, no host sync. Compiled, the backward graph holds no head matmul that AOT autograd could merge
-with the forward's (tests/test_fast_path.py). FLOPs are the full head's; each extra chunk reads the head's weight twice
-and the accumulator once more (about ``16 * V * d`` bytes), so a chunk should be large.
-
-:func:`install` replaces a GPT2LMHeadModel instance's ``forward`` for training calls with labels (the transformer as
-before, checkpointing and ``nn.Module.compile`` included, then the chunked loss; no logits in the output).
+in the matmul's dtype, their log-sum-exp and target logit in fp32, ``g = softmax - onehot`` in the matmul dtype, then
+``g @ W`` and ``g^T @ h`` into one fp32 accumulator (fp16: ``g`` scaled down by the power of two the chunk needs, so
+only backward's loss scale can overflow). Backward only scales the stored gradients: no recompute, no host sync, and
+compiled, no head matmul AOT autograd could merge with the forward's. FLOPs are the full head's; each extra chunk
+reads the head's weight twice and the accumulator once more (about ``16 * V * d`` bytes): a chunk should be large.
+:func:`install` replaces a GPT2LMHeadModel's ``forward`` for training calls with labels (no logits in the output).
 """
 from __future__ import annotations
 

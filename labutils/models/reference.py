@@ -1,10 +1,9 @@
 """A nanoGPT-style GPT-2 written out in torch: the reference ``bench`` measures the course's fast path against.
 
 Its own ``nn.Linear`` blocks, ``F.scaled_dot_product_attention(is_causal=True)`` with no mask, the tanh GELU, a tied
-LM head without a bias, cross-entropy on the logits, AdamW fused on CUDA, weight decay on matrices only.
-:func:`from_hf` loads the course's model's weights (padded vocabulary included), transposing the four ``Conv1D``
-matrices per block. No mask for padded vocabulary rows and no activation checkpointing (nanoGPT has neither);
-given an unpadded model, its loss equals the course's.
+LM head without a bias, cross-entropy on the logits, AdamW fused on CUDA, weight decay on matrices only. :func:`from_hf`
+loads the course's model's weights (padded vocabulary included; the four ``Conv1D`` matrices per block transposed).
+No mask for padded vocabulary rows, no activation checkpointing (nanoGPT has neither); unpadded, its loss equals ours.
 """
 from __future__ import annotations
 

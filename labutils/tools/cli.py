@@ -83,8 +83,7 @@ def print_summary(result) -> None:
 
     d = result.to_dict()
     t = d["config"]["train"]
-    rows = [
-        ("model", f"{d['config']['model']['name']} ({result.parameters / 1e6:.1f}M params, "
+    rows = [("model", f"{d['config']['model']['name']} ({result.parameters / 1e6:.1f}M params, "
                   f"{d['env'].get('weights')} weights)"),
         ("tokenizer", d["env"].get("tokenizer")), ("device", d["env"].get("gpu_name") or d["env"].get("device")),
         ("mode", d["env"].get("mode")), ("precision", t["precision"]),
@@ -249,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bench", nargs="?", const=5, type=positive_int, metavar="REPEATS",
                    help="after the labs, `bench configs/fast_config.yaml --repeats REPEATS` (default 5) into "
                         "<out>/bench.json (make gpu-results)")
+    p.add_argument("--part", type=positive_int, metavar="K", help="run only the K-th command of the plan's sequence "
+                   "(its doctor, labs, bench; regenerate --plan lists them): make gpu-results PART=K")
     p.add_argument("--rehearse", action="store_true",
                    help="the full run's whole path (plan, doctor, labs, bench, run.json) at smoke sizes, into --out or "
                         "a temporary folder, never results/ or README.md: a dry run of make gpu-results")

@@ -6,29 +6,7 @@ and exits 0, the GPU checks listed as skipped; a GPU the driver sees but torch c
 
 The checks live in :mod:`labutils.tools.doctor_checks`, :mod:`labutils.tools.doctor_formats` (BF16 / TF32) and
 :mod:`labutils.tools.doctor_speed`; one ``check_*`` per row, its GPU verdict a ``*_verdict`` function of the numbers
-so that tests/test_doctor_checks.py can break each on purpose. What fails each:
-
-  driver: torch can use its GPU     nvidia-smi lists a GPU torch cannot use (the row names both CUDA versions, the fix)
-  device: memory counters           a 64 MiB tensor unseen by the counters; on CPU, a CUDA-only counter answering
-  device: mem_info / total / stats  cudaMemGetInfo's total != the device's total memory (exactly), free > total,
-                                    no allocator stats
-  device: cap set / restore         the cap ignored, raised by a nested larger one, or not restored
-  device: outside-allocator memory  unmeasurable (only the default known), 0 or >= 4 GiB; again after training
-  device: bf16 / tf32 support       labutils' BF16 / TF32 answers differ from what a real matmul on the device does
-  torch.cuda calls of lab 04        a counter < 0, free > total, a wrong total (NVML refusing: "unavailable")
-  tf32 switch: legacy + new flags   a TF32 reader raising ("mix of the legacy and new APIs") or disagreeing
-  train step <precision>            a non-finite loss, too few steps; fp16: no GradScaler, most steps skipped
-  cap + OOM recovery                no out-of-memory error during training under a too-small cap, memory not
-                                    back to baseline, or no successful run after
-  snapshot record -> dump -> parse  no events recorded, or no allocation with a stack
-  profiler ranges                   forward/backward ranges missing; on CUDA no device time, backward < forward
-  checkpointing grads: <variant>    gradients differ from no checkpointing, dropout on (the RNG state not restored)
-  estimator vs measured             the estimate more than 10 % from the measured peak
-  device: empty caches              pinned host memory still held (skipped before torch 2.7, with the reason)
-  matmul TFLOP/s <format>           a wrong product (vs float64); TF32 not engaged; on CUDA not as much faster
-                                    than FP32 as the card's datasheet promises
-  fast path MFU (fast_config.yaml)  not training (OOM at the fitted micro-batch, a non-finite loss); the MFU is
-                                    printed, never judged. Skipped with the reason: CPU; no Triton
+so that tests/test_doctor_checks.py can break each on purpose; its docstring lists what fails each row.
 """
 from __future__ import annotations
 

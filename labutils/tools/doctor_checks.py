@@ -1,4 +1,4 @@
-"""The doctor's correctness checks (what fails each: :mod:`labutils.tools.doctor`): device functions and lab 04's
+"""The doctor's correctness checks (what fails each: tests/test_doctor_checks.py): device functions and lab 04's
 raw ``torch.cuda`` calls, training per precision, the cap and OOM recovery, snapshots, profiler ranges,
 checkpointing gradients, the estimator, emptying the caches. Each ``check_*`` adds rows to a :class:`Checks`.
 """

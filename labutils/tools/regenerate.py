@@ -15,17 +15,16 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from ..labs.registry import mismatch
-from .notebook_runner import (FULL_CELL_TIMEOUT, REPO_ROOT, SMOKE_CELL_TIMEOUT, STOP_GRACE, Interrupted, Outcome,
-                              SignalGuard, execute_notebook, read_notebook)
+from .command_parts import card_folder, print_plan, run_bench, run_doctor_first, write_run_record
+from .notebook_runner import (FULL_CELL_TIMEOUT, REPO_ROOT, SMOKE_CELL_TIMEOUT, Interrupted, Outcome, SignalGuard,
+                              execute_notebook, read_notebook)
 from .report import (ResultsError, lab_id, load_results, marker_spans, read_readme, readme_blocks,
                      render_results, results_shape_error, update_readme)
 from ..core.results import ARTIFACTS_ENV, RESULTS_DIR, write_atomic, write_keeping_file
@@ -253,118 +252,6 @@ def summary_line(outcomes: list[Outcome], seconds: float) -> str:
     return "\n".join(lines)
 
 
-def _not_a_gate(row: dict, gpu_memory_gb: float | None) -> str | None:
-    """Why a failed doctor row does not stop the notebooks, or None when it does (issue 45 §4: only what the labs need
-    gates them): a row marked ``"gates_regenerate": False``, or any fast-path row (the fast config compiled, which
-    only the bench uses: an out-of-memory, an inductor error on another torch). CUDA, the cap, each precision: gates."""
-    if row.get("gates_regenerate", True) is False:
-        return row.get("detail", "")
-    if str(row.get("name", "")).startswith("fast path"):
-        cap = f" under the {gpu_memory_gb:g} GiB cap (--gpu-memory-gb)" if gpu_memory_gb else ""
-        return (f"not judged{cap}: the fast config (the bench's, sized for the whole card) is not what the labs "
-                f"run; reported, not a gate ({str(row.get('detail', ''))[:160]})")
-    return None
-
-
-def command_env(gpu_memory_gb: float | None, smoke_sizes: bool = False) -> dict:
-    """The doctor's and the bench's environment: the notebooks' card (one budget, one compiled step), smoke sizes."""
-    env = {k: v for k, v in os.environ.items() if k != "LAB_GPU_MEMORY_GB"}
-    if smoke_sizes:
-        env["LAB_SMOKE"] = "1"
-    if gpu_memory_gb:
-        env["LAB_GPU_MEMORY_GB"] = f"{gpu_memory_gb:g}"
-    return env
-
-
-def run_doctor_first(out: Path, gpu_memory_gb: float | None, smoke_sizes: bool = False) -> int:
-    """``python -m labutils doctor`` (the notebooks' budget) into ``<out>/doctor.json``: 0 to go on, else its exit
-    code (a failed row stops the notebooks unless :func:`_not_a_gate` says why not; so does an unreadable report)."""
-    out.mkdir(parents=True, exist_ok=True)
-    env = command_env(gpu_memory_gb, smoke_sizes)
-    print("regenerate: checking this machine first (python -m labutils doctor)", flush=True)
-    report = out / "doctor.json"
-    report.unlink(missing_ok=True)  # a crashed doctor also exits 1: never judge it by an earlier run's report
-    code = _child(["doctor", "--json", str(report)], env)
-    if code != 1:  # 0: all passed; anything else: the doctor itself broke
-        return code
-    try:
-        failed = [r for r in json.loads(report.read_text(encoding="utf-8"))["checks"] if r["status"] == "fail"]
-        why = [_not_a_gate(r, gpu_memory_gb) for r in failed]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return code
-    if not failed or any(w is None for w in why):
-        return code
-    for r, w in zip(failed, why):
-        print(f"regenerate: doctor finding that does not stop the notebooks: {r['name']}: {w}", flush=True)
-    return 0
-
-
-def card_folder(name: str) -> str:
-    """results/<this>, one folder per card: "NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3"."""
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
-
-
-def _child(argv: list[str], env: dict) -> int:
-    """``python -m labutils ARGV``'s exit code; a SIGINT / SIGTERM stops the child too and raises Interrupted here."""
-    proc = subprocess.Popen([sys.executable, "-m", "labutils", *argv], cwd=REPO_ROOT, env=env)
-    try:
-        with SignalGuard():
-            return proc.wait()
-    finally:
-        if proc.poll() is None:  # stopped by a signal: never an orphan that goes on using the GPU (issue 45 §7)
-            proc.terminate()
-            try:
-                proc.wait(STOP_GRACE)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def run_bench(out: Path, repeats: int, gpu_memory_gb: float | None = None, smoke_sizes: bool = False):
-    """``bench configs/fast_config.yaml --repeats N --json <out>/bench.json`` after the labs, under the doctor's budget
-    (:func:`command_env`): (seconds, exit code). A rehearsal: LAB_SMOKE=1, ``train.compile=false``."""
-    t0 = time.perf_counter()
-    cmd = ["bench", "configs/fast_config.yaml", "--repeats", str(repeats), "--json", str(out / "bench.json")]
-    print(f"regenerate: the fast path against the reference (python -m labutils {' '.join(cmd[:4])})", flush=True)
-    (out / "bench.json").unlink(missing_ok=True)  # a failed bench leaves no earlier run's numbers beside new ones
-    code = _child(cmd + ["--set", "train.compile=false"] * smoke_sizes, command_env(gpu_memory_gb, smoke_sizes))
-    if code:
-        print(f"regenerate: bench failed (exit {code}; its output is above): no bench.json", flush=True)
-    return time.perf_counter() - t0, code
-
-
-def write_run_record(out: Path, gpu: str | None, plan: dict | None, actual: dict, outcomes: list[Outcome],
-                     mode: str = "full") -> None:
-    """``<out>/run.json``: the card, torch, CUDA, the date and commit, the mode ("full", or "rehearsal": smoke sizes,
-    whose times are not the plan's), and each part's predicted and actual time."""
-    from ..core.env import environment
-
-    env = environment(mode="full")
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                                text=True).stdout.strip() or None
-    except OSError:  # no git on the machine (a bare GPU image): the record says null, after all the work
-        commit = None
-    predicted = None if plan is None else {"doctor": plan["doctor_seconds"], **{p["lab"]: p["seconds"] for p in
-                                                                               plan["labs"]}}
-    if plan is not None and plan.get("bench"):
-        predicted["bench"] = plan["bench"]["seconds"]
-    record = {"gpu": gpu, "torch": env.get("torch"), "cuda": env.get("cuda"), "date": env.get("date"),
-              "commit": commit, "mode": mode, "labs": {o.stem: "ok" if o.ok else "FAILED" for o in outcomes},
-              "seconds": actual, "predicted_seconds": predicted}
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "run.json", (json.dumps(record, indent=2) + "\n").encode("utf-8"))
-
-
-def print_plan(gpu: str, labs: list[str], doctor: bool, gpu_memory_gb: float | None,
-               bench_repeats: int | None = None) -> dict:
-    from .timeplan import course_plan, plan_lines
-
-    plan = course_plan(gpu, labs, doctor=doctor, card_gb=gpu_memory_gb or None, bench_repeats=bench_repeats)
-    print("\n".join(plan_lines(plan)), flush=True)
-    return plan
-
-
 def _refuse(message: str) -> int:
     print(f"error: {message}", file=sys.stderr)
     return 2
@@ -429,6 +316,19 @@ def cli_regenerate(args) -> int:
     if not notebooks:
         return _refuse(f"no lab notebooks ({NOTEBOOK_GLOB}) in {folder}")
     stems = [nb.stem for nb in every]
+    if (part := getattr(args, "part", None)) is not None:  # one command of the plan's sequence (issue 45 §3)
+        from .timeplan import commands, course_plan
+        if smoke or gpu is None or args.plan:
+            return _refuse(f"--part {part}: a command of a GPU's plan (make gpu-results PART=K, or --rehearse under a "
+                           "GPU); not with --smoke or --plan, nor without a CUDA GPU")
+        cmds = commands(course_plan(gpu, [lab_id(nb.stem) for nb in notebooks], not args.skip_doctor, gb or None,
+                                    args.bench))
+        if part > len(cmds):
+            return _refuse(f"--part {part}: the plan for {gpu} has {len(cmds)} command(s): allowed 1-{len(cmds)} "
+                           "(regenerate --plan lists them)")
+        todo = cmds[part - 1]["parts"]
+        notebooks = [nb for nb in notebooks if lab_id(nb.stem) in todo]
+        args.skip_doctor, args.bench = args.skip_doctor or "doctor" not in todo, args.bench if "bench" in todo else None
     if getattr(args, "plan", False):
         print_plan(gpu, [lab_id(nb.stem) for nb in notebooks], not args.skip_doctor, gb, getattr(args, "bench", None))
         return 0

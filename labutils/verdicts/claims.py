@@ -139,15 +139,13 @@ def claim_entry(claim_id: str, values: dict | None, cond: dict, *, reason: str |
         why += (" [smoke measurement: tiny model on CPU, not a GPU result]" if hw.lower().startswith("cpu") else
                 f" [smoke measurement: tiny model on {hw}, not a result for GPT-2's sizes]")
     entry = {"id": claim_id, "claim": claim.claim, "source": claim.source, "expected": claim.expected(),
-             "expected_ranges": claim.expected_ranges(),
-             "measured": _measured(claim, values, parts) or None,
+             "expected_ranges": claim.expected_ranges(), "measured": _measured(claim, values, parts) or None,
              "measurement": (None if v == NOT_MEASURED else SMOKE_LABEL if smoke else
                              f"measured on {cond.get('hardware')}"),
              "verdict": v, "why": why + ("" if why.endswith(".") else "."), "conditions": dict(cond),
              "parts": parts if values else {},
              "compares": {k: " vs ".join(e.pair) for k, e in evs.items() if e.pair and k in values},
-             "evidence": {k: e.record() for k, e in evs.items() if k in values},
-             "lab": OWNER[claim_id]}
+             "evidence": {k: e.record() for k, e in evs.items() if k in values}, "lab": OWNER[claim_id]}
     if prediction:
         entry["prediction"] = {"label": PREDICTION_LABEL, "for": prediction_for, **_measured(claim, prediction)}
     if extra:

@@ -87,8 +87,7 @@ def comparison_rows(runs: dict, speed_rows: list[dict], baseline: str = "fp32") 
     rows = []
     for label, r in runs.items():
         d, sp = r.to_dict(), speed.get(label, {})
-        rows.append({
-            "run": label, "status": r.status, "avg_loss": d["avg_loss"], "final_loss": d["final_loss"],
+        rows.append({"run": label, "status": r.status, "avg_loss": d["avg_loss"], "final_loss": d["final_loss"],
             "time_all_steps_s": sum(r.step_times) if r.ok else None,
             "median_step_ms": sp.get("median_step_ms"), "step_noise": sp.get("step_noise"),
             "target_tokens_per_s": r.target_tokens_per_second, "tflops": r.achieved_tflops, "mfu": r.mfu,

@@ -68,8 +68,7 @@ class Measured:
                 "target_tokens_per_s": r.target_tokens_per_second if self.ok else None,
                 "memory_saving_pct": 100 * (1 - self.peak / baseline.peak) if both else None,
                 "time_overhead_pct": 100 * overhead(baseline, self) if both else None,
-                "host_mib": self.host_bytes / MiB if self.host_bytes is not None else None,
-                "error": r.error}
+                "host_mib": self.host_bytes / MiB if self.host_bytes is not None else None, "error": r.error}
 
 
 def saving(base: Measured, other: Measured) -> float | None:

@@ -192,8 +192,7 @@ def spec_check(cfg, info: dict, *, off, on, saving, overhead, flops_ratio: float
                 "negative: timing noise larger than the recompute" if overhead < 0 else
                 f"below {f}: the optimizer step and LM head are not recomputed" if overhead < flops_ratio - 1 else
                 f"above {f}: small kernels and launches cost more than their FLOPs")
-    return [
-        {"quantity": f"peak, no checkpointing ({B} x {T})", "course README": gb("~12 GB"),
+    return [{"quantity": f"peak, no checkpointing ({B} x {T})", "course README": gb("~12 GB"),
          "this run": fmt(off.peak) if off.ok else f"OOM within {budget_words()}",
          "why": "the README gives no batch, length or precision"},
         {"quantity": "peak, checkpointing", "course README": gb("~7 GB"),

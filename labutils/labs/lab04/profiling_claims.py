@@ -78,8 +78,7 @@ def c6_claim(tech_cfg, loop, config_path: str, info: dict, pair: dict, *, amp: s
     entry = cl.claim_entry("C6", values, cond, evidence=evidence,
                            reason=(f"{fmt_bytes(state_bytes)} of FP32 weights, gradients and AdamW state "
                                    f"({state_bytes / base['peak_bytes']:.0%} of the baseline peak) stay whatever the "
-                                   f"technique"),
-                           extra={"largest_micro_batch_8GiB_predicted": fits_pred,
+                                   f"technique"), extra={"largest_micro_batch_8GiB_predicted": fits_pred,
                                   "peaks_bytes": {names[0]: base["peak_bytes"], names[1]: both["peak_bytes"]}})
     return entry, cond, fits_pred
 
