@@ -415,8 +415,9 @@ def test_the_one_gpu_command_rehearsed_under_the_pretend_h100():
     run = regen_once.run_for(LABS)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     text = run.stdout
-    order = [text.find(s) for s in ("time plan for NVIDIA H100 80GB HBM3", "  then bench ", "checking this machine first",
-                                    "] 01-", "] 04-", "the fast path against the reference", "summary: 4 ok, 0 failed")]
+    order = [text.find(s) for s in ("time plan for NVIDIA H100 80GB HBM3", "make gpu-results PART=1 ",
+                                    "checking this machine first", "] 01-", "] 04-", "the fast path against the reference",
+                                    "archives (the README's recipe", "summary: 4 ok, 0 failed")]
     assert -1 not in order and order == sorted(order), text[:3000]
     out = run.out
     doctor = json.loads((out / "doctor.json").read_text())
@@ -433,3 +434,14 @@ def test_the_one_gpu_command_rehearsed_under_the_pretend_h100():
     assert (out / "README.md").read_text() == (REPO / "README.md").read_text()  # smoke results never fill it
     kept = [f for f in out.rglob("*") if f.is_file() and f.relative_to(out).parts[0] not in ("executed", "artifacts")]
     assert sum(f.stat().st_size for f in kept) < 5e6, sorted((f.stat().st_size, str(f)) for f in kept)[-5:]
+    # issue 45 §5: the two archives the README's recipe packs, listed with their sizes and estimated at full sizes;
+    # the oracle is the tar command itself, run here on the same folder (its gzip level differs: within 15 %)
+    line = next(l for l in text.splitlines() if l.startswith("archives (the README's recipe"))
+    said = [float(x) for x in re.findall(r"([\d.]+) MiB", line)]
+    packed = []
+    for name, args in (("r.tgz", ["--exclude=executed", "--exclude=artifacts", "."]), ("a.tgz", ["executed", "artifacts"])):
+        subprocess.run(["tar", "czf", str(out.parent / name), "-C", str(out), *args], check=True)
+        packed.append((out.parent / name).stat().st_size / 2**20)
+    assert said[:2] == pytest.approx(packed, rel=0.15, abs=0.06), (line, packed)
+    assert "at full sizes about" in line and "traces x 6" in line and line.endswith("each under the 16 MiB a lent GPU hands back")
+    assert said[2] == said[0] and said[3] > said[1]  # the traces grow with the blocks profiled, the rest does not

@@ -2,9 +2,8 @@
 
 ``accelerate launch --config_file configs/accelerate/<x>.yaml -m labutils run CONFIG`` starts N processes;
 :func:`maybe_accelerator` builds an ``Accelerator`` from the YAML config, and the loop hands autocast, loss scaling,
-accumulation and clipping to the engine instead of doing them itself. Each rank normalises its token-loss sum by
-``global_targets / (accum * world)`` (the engine divides by ``accum``, data parallelism averages over ``world``),
-so the gradient is the token-mean over the whole global window, as in one process.
+accumulation and clipping to the engine. Each rank normalises its token-loss sum by ``global_targets / (accum * world)``
+(the engine divides by ``accum``, data parallelism averages over ``world``): the token-mean of the global window.
 """
 from __future__ import annotations
 

@@ -20,11 +20,10 @@ from .precisions import get
 
 def model_flops_per_token(model, seq_length: int, vocab: int | None = None) -> float:
     """Model FLOPs per token of one training step (forward + backward), no recompute: the numerator of MFU, for
-    ``model`` (a preset's name, a config or a model: :func:`labutils.models.spec.spec_of`).
-
-    PaLM's definition (Chowdhery et al. 2022, appendix B): 6N + 12 * L * T * d, N the weights in matmuls (blocks and
-    LM head), 12 * L * T * d the two full T x T attention matmuls. Biases, norms, activations, softmax and embeddings
-    are left out, as torch's FLOP counter does. ``vocab``: the LM head's rows (default: the real vocabulary)."""
+    ``model`` (a preset's name, a config or a model: :func:`labutils.models.spec.spec_of`). PaLM's definition (Chowdhery
+    et al. 2022, appendix B): 6N + 12 * L * T * d, N the matmul weights (blocks, LM head), 12 * L * T * d the two T x T
+    attention matmuls; biases, norms, activations, softmax, embeddings left out, as torch's FLOP counter does.
+    ``vocab``: the LM head's rows (default: the real vocabulary)."""
     s = spec_of(model)
     blocks = s.n_layer * (s.block_matmul_weights + 2 * seq_length * s.attn_width)  # one forward's multiply-adds
     head = s.d_model * (vocab or s.vocab)
@@ -53,12 +52,10 @@ def flops_per_token(model, seq_length: int, recompute: bool = False, *, every_n_
                     dropout: bool = True, fused_attention: bool = False, causal_skip: bool = False,
                     vocab: int | None = None) -> float:
     """Executed training FLOPs per position (forward + backward + recompute): what the GPU really computes.
-
-    ``recompute``: checkpointing every ``every_n_layers``-th block (:func:`recomputed_flops_per_token`).
-    ``fused_attention``: SDPA's fused kernels recompute the T x T scores in backward (2 * T * d per layer and token).
+    ``recompute``: checkpointing every ``every_n_layers``-th block (:func:`recomputed_flops_per_token`);
+    ``fused_attention``: SDPA's fused kernels recompute the T x T scores in backward (2 * T * d per layer and token);
     ``causal_skip``: a fused kernel with ``is_causal=True`` computes only :func:`causal_score_fraction` of the scores
-    (the GPU's real work, HFU; torch's counter counts them all). ``vocab``: the LM head's rows (padded or not).
-    Without recompute and with eager attention this equals :func:`model_flops_per_token`."""
+    (HFU; torch's counter counts them all); ``vocab``: the LM head's rows. Neither: :func:`model_flops_per_token`."""
     s = spec_of(model)
     n_layer, d = s.n_layer, s.attn_width
     flops = model_flops_per_token(s, seq_length, vocab)

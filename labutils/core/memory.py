@@ -44,12 +44,10 @@ class _StorageRef(weakref.ref):
 
 
 class LiveStorages(TorchDispatchMode):
-    """Counts bytes of live CPU tensor storages; keeps a running peak (``with LiveStorages() as live: ...;
-    live.peak``). What :class:`MemoryTracker` uses on the CPU; ``add_existing()`` also counts what was alive before.
-
-    It does not declare ``ignore_compile_internals`` (it must see every operator), so compiled code inside it runs
-    eagerly (:mod:`labutils.core.compiling`). A storage's death is queued by a C callback (``deque.append``) and
-    counted at the next allocation or reading, so a Ctrl-C never lands in a Python finaliser."""
+    """Counts bytes of live CPU tensor storages, with a running peak (``with LiveStorages() as live: ...; live.peak``;
+    ``add_existing()`` counts what was alive before): :class:`MemoryTracker` on the CPU. No ``ignore_compile_internals``
+    (it must see every operator), so compiled code inside runs eagerly. A storage's death is queued by a C callback
+    (``deque.append``) and counted at the next allocation or reading: a Ctrl-C never lands in a Python finaliser."""
 
     def __init__(self, budget_bytes: int | None = None):
         super().__init__()

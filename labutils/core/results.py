@@ -1,9 +1,8 @@
 """Results of a lab: tables (lists of row dicts) and figures, recorded with the hardware they came from.
 
-Each notebook ends with one call, ``lu.record_results("01-Mixed_Precision", tables={...}, figures={...})``, which
-writes ``<dir>/<stem>.json`` (atomically) and ``<dir>/figures/<stem>-<name>.png``: ``$LAB_RESULTS_DIR`` if set (by
-``regenerate``), otherwise ``results/`` for a full run and a temp folder for a smoke run, so smoke numbers never land
-in ``results/``. A lab's other files (traces, snapshots) go to :func:`artifacts_dir`, never into the repository.
+Each notebook ends with ``lu.record_results("01-Mixed_Precision", tables={...}, figures={...})``: ``<dir>/<stem>.json``
+(atomically) and ``<dir>/figures/<stem>-<name>.png``, into ``$LAB_RESULTS_DIR`` if set (by ``regenerate``), else
+``results/`` for a full run and a temp folder for a smoke run. Other files (traces, snapshots): :func:`artifacts_dir`.
 """
 from __future__ import annotations
 

@@ -1,19 +1,11 @@
 """The course's one training loop, used by every notebook, the CLI and the benchmark.
 
-What it does each optimizer step, in order (lab 02 writes the same thing out by hand):
-
-    for each micro-batch of the step's window:                 # accumulation
-        with autocast(device_type, dtype):                     # fp16 / bf16 only
-            loss = model(..., labels, num_items_in_batch=N).loss   # sum over tokens / N (N = window's targets)
-        scaler.scale(loss).backward()                          # fp16: scaled; otherwise loss.backward()
-    scaler.unscale_(optimizer)                                  # fp16: once per step, before clipping
-    clip_grad_norm_(params, max_grad_norm)
-    scaler.step(optimizer); scaler.update()                     # fp16: skips the step if grads overflowed
-    optimizer.zero_grad(set_to_none=True)
-
-Normalising by the target-token count N of the *whole window* makes accumulation exact: (8 x 1), (2 x 4) and
-(1 x 8) produce the same gradient, padded or not. ``loss / accumulation_steps`` does not when micro-batches hold
-different numbers of real tokens.
+Each optimizer step (lab 02 writes the same thing out by hand): for each micro-batch of the step's window, under
+autocast (fp16 / bf16), ``loss = model(..., labels, num_items_in_batch=N).loss`` (the sum over tokens / N, the
+window's target count) and ``scaler.scale(loss).backward()``; then ``scaler.unscale_`` (fp16, once, before clipping),
+``clip_grad_norm_``, ``scaler.step(optimizer)`` and ``scaler.update()`` (fp16 skips a step whose grads overflowed),
+``optimizer.zero_grad(set_to_none=True)``. Normalising by the *whole window's* N makes accumulation exact: (8 x 1),
+(2 x 4) and (1 x 8) give the same gradient, padded or not; ``loss / accumulation_steps`` does not.
 """
 from __future__ import annotations
 
@@ -88,11 +80,9 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
           cpu_budget_bytes: int | None = None, inject_overflow_at=(), on_step=None, accelerator=None,
           scaler_kwargs: dict | None = None) -> RunResult:
     """Train ``model`` for ``cfg.train.steps`` optimizer steps on ``dataset``; return what was measured.
-
-    ``inject_overflow_at``: steps at which one gradient is set to inf after backward (lab 01's demo).
-    ``on_step(step, result, model, optimizer, scaler)`` is called after every step. ``scaler_kwargs``: fp16 only, for
-    ``torch.amp.GradScaler``. ``accelerator`` (:mod:`labutils.core.distributed`): the engine does autocast, loss
-    scaling, accumulation and clipping, and each rank trains on its share of the global window."""
+    ``inject_overflow_at``: steps at which one gradient is set to inf after backward (lab 01's demo); ``on_step(step,
+    result, model, optimizer, scaler)`` after every step; ``scaler_kwargs``: fp16's ``torch.amp.GradScaler``;
+    ``accelerator`` (:mod:`labutils.core.distributed`): the engine does autocast, scaling, accumulation, clipping."""
     validate(cfg)  # a config changed in code (a notebook cell) is checked as a file is, before any work
     if accelerator is not None:
         return _train_accelerated(cfg, model, dataset, accelerator, env=env, progress=progress, desc=desc,

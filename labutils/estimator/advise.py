@@ -1,9 +1,8 @@
 """What to run when a config does not fit, or could run faster: the advisor over the estimator (lab 04).
 
 :func:`recommend` tries every precision, checkpointing and micro-batch x accumulation with the config's effective
-batch, keeps what :func:`labutils.estimator.estimate.fits` and ranks it by :func:`relative_step_time`, precisions by
-lab 01's measurements on this GPU, else the card's peak table, else equal. :func:`cli_estimate` is
-``python -m labutils estimate``.
+batch, keeps what :func:`labutils.estimator.estimate.fits` and ranks it by :func:`relative_step_time` (precisions by
+lab 01's measurements on this GPU, else the card's peak table, else equal); :func:`cli_estimate`: ``labutils estimate``.
 """
 from __future__ import annotations
 

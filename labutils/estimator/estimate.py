@@ -1,8 +1,6 @@
-"""Predict the memory of a training run before running it (lab 04).
-
-``estimate_memory(cfg)`` replays one training step (:mod:`labutils.estimator.replay`) and returns the peak and its
-parts. Here: the :class:`Plan` a replay follows, what fits a budget (:func:`fits`, :func:`largest_batch`) and how an
-estimate compares with a measurement. What to run instead: :mod:`labutils.estimator.advise`.
+"""Predict the memory of a training run before running it (lab 04): ``estimate_memory(cfg)`` replays one step
+(:mod:`labutils.estimator.replay`) and returns the peak and its parts. Here: the :class:`Plan` a replay follows, what
+fits a budget (:func:`fits`, :func:`largest_batch`), an estimate against a measurement. Advice: :mod:`.advise`.
 """
 from __future__ import annotations
 

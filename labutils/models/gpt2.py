@@ -42,12 +42,10 @@ FAST_GELU = "gelu_pytorch_tanh"  # GPT-2's tanh GELU as torch.nn.functional.gelu
 
 def causal_sdpa_attention(module, query, key, value, attention_mask=None, dropout: float = 0.0,
                           scaling: float | None = None, **kwargs):
-    """GPT-2's attention as ``scaled_dot_product_attention(q, k, v, is_causal=True)``, never with a mask.
-
-    transformers builds no mask for an attention function registered without a mask function, so this holds under
-    torch.compile too (where stock ``sdpa`` passes a 4-D mask, ruling out flash). Exact for labutils' data: packed
-    blocks have no padding, and right padding is never seen by a causal query. A 4-D mask handed in is refused; a
-    2-D mask it could not honour is refused where the model receives it (:func:`guard_causal_mask`)."""
+    """GPT-2's attention as ``scaled_dot_product_attention(q, k, v, is_causal=True)``, never with a mask: transformers
+    builds none for an attention function registered without a mask function, under torch.compile too (where stock
+    ``sdpa`` passes a 4-D mask, ruling out flash). Exact for labutils' data (packed blocks have no padding, and right
+    padding is never seen by a causal query); a mask it could not honour is refused (:func:`guard_causal_mask`)."""
     if attention_mask is not None:
         raise ValueError(f"attn_implementation={CAUSAL_SDPA!r} is causal attention without a mask, but got a "
                          f"mask of shape {tuple(attention_mask.shape)}; use 'sdpa' for custom masks")
@@ -136,12 +134,10 @@ PAD_LOGIT = -2.0 ** 14
 
 
 def pad_vocabulary(model, multiple: int | None) -> int:
-    """Pad the (tied) token embedding / LM head to a multiple of ``multiple`` rows (nanoGPT: 50257 -> 50304).
-
-    The new rows start at zero; the LM head gets a non-persistent ``bias`` buffer, 0 on the real columns and
-    :data:`PAD_LOGIT` on the padded ones, which add exactly 0 to the softmax: the loss and every gradient equal the
-    unpadded model's, and the state_dict keys stay the checkpoint's. The RNG state is left as it was. Returns the new
-    vocabulary size (``model.config.vocab_size`` is updated: the loss views logits with it)."""
+    """Pad the (tied) token embedding / LM head to a multiple of ``multiple`` rows (nanoGPT: 50257 -> 50304): new
+    rows start at zero; the LM head gets a non-persistent ``bias`` buffer, 0 on the real columns and :data:`PAD_LOGIT`
+    on the padded ones, adding exactly 0 to the softmax: loss, gradients and state_dict keys are the unpadded model's,
+    the RNG state as it was. Returns the new vocabulary size (``model.config.vocab_size`` updated)."""
     real = model.get_input_embeddings().weight.shape[0]
     new = padded_vocab_size(real, multiple)
     if new == real:

@@ -128,3 +128,29 @@ def print_plan(gpu: str, labs: list[str], doctor: bool, gpu_memory_gb: float | N
     plan = course_plan(gpu, labs, doctor=doctor, card_gb=gpu_memory_gb or None, bench_repeats=bench_repeats)
     print("\n".join(plan_lines(plan)), flush=True)
     return plan
+
+
+def archive_line(out: Path, rehearsal: bool) -> str:
+    """The README's two archives of ``out`` (results; executed notebooks and traces), gzip sizes; for a rehearsal also
+    at full sizes: traces scale with the blocks lab 04 profiles, figures, tables and notebooks keep their sizes."""
+    import tarfile
+    import tempfile
+
+    from ..core.config import load_config
+    from ..models.spec import PRESETS
+
+    size, mib = {}, lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, paths in (("results", [p for p in out.iterdir() if p.name not in ("executed", "artifacts")]),
+                            ("executed", [out / "executed"]), ("traces", [out / "artifacts"])):
+            with tarfile.open(Path(tmp) / name, "w:gz") as tar:
+                for p in filter(Path.exists, paths):
+                    tar.add(p, arcname=p.relative_to(out))
+            size[name] = (Path(tmp) / name).stat().st_size
+    blocks = [PRESETS[load_config("configs/lab04_profile.yaml", mode=m).model.name].n_layer for m in ("full", "smoke")]
+    full = (size["results"], size["executed"] + size["traces"] * (blocks[0] / blocks[1]) ** rehearsal)
+    return (f"archives (the README's recipe, gzip): results.tgz {mib(size['results'])}, artifacts.tgz (notebooks and "
+            f"traces) {mib(size['executed'] + size['traces'])}" + (
+                f"; at full sizes about {mib(full[0])} and {mib(full[1])} (traces x {blocks[0] / blocks[1]:g}: "
+                f"{blocks[0]} blocks profiled over {blocks[1]}; figures, tables, notebooks as here)" * rehearsal)
+            + f": {'each under' if max(full) < 16 * 2**20 else 'OVER'} the 16 MiB a lent GPU hands back")

@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 from ..labs.registry import mismatch
-from .command_parts import card_folder, print_plan, run_bench, run_doctor_first, write_run_record
+from .command_parts import (archive_line, card_folder, print_plan, run_bench, run_doctor_first,
+                            write_run_record)
 from .notebook_runner import (FULL_CELL_TIMEOUT, REPO_ROOT, SMOKE_CELL_TIMEOUT, Interrupted, Outcome, SignalGuard,
                               execute_notebook, read_notebook)
 from .report import (ResultsError, lab_id, load_results, marker_spans, read_readme, readme_blocks,
@@ -400,6 +401,8 @@ def cli_regenerate(args) -> int:
     elif rehearse:
         print("regenerate: rehearsal at smoke sizes: the times are not the plan's (it is for the full run)")
     record(outcomes)
+    if not smoke:  # what the README's recipe hands back (issue 45 §5)
+        print(archive_line(out, rehearse), flush=True)
     print(summary_line(outcomes, time.perf_counter() - t0) + (f"; bench failed (exit {bench_code})" if bench_code
                                                                else ""))
     return 0 if all(o.ok for o in outcomes) and not bench_code else 1

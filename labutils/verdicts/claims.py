@@ -1,10 +1,8 @@
 """The seven folklore claims of the original course (C1-C7), in its own words with where each comes from, and the
 entries a lab records for them (``lu.record_results(..., claims=[claim_entry(...), ...])``); :func:`collect` builds
-the whole C1-C7 table from every lab's results (:mod:`labutils.tools.report`).
-
-Each claim is data: the course's words and one or more :class:`~labutils.verdicts.verdict_rule.Quantity`, judged by
-:mod:`labutils.verdicts.verdict_rule` (its public names importable from here too). In smoke mode C1-C4 and C6 are
-"not judged" (the tiny model's ratios do not carry over to GPT-2); C5's chain of equal layers may be judged.
+the C1-C7 table from every lab's results. Each claim is data: the course's words and one or more
+:class:`~labutils.verdicts.verdict_rule.Quantity`, judged by :mod:`labutils.verdicts.verdict_rule`. In smoke mode
+C1-C4 and C6 are "not judged" (the tiny model's ratios do not carry over to GPT-2); C5's equal layers may be judged.
 """
 from __future__ import annotations
 
@@ -115,12 +113,10 @@ def claim_entry(claim_id: str, values: dict | None, cond: dict, *, reason: str |
                 not_measured: str | None = None, prediction: dict | None = None, extra: dict | None = None,
                 prediction_for: str | None = None, evidence=None) -> dict:
     """One ``claims`` entry: id, claim, expected, measured (values with units), verdict, why, conditions, parts (each
-    quantity's own verdict and clause), compares (each quantity's pair of runs), evidence, lab (its owner).
-
-    ``values``: {quantity: number}; none gives ``not measured`` (``not_measured``: why not). ``evidence``: one
-    :class:`Evidence` or {quantity: Evidence} (hardware defaults to ``cond["hardware"]``). ``reason``: a clause from the
-    same numbers, appended to the why. ``prediction``: {quantity: number} from the estimator, labelled as such.
-    ``extra``: more measured context."""
+    quantity's own verdict and clause), compares (each quantity's pair of runs), evidence, lab (its owner). ``values``:
+    {quantity: number}, none: ``not measured`` (``not_measured``: why not); ``evidence``: one :class:`Evidence` or
+    {quantity: Evidence}; ``reason``: a clause appended to the why; ``prediction``: the estimator's {quantity: number},
+    labelled; ``extra``: more measured context."""
     claim = CLAIMS[claim_id]
     values = {k: v for k, v in (values or {}).items() if v is not None}
     evs = evidence_for(claim.quantities, evidence, cond.get("hardware"), cond.get("mode"), cond.get("model"))
