@@ -80,11 +80,18 @@ def ragged_corpus(tmp_path_factory) -> Path:
 
 # The tests that compile with inductor (gcc on the CPU: 10-30 s a cold graph on the 2-core CI box) run on one
 # pytest-xdist worker, one after another, so that a graph another of them compiled is read from inductor's on-disk
-# caches (FX graph and AOT autograd caches, keyed by the graph, its shapes and the settings) instead of compiled
-# again beside it (issue 29, §5). Tests that train the tiny model compiled use COMPILED_TINY's overrides: one graph
-# for all of them. (test_reference turns those caches off on purpose: it counts what inductor generates.)
+# caches (FX graph and AOT autograd caches, keyed by the graph, its shapes and the settings; the C++ kernels by their
+# source) instead of compiled again beside it (issue 29, §5). Tests that train the tiny model compiled use
+# COMPILED_TINY's overrides: the fast config's compiled step in smoke mode (its model keys, bf16, the chunked loss,
+# 4 x 64), the graph `run configs/fast_config.yaml` compiles in tests/test_compile.py. (test_reference turns those
+# caches off on purpose: it counts what inductor generates; the C++ kernels it shares.)
 INDUCTOR = pytest.mark.xdist_group("inductor")
-COMPILED_TINY = {"data__pack": True, "train__steps": 3, "train__compile": True}
+_FAST = lu.load_config(str(ROOT / "configs" / "fast_config.yaml"), mode="smoke")
+COMPILED_TINY = {**{f"model__{k}": getattr(_FAST.model, k) for k in ("activation", "pad_vocab_to", "attn_implementation",
+                                                                      "dropout", "loss", "loss_chunk_size")},
+                 "train__precision": _FAST.train.precision, "data__seq_length": _FAST.data.seq_length,
+                 "train__micro_batch_size": _FAST.train.micro_batch_size, "data__pack": True, "train__steps": 3,
+                 "train__compile": True}
 
 
 def tiny_config(corpus=None, **overrides):
