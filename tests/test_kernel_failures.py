@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.xdist_group("kernel_failures")  # one worker runs the module's one regenerate (failing_run)
 
 PID = ("import os, pathlib\n"
        "pathlib.Path(os.environ['KERNEL_PIDS'], '{stem}').write_text(str(os.getpid()))")
@@ -85,31 +86,40 @@ def run_regenerate(notebooks: Path, out: Path, pids: Path, *, timeout: int, limi
     return json.loads(p.stdout.strip().splitlines()[-1]), took
 
 
-@pytest.mark.parametrize("death", list(DEATHS))
-def test_dead_kernel_fails_that_lab_fast_and_the_next_lab_runs(tmp_path, death):
-    pids = tmp_path / "pids"
+STEMS = {"os._exit": "71-Exits", "SIGKILL": "72-Killed", "segfault": "73-Segfault"}  # one lab per way of dying
+
+
+@pytest.fixture(scope="module")
+def failing_run(tmp_path_factory):
+    """ONE regenerate run (a child process, 4 s cell timeout) over a lab per way a kernel dies, a lab whose cell sleeps
+    silently past the timeout, and a lab after them all: its outcomes by stem, its seconds, its folders."""
+    tmp = tmp_path_factory.mktemp("kernel_failures")
+    pids = tmp / "pids"
     pids.mkdir()
-    nbs = write(tmp_path / "nb", {"71-Dies": [PID, "x = 1", DEATHS[death], RECORD],
-                                  "72-After": [PID, RECORD]})
-    outcomes, took = run_regenerate(nbs, tmp_path / "out", pids, timeout=600, limit=90)
-    dies, after = outcomes
+    labs = {STEMS[death]: [PID, "x = 1", code, RECORD] for death, code in DEATHS.items()}
+    labs["74-Silent"] = [PID, "import time\ntime.sleep(120)  # prints nothing", RECORD]
+    nbs = write(tmp / "nb", {**labs, "75-After": [PID, RECORD]})
+    outcomes, took = run_regenerate(nbs, tmp / "out", pids, timeout=4, limit=150)
+    return {o["stem"]: o for o in outcomes}, took, tmp / "out"
+
+
+@pytest.mark.parametrize("death", list(DEATHS))
+def test_dead_kernel_fails_that_lab_fast_and_the_next_lab_runs(failing_run, death):
+    outcomes, took, out = failing_run
+    dies, after = outcomes[STEMS[death]], outcomes["75-After"]
     assert not dies["ok"] and dies["cell"] == 3, dies  # the cell that killed it (0-based; markdown is cell 0)
     assert "kernel died" in dies["error"], dies
     assert " at cell 3" in dies["where"], dies
     assert after["ok"], after  # the other labs go on
-    assert not (tmp_path / "out" / "71-Dies.json").exists() and (tmp_path / "out" / "72-After.json").exists()
-    assert took < 60, f"took {took:.0f} s"  # seconds, not the 600 s cell timeout (nor forever)
+    assert not (out / f"{STEMS[death]}.json").exists() and (out / "75-After.json").exists()
+    assert took < 60, f"took {took:.0f} s"  # seconds each, not a cell timeout per death (nor forever)
 
 
-def test_silent_cell_past_its_timeout_is_stopped_and_reported(tmp_path):
-    pids = tmp_path / "pids"
-    pids.mkdir()
-    nbs = write(tmp_path / "nb", {"73-Silent": [PID, "import time\ntime.sleep(120)  # prints nothing", RECORD],
-                                  "74-After": [PID, RECORD]})
-    outcomes, took = run_regenerate(nbs, tmp_path / "out", pids, timeout=4, limit=100)
-    silent, after = outcomes
+def test_silent_cell_past_its_timeout_is_stopped_and_reported(failing_run):
+    outcomes, took, out = failing_run
+    silent, after = outcomes["74-Silent"], outcomes["75-After"]
     assert not silent["ok"] and silent["cell"] == 2, silent
     assert "timed out" in silent["error"] and "4 s" in silent["error"], silent
     assert after["ok"], after
-    assert not (tmp_path / "out" / "73-Silent.json").exists()
+    assert not (out / "74-Silent.json").exists()
     assert took < 60, f"took {took:.0f} s: the 4 s timeout was not enforced"
