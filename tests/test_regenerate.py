@@ -445,3 +445,8 @@ def test_the_one_gpu_command_rehearsed_under_the_pretend_h100():
     assert said[:2] == pytest.approx(packed, rel=0.15, abs=0.06), (line, packed)
     assert "at full sizes about" in line and "traces x 6" in line and line.endswith("each under the 16 MiB a lent GPU hands back")
     assert said[2] == said[0] and said[3] > said[1]  # the traces grow with the blocks profiled, the rest does not
+    # ... and no figure is kept twice: the PNGs are in figures/, the executed copies keep the figures' text line only
+    outputs = [o for nb in (out / "executed").glob("*.ipynb") for c in json.loads(nb.read_text())["cells"]
+               for o in c.get("outputs", [])]
+    assert outputs and not [o for o in outputs if "image/png" in o.get("data", {})]
+    assert len(list((out / "figures").glob("*.png"))) >= len(LABS)

@@ -15,9 +15,8 @@ from .notebook_runner import REPO_ROOT, STOP_GRACE, Outcome, SignalGuard
 
 
 def _not_a_gate(row: dict, gpu_memory_gb: float | None) -> str | None:
-    """Why a failed doctor row does not stop the notebooks, or None when it does (issue 45 §4: only what the labs need
-    gates them): a row marked ``"gates_regenerate": False``, or any fast-path row (the fast config compiled, which
-    only the bench uses: an out-of-memory, an inductor error on another torch). CUDA, the cap, each precision: gates."""
+    """Why a failed doctor row does not stop the notebooks (only what the labs need gates them, issue 45 §4): a row
+    marked ``"gates_regenerate": False``, or a fast-path row (the bench's compiled config); else None: a gate."""
     if row.get("gates_regenerate", True) is False:
         return row.get("detail", "")
     if str(row.get("name", "")).startswith("fast path"):

@@ -349,7 +349,9 @@ def execute_notebook(path: Path, env: dict, *, cwd: Path = REPO_ROOT, timeout: i
         culprit = _culprit_line(nb.cells[state["index"]])
         if culprit:  # "AssertionError:" alone says little; the line that raised says what broke
             outcome.error = f"{outcome.error.rstrip(': ')} (line {culprit})"
-    if executed_dir is not None:
+    if executed_dir is not None:  # its figures go to figures/: not kept twice (issue 45 §5), their text line stays
+        for data in (o["data"] for c in nb.cells for o in c.get("outputs", ()) if "image/png" in o.get("data", {})):
+            data["text/plain"], _ = data.get("text/plain") or "<figure: in the lab's figures/>", data.pop("image/png")
         outcome.executed_path = executed_dir / path.name
         with guard.critical():
             write_atomic(outcome.executed_path, nbformat.writes(nb).encode("utf-8"))

@@ -22,8 +22,7 @@ import time
 from pathlib import Path
 
 from ..labs.registry import mismatch
-from .command_parts import (archive_line, card_folder, print_plan, run_bench, run_doctor_first,
-                            write_run_record)
+from .command_parts import archive_line, card_folder, print_plan, run_bench, run_doctor_first, write_run_record
 from .notebook_runner import (FULL_CELL_TIMEOUT, REPO_ROOT, SMOKE_CELL_TIMEOUT, Interrupted, Outcome, SignalGuard,
                               execute_notebook, read_notebook)
 from .report import (ResultsError, lab_id, load_results, marker_spans, read_readme, readme_blocks,
