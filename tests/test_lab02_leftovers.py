@@ -152,3 +152,18 @@ def test_the_replay_of_the_notebook_loop_leaves_no_model_for_its_second_side(no_
     rep = acc.replay(tiny_config(None, train__steps=1), step, device="cpu")
     assert len(rep["notebook_losses"]) == len(rep["labutils_losses"]) == 1
     assert no_lab_baseline.LEFTOVERS == []
+
+
+@pytest.mark.regen_labs("02")
+def test_the_learning_rate_runs_train_past_their_warm_up():
+    """issue 44 §1: in smoke the learning-rate table was all warm-up (8 warm-up steps of 8 at B=8, 2 of 2 at B=32), so
+    every rule trained at the same ramped rates and "linear, no warm-up" tied the baseline. Each run now trains at
+    least 2 optimizer steps at its full rate, the B=8 baseline over the same samples (steps x 4)."""
+    from tests import regen_once
+
+    stem = "02-Gradient_Accumulation"
+    run = regen_once.run_for(["02"])
+    assert run.lab_ok(stem), run.lab_failure(stem)
+    rows = json.loads((run.out / f"{stem}.json").read_text(encoding="utf-8"))["tables"]["lr_scaling"]
+    assert len(rows) == 5 and all(r["steps"] >= r["warmup_steps"] + 2 for r in rows), rows
+    assert rows[0]["samples_seen"] == rows[1]["samples_seen"] and rows[-1]["warmup_steps"] == 0

@@ -106,7 +106,7 @@ def _lab02(mode: str, device: str, gpu_name: str | None = None) -> list:
     runs += [(label, cfg.override(o)) for label, o in rows.items() if label[0].isdigit()]  # sections 4 and 6
     ratio, w0, s0 = 4, cfg.train.warmup_steps, cfg.train.steps
     w1 = max(2, round(w0 / ratio))
-    s1 = max(w1, s0 // ratio)
+    s1 = max(w1 + 2, s0 // ratio)  # the notebook's rule: B=32's warm-up, then at least 2 steps at the full rate
     full, card = load_config("configs/lab02_accumulation.yaml", mode="full"), card_total_bytes(8)[0]
     m_big = max(o["train.micro_batch_size"] for label, o in rows.items() if label[0].isdigit() and  # fits 8 GB
                 o["train.accumulation_steps"] * o["train.micro_batch_size"] == 32 and
