@@ -58,6 +58,8 @@ def test_a_part_runs_only_its_command(monkeypatch, tmp_path, capsys):
         ran.clear()
         assert cli.main(["regenerate", "--rehearse", "--bench", "2", "--part", str(k), "--out",
                          str(tmp_path / "out")]) == 0, capsys.readouterr().err
+        printed = capsys.readouterr().out  # the whole sequence, whichever part runs
+        assert all(f"make gpu-results PART={i} " in printed for i in range(1, len(cmds) + 1)), printed
         assert ran.get("labs") == [n for n in c["parts"] if n in LABS], (k, ran)
         assert ("doctor" in ran, "bench" in ran) == ("doctor" in c["parts"], "bench" in c["parts"]), (k, ran)
     capsys.readouterr()

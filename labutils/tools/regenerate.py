@@ -316,13 +316,13 @@ def cli_regenerate(args) -> int:
     if not notebooks:
         return _refuse(f"no lab notebooks ({NOTEBOOK_GLOB}) in {folder}")
     stems = [nb.stem for nb in every]
+    scope = [lab_id(nb.stem) for nb in notebooks], not args.skip_doctor, getattr(args, "bench", None)  # all planned
     if (part := getattr(args, "part", None)) is not None:  # one command of the plan's sequence (issue 45 §3)
         from .timeplan import commands, course_plan
         if smoke or gpu is None or args.plan:
             return _refuse(f"--part {part}: a command of a GPU's plan (make gpu-results PART=K, or --rehearse under a "
                            "GPU); not with --smoke or --plan, nor without a CUDA GPU")
-        cmds = commands(course_plan(gpu, [lab_id(nb.stem) for nb in notebooks], not args.skip_doctor, gb or None,
-                                    args.bench))
+        cmds = commands(course_plan(gpu, scope[0], scope[1], gb or None, scope[2]))  # printed whole, run in part
         if part > len(cmds):
             return _refuse(f"--part {part}: the plan for {gpu} has {len(cmds)} command(s): allowed 1-{len(cmds)} "
                            "(regenerate --plan lists them)")
@@ -330,7 +330,7 @@ def cli_regenerate(args) -> int:
         notebooks = [nb for nb in notebooks if lab_id(nb.stem) in todo]
         args.skip_doctor, args.bench = args.skip_doctor or "doctor" not in todo, args.bench if "bench" in todo else None
     if getattr(args, "plan", False):
-        print_plan(gpu, [lab_id(nb.stem) for nb in notebooks], not args.skip_doctor, gb, getattr(args, "bench", None))
+        print_plan(gpu, scope[0], scope[1], gb, scope[2])
         return 0
     readme = REPO_ROOT / "README.md" if not smoke and not rehearse and in_results and folder == REPO_ROOT else None
     try:  # refuse now, not after the run: a corrupt results file
@@ -360,8 +360,7 @@ def cli_regenerate(args) -> int:
     t0 = time.perf_counter()
     plan, actual = None, {}
     if not smoke and gpu:
-        plan = print_plan(gpu, [lab_id(nb.stem) for nb in notebooks], not args.skip_doctor, gb,
-                          getattr(args, "bench", None))
+        plan = print_plan(gpu, scope[0], scope[1], gb, scope[2])
     if rehearse:  # the README's markers are read and written as a full run would, in a copy
         readme = out / "README.md"
         out.mkdir(parents=True, exist_ok=True)
