@@ -49,6 +49,16 @@ class Reply:
     text: str              # everything the cell printed or displayed as text
     seconds: float
     interrupted_at: float | None = None  # seconds after the start when interrupt_kernel was sent
+    widget_views: int = 0  # outputs drawn as a Jupyter widget (a saved notebook reopens them as "model not found")
+
+    def bars_left(self) -> list[str]:
+        """Progress bars still on screen when the cell ended: each output line's text after its last carriage
+        return (how tqdm redraws and clears a bar), where it reads as a bar ("40%|####      | 2/5 [")."""
+        return [seen for line in self.text.split("\n") if BAR.search(seen := line.rsplit("\r", 1)[-1])]
+
+
+BAR = re.compile(r"\d+%\|.*\| *\d+/\d+ \[")
+WIDGET = "application/vnd.jupyter.widget-view+json"
 
 
 def code_cells(notebook: Path) -> list[tuple[int, str]]:
@@ -82,7 +92,8 @@ class LabKernel:
         (out / "results").mkdir(parents=True, exist_ok=True)
         env = kernel_env(out / "results", smoke=True, gpu_memory_gb=8) | {
             "LAB_RESULTS_READ_DIR": str(out / "results"), ARTIFACTS_ENV: str(out / "artifacts"),
-            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1",
+            "LAB_PROGRESS": "1"}  # progress bars on, as a student has them (regenerate turns them off)
         self.km = KernelManager(kernel_name="python3", kernel_spec_manager=ThisPython())
         if zmq.has("curve") and "transport_encryption" in self.km.trait_names():  # no "without encryption" warning
             self.km.transport_encryption = "auto"
@@ -109,7 +120,7 @@ class LabKernel:
     def run(self, code: str, interrupt_after: float | None = None, timeout: float = 900) -> Reply:
         """Execute ``code``; with ``interrupt_after``, interrupt the kernel that many seconds after the start."""
         msg_id = self.kc.execute(code, store_history=True)
-        start, sent, text, ename = time.monotonic(), None, [], None
+        start, sent, text, ename, widgets = time.monotonic(), None, [], None, 0
         while True:
             now = time.monotonic() - start
             if now > timeout:
@@ -128,6 +139,7 @@ class LabKernel:
             if kind == "stream":
                 text.append(content["text"])
             elif kind in ("display_data", "execute_result"):
+                widgets += WIDGET in content["data"]
                 text.append(content["data"].get("text/markdown") or content["data"].get("text/plain", "") + "\n")
             elif kind == "error":
                 ename = content["ename"]
@@ -138,7 +150,8 @@ class LabKernel:
         while reply["parent_header"].get("msg_id") != msg_id:
             reply = self.kc.get_shell_msg(timeout=60)
         status = reply["content"]["status"]
-        return Reply(status, ename or reply["content"].get("ename"), "".join(text), time.monotonic() - start, sent)
+        return Reply(status, ename or reply["content"].get("ename"), "".join(text), time.monotonic() - start, sent,
+                     widgets)
 
     def tables(self) -> dict:
         """The lab's TABLES now (see :data:`PROBE`): {name: {"id", "timed", "memory", "rows"}}."""

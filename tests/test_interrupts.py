@@ -225,6 +225,13 @@ def interrupt_partway(k: lk.LabKernel, source: str, seconds: float) -> lk.Reply 
     return None
 
 
+def on_screen(index: int, *replies: lk.Reply) -> list[str]:
+    """What a student sees wrong after these runs of a cell (issue 44 §7): a widget (reopened from a saved notebook:
+    "Error displaying widget: model not found"), or a progress bar left on screen, frozen where a run stopped."""
+    return [f"cell {index}: {r.widget_views} widget view(s), bars left on screen {r.bars_left()}"
+            for r in replies if r.widget_views or r.bars_left()]
+
+
 def check_cell(k: lk.LabKernel, index: int, source: str, clean: lk.Reply, tables: dict) -> str | None:
     """None when the re-run after an interrupt gives the clean memory columns (or says and records why not)."""
     where = f"cell {index} ({', '.join(tables)})"
@@ -240,6 +247,8 @@ def check_cell(k: lk.LabKernel, index: int, source: str, clean: lk.Reply, tables
         return None  # over before any interrupt landed: nothing was cut short
     before = k.tables()
     again = k.run(source)
+    if screen := on_screen(index, cut, again):
+        return "\n".join(screen)
     if again.status != "ok":
         return f"{where}: the re-run after an interrupt at {cut.interrupted_at:.2f} s failed:\n{again.text[-1500:]}"
     diff = lk.differences(reference, lk.added(before, k.tables(), tables))
@@ -263,6 +272,7 @@ def test_an_interrupted_measuring_cell_changes_no_number(lab, tmp_path, capsys):
         for index, source in lk.code_cells(lk.notebook_of(lab)):
             clean = k.run(source)
             assert clean.status == "ok", f"lab {lab} cell {index} failed in a clean run:\n{clean.text[-1500:]}"
+            failures += on_screen(index, clean)
             after = k.tables()
             tables = lk.recorded(before, after)
             if tables and clean.seconds < MIN_SECONDS:

@@ -90,13 +90,26 @@ def matmul_precision(tf32: bool):
             switches[k].fp32_precision = value
 
 
-PROGRESS_ENV = "LAB_PROGRESS"
+@contextlib.contextmanager
+def progress_bar(steps: int, desc: str, shown: bool = True):
+    """``with progress_bar(n, desc) as bar: for step in bar``: a text bar (a widget reopens from a saved notebook as
+    "model not found"), on stdout in a kernel (its stderr is red), cleared at the end; a run that stops (out of
+    memory, Ctrl-C, an error) says so in one line. No bar where ``$LAB_PROGRESS`` is 0 or off (regenerate)."""
+    from tqdm.std import tqdm
 
-
-def progress_bars() -> bool:
-    """Whether training shows tqdm progress bars: yes, unless ``$LAB_PROGRESS`` is 0 / false / no / off.
-    ``regenerate`` sets it to 0: a saved notebook would show a bar in the state it was drawn in ("0%|")."""
-    return os.environ.get(PROGRESS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    shown = shown and os.environ.get("LAB_PROGRESS", "1").strip().lower() not in ("0", "false", "no", "off")
+    out = sys.stdout if type(sys.stdout).__module__.startswith("ipykernel") else sys.stderr
+    bar = tqdm(range(steps), desc=desc, disable=not shown, leave=False, file=out)
+    try:
+        yield bar
+    except BaseException as exc:
+        bar.close()
+        if shown:
+            why = "out of memory" if device.is_oom(exc) else "interrupted" * isinstance(exc, KeyboardInterrupt)
+            print(f"{desc}: stopped in step {bar.n + 1} of {steps}: {why or type(exc).__name__}", file=out)
+        raise
+    finally:
+        bar.close()
 
 
 def seed_everything(seed: int) -> None:

@@ -1,7 +1,6 @@
-"""Conventions every lab's figures follow: optimizer steps are numbered from 1, as a person counts (the training
-loop keeps 0-based indices; :func:`step_numbers` adds 1), step axes get integer ticks (:func:`step_axis`), and
-legends hide no data (``loc="best"``, or :func:`legend_outside` where a panel has no free corner).
-"""
+"""Conventions every lab's figures follow: optimizer steps are numbered from 1, as a person counts (the training loop
+keeps 0-based indices; :func:`step_numbers` adds 1), step axes get integer ticks (:func:`step_axis`), and legends hide
+no data (``loc="best"``, or :func:`legend_outside` where a panel has no free corner)."""
 from __future__ import annotations
 
 FIRST_STEP = 1  # the number of the first optimizer step in every figure

@@ -2,9 +2,8 @@
 kernel that runs it, and the MFU / HFU of a run: :func:`model_flops_per_token` (PaLM's 6N + 12LTd, MFU's numerator);
 :func:`flops_per_token`, what the GPU executes (checkpointing's and fused attention's recompute: HFU);
 :func:`attention_kernel`, the SDPA kernel torch would choose, :class:`AttentionProbe` the one that ran (profiler ops,
-right under torch.compile too); :func:`account_flops` fills a finished run's TFLOP/s, MFU and HFU (``lu.train``).
-Counts are checked against ``torch.utils.flop_counter.FlopCounterMode`` (tests/test_flops.py, test_other_models.py).
-"""
+right under torch.compile too); :func:`account_flops` fills a finished run's TFLOP/s, MFU and HFU (``lu.train``). Counts
+are checked against ``torch.utils.flop_counter.FlopCounterMode`` (tests/test_flops.py, test_other_models.py)."""
 from __future__ import annotations
 
 import os
@@ -113,11 +112,10 @@ _KERNEL_OPS = {"aten::_scaled_dot_product_flash_attention": ("flash", None),
 
 
 class AttentionProbe:
-    """Which SDPA kernel really ran inside the ``with`` block, read from ``torch.profiler``'s CPU-side aten ops
-    (the same names eager or compiled). ``.kernel``: "flash", "memory-efficient", "cuDNN", "math",
-    "flash (CPU kernel)"; "... (masked)" when it got a mask; "eager (not SDPA)" when no SDPA op ran; None before the
-    block ends, or when another profiler already runs (kineto holds one session at a time). Wrap one warm-up
-    micro-batch."""
+    """Which SDPA kernel really ran inside the ``with`` block, read from ``torch.profiler``'s CPU-side aten ops (the
+    same names eager or compiled). ``.kernel``: "flash", "memory-efficient", "cuDNN", "math", "flash (CPU kernel)"; "...
+    (masked)" when it got a mask; "eager (not SDPA)" when no SDPA op ran; None before the block ends, or when another
+    profiler already runs (kineto holds one session at a time). Wrap one warm-up micro-batch."""
 
     def __init__(self):
         self.kernel, self.ops, self._prof = None, [], None

@@ -14,7 +14,6 @@ import math
 import time
 
 import torch
-from tqdm.auto import tqdm
 
 from . import device as dev
 from . import env as _env
@@ -114,77 +113,75 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
         scaler = scaler_for(t.precision, device, **(scaler_kwargs or {}))
         probe = AttentionProbe()
         one = torch.ones((), device=device) if scaler else None
-        bar = tqdm(range(t.steps), desc=desc or f"{cfg.model.name} {t.precision}",
-                   disable=not (progress and _env.progress_bars()), leave=False)
         graphs, compile_steps = compiled_graphs(), []
         retries = dev.memory_stats(device).get("num_alloc_retries")
-        mark = time.perf_counter()  # each step's time runs from the previous step's end to its own end
-        for step in bar:
-            untimed = 0.0  # bookkeeping that is not training: measured and left out of this step's time
-            window = next(windows)
-            loss_sum = torch.zeros((), device=device)
-            for i, mb in enumerate(window.micro_batches):
-                # step 0's first forward (a warm-up step) records the SDPA kernel that really ran (eager or compiled)
-                with autocast, (probe if step == 0 and i == 0 else contextlib.nullcontext()):
-                    loss = model(**mb, num_items_in_batch=window.num_targets, use_cache=False).loss
-                (scaler.scale(loss) if scaler else loss).backward()
-                loss_sum += loss.detach()
-            if step in inject_overflow_at:
-                params[0].grad.view(-1)[0] = float("inf")
-            if scaler:
-                used = scaler.scale(one)  # the scale this step used, kept on the device (get_scale() would sync)
-                scaler.unscale_(optimizer)
-            if t.max_grad_norm is not None:
-                norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
-            else:
-                norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-            if scaler:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            step_scheduler(scheduler)
-            if step == t.steps - 1:  # model state as the run ends, gradients still allocated
-                u = time.perf_counter()
-                result.memory = state_bytes(model, optimizer)
-                untimed += time.perf_counter() - u
-            optimizer.zero_grad(set_to_none=True)
-            # The step's one host read: loss, grad norm and (fp16) the scale before and after update(), in one
-            # transfer. It waits for the device, so the step time is real.
-            read = [loss_sum, norm.float()] + ([used, scaler.scale(one)] if scaler else [])
-            value, grad_norm, *scales = torch.stack(read).tolist()
-            if scaler:
-                result.loss_scales.append(scales[0])
-                if scales[1] < scales[0]:  # update() lowers the scale exactly when step() skipped
-                    result.skipped.append(step)
-            result.attention_kernel = probe.kernel or result.attention_kernel
-            if not math.isfinite(value) and not scaler:
-                raise NonFiniteLossError(
-                    f"step {step}: loss is {value} with precision {t.precision}. Lower train.lr, set "
-                    f"train.max_grad_norm, or check the data; fp16 needs its GradScaler (this loop uses one).")
-            result.losses.append(value)
-            result.grad_norms.append(grad_norm)
-            result.target_tokens.append(window.num_targets)
-            real_positions += window.num_real
-            if progress:
-                bar.set_postfix(loss=f"{value:.3f}", refresh=False)
-            if compiled and compiled_graphs() != graphs:  # torch.compile compiled during this step
-                graphs = compiled_graphs()
-                compile_steps.append(step)
-            if step == 0:  # lazily loaded kernels and backward's cuBLAS workspace now exist: the cap follows
-                untimed += _aside(dev.follow_outside, device)
-            if on_step:
-                untimed += _aside(on_step, step, result, model, optimizer, scaler)
-            if tracker and step + 1 == tracked_steps:
-                u = time.perf_counter()
-                stack.close()  # ends the tracker (and restores TF32 flags: re-entered below)
-                stack.enter_context(_env.matmul_precision(tf32=get(t.precision).tf32))
-                untimed += time.perf_counter() - u
-            now = time.perf_counter()
-            result.step_times.append(now - mark - untimed)
-            result.untimed_seconds += untimed
-            mark = now
-        bar.close()
+        with _env.progress_bar(t.steps, desc or f"{cfg.model.name} {t.precision}", progress) as bar:
+            mark = time.perf_counter()  # each step's time runs from the previous step's end to its own end
+            for step in bar:
+                untimed = 0.0  # bookkeeping that is not training: measured and left out of this step's time
+                window = next(windows)
+                loss_sum = torch.zeros((), device=device)
+                for i, mb in enumerate(window.micro_batches):
+                    # step 0's first forward (a warm-up) records the SDPA kernel that really ran (eager or compiled)
+                    with autocast, (probe if step == 0 and i == 0 else contextlib.nullcontext()):
+                        loss = model(**mb, num_items_in_batch=window.num_targets, use_cache=False).loss
+                    (scaler.scale(loss) if scaler else loss).backward()
+                    loss_sum += loss.detach()
+                if step in inject_overflow_at:
+                    params[0].grad.view(-1)[0] = float("inf")
+                if scaler:
+                    used = scaler.scale(one)  # the scale this step used, kept on the device (get_scale() would sync)
+                    scaler.unscale_(optimizer)
+                if t.max_grad_norm is not None:
+                    norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
+                else:
+                    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+                if scaler:
+                    scaler.step(optimizer)
+                    scaler.update()
+                else:
+                    optimizer.step()
+                step_scheduler(scheduler)
+                if step == t.steps - 1:  # model state as the run ends, gradients still allocated
+                    u = time.perf_counter()
+                    result.memory = state_bytes(model, optimizer)
+                    untimed += time.perf_counter() - u
+                optimizer.zero_grad(set_to_none=True)
+                # The step's one host read: loss, grad norm and (fp16) the scale before and after update(), in one
+                # transfer. It waits for the device, so the step time is real.
+                read = [loss_sum, norm.float()] + ([used, scaler.scale(one)] if scaler else [])
+                value, grad_norm, *scales = torch.stack(read).tolist()
+                if scaler:
+                    result.loss_scales.append(scales[0])
+                    if scales[1] < scales[0]:  # update() lowers the scale exactly when step() skipped
+                        result.skipped.append(step)
+                result.attention_kernel = probe.kernel or result.attention_kernel
+                if not math.isfinite(value) and not scaler:
+                    raise NonFiniteLossError(
+                        f"step {step}: loss is {value} with precision {t.precision}. Lower train.lr, set "
+                        f"train.max_grad_norm, or check the data; fp16 needs its GradScaler (this loop uses one).")
+                result.losses.append(value)
+                result.grad_norms.append(grad_norm)
+                result.target_tokens.append(window.num_targets)
+                real_positions += window.num_real
+                if progress:
+                    bar.set_postfix(loss=f"{value:.3f}", refresh=False)
+                if compiled and compiled_graphs() != graphs:  # torch.compile compiled during this step
+                    graphs = compiled_graphs()
+                    compile_steps.append(step)
+                if step == 0:  # lazily loaded kernels and backward's cuBLAS workspace now exist: the cap follows
+                    untimed += _aside(dev.follow_outside, device)
+                if on_step:
+                    untimed += _aside(on_step, step, result, model, optimizer, scaler)
+                if tracker and step + 1 == tracked_steps:
+                    u = time.perf_counter()
+                    stack.close()  # ends the tracker (and restores TF32 flags: re-entered below)
+                    stack.enter_context(_env.matmul_precision(tf32=get(t.precision).tf32))
+                    untimed += time.perf_counter() - u
+                now = time.perf_counter()
+                result.step_times.append(now - mark - untimed)
+                result.untimed_seconds += untimed
+                mark = now
         if retries is not None:
             result.num_alloc_retries = dev.memory_stats(device).get("num_alloc_retries", retries) - retries
     except torch.OutOfMemoryError as exc:
@@ -308,9 +305,9 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
     wrap_blocks(acc, model)
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
     tracker = MemoryTracker(device) if device.type == "cuda" else None
-    with (tracker or contextlib.nullcontext()), _env.matmul_precision(tf32=get(t.precision).tf32):
-        bar = tqdm(range(t.steps), desc=desc or f"{cfg.model.name} {t.precision} x{world}",
-                   disable=not (progress and acc.is_main_process and _env.progress_bars()), leave=False)
+    shown, desc = progress and acc.is_main_process, desc or f"{cfg.model.name} {t.precision} x{world}"
+    with (tracker or contextlib.nullcontext()), _env.matmul_precision(tf32=get(t.precision).tf32), \
+            _env.progress_bar(t.steps, desc, shown) as bar:
         mark = time.perf_counter()  # as in train(): each step's time runs from the previous step's end to its own
         for step in bar:
             untimed = 0.0
@@ -346,7 +343,6 @@ def _train_accelerated(cfg: Config, model, dataset: LMDataset, acc, *, env=None,
             result.step_times.append(now - mark - untimed)
             result.untimed_seconds += untimed
             mark = now
-        bar.close()
     why = divergence(result.losses, result.skipped, t.precision)
     if why:
         result.status, result.error = "diverged", why

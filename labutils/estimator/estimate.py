@@ -1,7 +1,6 @@
 """Predict the memory of a training run before running it (lab 04): ``estimate_memory(cfg)`` replays one step
 (:mod:`labutils.estimator.replay`) and returns the peak and its parts. Here: the :class:`Plan` a replay follows, what
-fits a budget (:func:`fits`, :func:`largest_batch`), an estimate against a measurement. Advice: :mod:`.advise`.
-"""
+fits a budget (:func:`fits`, :func:`largest_batch`), an estimate against a measurement. Advice: :mod:`.advise`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace

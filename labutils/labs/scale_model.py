@@ -4,8 +4,7 @@ allocator (on a GPU measured there, as the labs' caps take it; for a prediction 
 (:func:`course`): every run any lab measures under the budget (its registry entry's ``budget``) is predicted in full
 mode to fit the card or not, and the smoke budget lies halfway (log scale) between the largest smoke peak of a run that
 fits and the smallest of one that does not; where no size can, :func:`course` raises naming the two (change a config's
-``smoke:`` section, not the rule). Every lab takes its budget, and the line it prints, from :func:`lab_budget`.
-"""
+``smoke:`` section, not the rule). Every lab takes its budget, and the line it prints, from :func:`lab_budget`."""
 from __future__ import annotations
 
 import functools

@@ -1,7 +1,6 @@
-"""The doctor's correctness checks (what fails each: tests/test_doctor_checks.py): device functions and lab 04's
-raw ``torch.cuda`` calls, training per precision, the cap and OOM recovery, snapshots, profiler ranges,
-checkpointing gradients, the estimator, emptying the caches. Each ``check_*`` adds rows to a :class:`Checks`.
-"""
+"""The doctor's correctness checks (what fails each: tests/test_doctor_checks.py): device functions and lab 04's raw
+``torch.cuda`` calls, training per precision, the cap and OOM recovery, snapshots, profiler ranges, checkpointing
+gradients, the estimator, emptying the caches. Each ``check_*`` adds rows to a :class:`Checks`."""
 from __future__ import annotations
 
 import contextlib

@@ -71,7 +71,7 @@ def kernel_env(results_dir: str | os.PathLike, smoke: bool, gpu_memory_gb: float
     """The kernel's environment: ours, plus where to record results, the mode and the memory cap."""
     env = dict(os.environ if base is None else base)
     env["LAB_RESULTS_DIR"] = str(results_dir)
-    env["LAB_PROGRESS"] = "0"  # no tqdm bars in executed copies: saved, a bar reads "0%|" (env.progress_bars)
+    env["LAB_PROGRESS"] = "0"  # no tqdm bars in executed copies: saved, a bar reads "0%|" (env.progress_bar)
     if smoke:
         env["LAB_SMOKE"] = "1"
     else:

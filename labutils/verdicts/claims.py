@@ -1,9 +1,8 @@
 """The seven folklore claims of the original course (C1-C7), in its own words with where each comes from, and the
-entries a lab records for them (``lu.record_results(..., claims=[claim_entry(...), ...])``); :func:`collect` builds
-the C1-C7 table from every lab's results. Each claim is data: the course's words and one or more
-:class:`~labutils.verdicts.verdict_rule.Quantity`, judged by :mod:`labutils.verdicts.verdict_rule`. In smoke mode
-C1-C4 and C6 are "not judged" (the tiny model's ratios do not carry over to GPT-2); C5's equal layers may be judged.
-"""
+entries a lab records for them (``lu.record_results(..., claims=[claim_entry(...), ...])``); :func:`collect` builds the
+C1-C7 table from every lab's results. Each claim is data: the course's words and one or more
+:class:`~labutils.verdicts.verdict_rule.Quantity`, judged by :mod:`labutils.verdicts.verdict_rule`. In smoke mode C1-C4
+and C6 are "not judged" (the tiny model's ratios do not carry over to GPT-2); C5's equal layers may be judged."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,9 +1,8 @@
-"""The one rule that turns a run's numbers into a verdict: ``holds | partly | does not hold | not measured | not
-judged | not decided``, with a ``why`` computed from the same numbers (the claims C1-C7 are in
+"""The one rule that turns a run's numbers into a verdict: ``holds | partly | does not hold | not measured | not judged
+| not decided``, with a ``why`` computed from the same numbers (the claims C1-C7 are in
 :mod:`labutils.verdicts.claims`). A claim is one or more :class:`Quantity`, judged by sign-aware thresholds
-(:meth:`Quantity.judge`) once its :class:`Evidence` meets its :data:`NEEDS` (else ``not judged``, the value shown
-beside the reason) and its noise cannot change the verdict (else ``not decided``); :func:`summarise` combines them.
-"""
+(:meth:`Quantity.judge`) once its :class:`Evidence` meets its :data:`NEEDS` (else ``not judged``, the value shown beside
+the reason) and its noise cannot change the verdict (else ``not decided``); :func:`summarise` combines them."""
 from __future__ import annotations
 
 import math
