@@ -9,6 +9,7 @@ whose name carries no unit (show_table then prints the bytes as they are).
 """
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -50,3 +51,42 @@ def test_no_raw_byte_counts(executed):
     for i, cell in enumerate(executed["cells"]):
         raw += [(i, m.group(0)) for out in cell.get("outputs", []) for m in RAW_BYTES_TEXT.finditer(output_text(out))]
     assert not raw, f"lab 04 prints byte counts without a unit: {raw}"
+
+
+@pytest.fixture(scope="module")
+def record():
+    from tests import regen_once
+
+    return json.loads((regen_once.run_for(["04"]).out / "04-Memory_Profiling.json").read_text())
+
+
+def _lines(nb, needle: str) -> list[str]:
+    return [line for cell in nb["cells"] for out in cell.get("outputs", []) for line in output_text(out).splitlines()
+            if needle in line]
+
+
+@pytest.mark.regen_labs("04")
+def test_a_change_between_estimates_says_so(executed, record):
+    """Issue 44 §4: "fp16 alone changes the peak by -8%" was an estimate divided by an estimate (in smoke the fp32
+    and fp16 rows both ran out of memory) printed as a measurement. Breaks if a change whose row or baseline ran out
+    of memory is printed without saying it is between estimates, or a measured one says it is."""
+    status = {r["technique"]: r["status"] for r in record["tables"]["techniques"]}
+    [line] = _lines(executed, "alone changes the peak by")
+    amp = line.split(" alone ")[0]
+    parts = {amp: line.split("changes the peak by")[1].split("checkpointing by")[0],
+             "checkpointing": line.split("checkpointing by")[1].split(":")[0]}
+    for row, said in parts.items():
+        estimated = "oom" in (status[row], status["baseline (fp32)"])
+        assert ("between estimates" in said) == estimated, (row, status, line)
+
+
+@pytest.mark.regen_labs("04")
+def test_a_chunked_loss_that_saves_nothing_is_not_shown_as_a_saving(executed, record):
+    """Issue 44 §1, §4: in smoke the chunked loss "lowers it by 0 B = 0.0 x the logits" under a table of two equal
+    peaks: the tiny model's peak comes where no logits are alive. Breaks if a zero (or negative) saving is worded as
+    lowering the peak, or the table of equal peaks is printed (it stays in the results file)."""
+    saved = record["tables"]["logits_memory"][1]["saved_bytes"]
+    [line] = _lines(executed, "-row vocabulary): the whole fp32 logits") or ["not measured"]
+    shown = _lines(executed, "| chunked |")
+    assert ("lower it by" in line) == (saved is not None and saved > 0), (saved, line)
+    assert bool(shown) == (saved != 0), (saved, shown)
