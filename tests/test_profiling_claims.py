@@ -5,12 +5,13 @@ import torch
 
 import labutils as lu
 from labutils.verdicts import claims as cl
-from labutils.labs.lab04.profiling_claims import c6_claim
+from labutils.labs.lab04.profiling_claims import c6_claim, c6_sides
 from test_combined_loop import one_loop_from_notebook
 from labutils.labs.lab04.profiling_runs import MeasuredRuns, as_counted, stage_table, technique_rows
 
 TECHNIQUES = "configs/lab04_techniques.yaml"
 GiB = 2**30
+BUDGET = 31 * 2**20  # about the smoke scale model's 8 GB card (labutils.labs.scale_model)
 PAIR = {"baseline (fp32)": {}, "all together": {"train.precision": "fp16", "train.gradient_checkpointing": True,
                                                 "train.micro_batch_size": 2, "train.accumulation_steps": 2}}
 
@@ -42,19 +43,19 @@ def test_c6_is_measured_with_the_notebooks_loop_and_never_judges_cpu_time():
         return loop(*a)
 
     info = {"device": torch.device("cpu"), "gpu_name": None, "mode": "smoke"}
-    c6, cond, _ = c6_claim(cfg, counted, TECHNIQUES, info, PAIR)
+    c6, cond = c6_claim(cfg, counted, info, PAIR, budget_bytes=BUDGET)
     assert calls == ["fp32", "fp16"], calls
     assert c6["id"] == "C6" and "memory_saving" in c6["measured"]
     assert list(c6["extra"]["peaks_bytes"]) == ["baseline (fp32), 4 x 1", "all together, 2 x 2"]
+    assert max(c6["extra"]["peaks_bytes"].values()) <= BUDGET  # both sides ran under the lab's budget
     slow = c6["measured"].get("slowdown")
     parts = c6.get("parts", {})
     assert slow is None or parts.get("slowdown", {}).get("verdict") == getattr(cl, "NOT_JUDGED", None), c6
 
 
 def test_c6_runs_the_pair_it_is_given_and_records_an_oom_with_its_estimate():
-    """Issue 27: C6's techniques run in the lab's AMP precision, and a side that does not fit is recorded as such at
-    the table's effective batch, with its estimate: the loop runs twice, never at a halved batch. Issue 36: C6 runs
-    on the device's whole memory (the full-size FP32 baseline never fits the 8 GB cap), so it takes no budget."""
+    """Issue 27: C6's techniques run in the lab's AMP precision, and a side that does not fit is recorded as such,
+    with its estimate: the loop runs twice, both sides at one effective batch. The budget is in its conditions."""
     cfg = lu.load_config(TECHNIQUES, mode="smoke").override({"train.steps": 2, "train.timing_warmup_steps": 1})
     seen = []
 
@@ -67,11 +68,30 @@ def test_c6_runs_the_pair_it_is_given_and_records_an_oom_with_its_estimate():
 
     info = {"device": torch.device("cpu"), "gpu_name": None, "mode": "smoke"}
     pair = {"baseline (fp32)": {}, "all together": dict(PAIR["all together"], **{"train.precision": "bf16"})}
-    c6, cond, fits = c6_claim(cfg, oom_baseline, TECHNIQUES, info, pair, amp="bf16")
-    E = cfg.effective_batch_size
-    assert seen == [("fp32", E), ("bf16", E)], seen
+    c6, cond = c6_claim(cfg, oom_baseline, info, pair, amp="bf16", budget_bytes=BUDGET)
+    assert len(seen) == 2 and seen[0][0] == "fp32" and seen[1][0] == "bf16" and seen[0][1] == seen[1][1], seen
     assert c6["verdict"] == "not measured" and "baseline (fp32)" in c6["why"] and "prediction" in c6["why"], c6
-    assert "budget" not in cond and fits == {"fp32": 1, "bf16 + checkpointing": 6}   # the yaml's plan
+    assert cond["budget"] == lu.fmt_bytes(BUDGET)
+
+
+def test_c6_sides_fit_the_8gb_card_per_the_estimator(monkeypatch):
+    """Issue 44 §5: C6 ran both sides on the device's whole memory, so on an 8 GB card the full-size FP32 baseline
+    (GPT-2 medium, 4 x 512) never fit and C6 was always "not measured": the course's payoff never shown to its
+    audience. Both sides are now sized by the estimator to fit the lab's 8 GB budget (an RTX 3070 as torch reports
+    it, tests/fake_cuda.py). Breaks if a side is predicted not to fit, if the two effective batches differ, or if
+    the techniques' side does not accumulate; and shows why sizes are picked: the config's own batch does not fit."""
+    from labutils.estimator import estimate as est
+    from labutils.labs.scale_model import lab_budget
+    from tests import fake_cuda
+
+    fake_cuda.install(monkeypatch, "rtx3070-8gb")
+    budget = lab_budget("04", torch.device("cuda", 0))["bytes"]
+    full = lu.load_config(TECHNIQUES, mode="full")
+    assert est.estimate_memory(full, device="cuda")["peak_bytes"] > budget   # fp32 4 x 512: never on an 8 GB card
+    sides = list(c6_sides(full, PAIR, budget, "cuda").values())
+    assert [c.train.precision for c in sides] == ["fp32", "fp16"] and sides[1].train.accumulation_steps == 2
+    assert sides[0].effective_batch_size == sides[1].effective_batch_size >= 2
+    assert all(est.estimate_memory(c, device="cuda")["peak_bytes"] <= budget for c in sides), sides
 
 
 def test_lab04_rows_on_a_pretend_gpu(monkeypatch):

@@ -187,8 +187,7 @@ def cli_estimate(cfg, args) -> int:
     for r in zero:
         print("  " + f"{r[cols[0]]:>22}" + "".join(f"{_gib(r[c]):>{w}}" for c in cols[1:]))
     if args.json:
-        out = {k: est[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
-                                   "peak_bytes")}
+        out = {k: est[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "peak_bytes")}
         out["zero_per_gpu"] = zero
         out.update(estimate=est, recommendation=rec, budget_bytes=budget, config_fits=advice["config_fits"],
                    candidates=advice["candidates"], config=cfg.to_dict())

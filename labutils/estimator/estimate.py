@@ -150,8 +150,7 @@ def fits(estimate: dict, budget_bytes: int, context_bytes: int = CUDA_CONTEXT_BY
     return estimate["peak_bytes"] * (1 + headroom) + context_bytes <= budget_bytes
 
 
-def compare(estimate: dict, measured_peak: int | None, measured_start: int | None = None,
-            device: str = "cuda") -> dict:
+def compare(estimate: dict, measured_peak: int | None, measured_start: int | None = None, device: str = "cuda") -> dict:
     """Estimate vs measurement. CUDA: absolute peaks (what decides an OOM). CPU: peaks above the start of the run, as
     the CPU tracker also counts every other CPU tensor alive in the process."""
     if device == "cuda" or measured_start is None:

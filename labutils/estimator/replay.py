@@ -142,10 +142,8 @@ class Replay(AttentionReplay, LossReplay):
             keep("ln1.out")
         led.alloc(x + "qkv", 3 * c * Nh)
         release("ln1.in16")
-        # --- attention
-        self.attention_forward(i, save, keep, release)
-        # --- output projection, dropout, residual
-        self.half_copy(x + "attn.c_proj", h * h, i, bias=h)
+        self.attention_forward(i, save, keep, release)  # --- attention
+        self.half_copy(x + "attn.c_proj", h * h, i, bias=h)  # --- output projection, dropout, residual
         led.alloc(x + "attn.proj", c * Nh)
         release("attn.out")
         if p.dropout:
@@ -156,8 +154,7 @@ class Replay(AttentionReplay, LossReplay):
         release("qkv")                                          # GPT2Attention.forward returns
         led.alloc(x + "mid", 4 * Nh, A, S)                      # attn_output + residual: fp32
         led.release(x + "ln1.out")         # attn_output (resid1.out / attn.proj) stays bound until the block returns
-        # --- MLP
-        save("ln2.stats", 8 * N)
+        save("ln2.stats", 8 * N)  # --- MLP
         release("ln2.stats")
         led.alloc(x + "ln2.out", 4 * Nh)
         self.half_copy(x + "mlp.c_fc", 4 * h * h, i, bias=4 * h)
@@ -349,8 +346,7 @@ class Replay(AttentionReplay, LossReplay):
         node(out=[("g.ln2_16", c * Nh)], params=[(x + "mlp.c_fc.weight", 4 * h * h), (x + "mlp.c_fc.bias", 4 * h)],
              free=["g.xbuf", x + "ln2.in16", x + "ln2.out", "w16." + x + "mlp.c_fc"])
         self._layernorm_grad("g.ln2", x + "ln_2", "g.mid_ln", [x + "mid", x + "ln2.stats"])
-        # attention branch
-        g = self._branch_grad("g.a", x + "resid1.mask")
+        g = self._branch_grad("g.a", x + "resid1.mask")  # attention branch
         node(out=[("g.attn_out", c * Nh)], params=[(x + "attn.c_proj.weight", h * h), (x + "attn.c_proj.bias", h)],
              free=[g if g != "g.res" else "", "w16." + x + "attn.c_proj"])
         self.attention_backward(i)

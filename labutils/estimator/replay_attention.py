@@ -92,7 +92,6 @@ class AttentionReplay:
                 node(out=[("g.probs2", pb * aTT)], free=["g.probs", x + "attn_drop.mask"])
             if soft != pb:
                 node(out=[("g.probs32", soft * aTT)], free=["g.probs", "g.probs2"])
-            node(out=[("g.scores", soft * aTT)],
-                 free=["g.probs", "g.probs2", "g.probs32", x + "probs", x + "probs16"])
+            node(out=[("g.scores", soft * aTT)], free=["g.probs", "g.probs2", "g.probs32", x + "probs", x + "probs16"])
             node(out=[("g.q", f * Nh), ("g.k", f * Nh)], free=["g.scores", x + "q'", x + "k'", x + "qkv"])
             node(out=[("g.qkv", 3 * c * Nh)], free=["g.q", "g.k", "g.v"])

@@ -3,7 +3,6 @@ FP32 baseline with the notebook's one loop; :func:`c7_claim` DeepSpeed ZeRO-2 + 
 DeepSpeed and CUDA are here, else not measured with the estimator's prediction. """
 from __future__ import annotations
 
-from ...core import cards
 from ...verdicts import claims as cl
 from ...estimator import estimate as est
 from ...core.config import load_config
@@ -12,9 +11,23 @@ from ...core.memory import fmt_bytes
 ZERO2_OFFLOAD_ACCELERATE = "configs/accelerate/deepspeed_zero2_offload.yaml"
 
 
-def _c6_run(c, loop, device) -> dict:
+def c6_sides(tech_cfg, pair: dict, budget_bytes: int, device: str) -> dict:
+    """C6's sides (``pair``: {name: overrides}, FP32 first) sized by the estimator to fit ``budget_bytes`` (the lab's
+    8 GB card; smoke: its scale model): FP32 as one micro-batch of E, the largest even E up to the config's effective
+    batch that fits, the techniques as E/2 x 2; at the config's sequence, else 3/4 or 1/2 of it: the first with E>=2."""
+    for c in (tech_cfg.override({"data.seq_length": tech_cfg.data.seq_length * n // 4}) for n in (4, 3, 2)):
+        limit = tech_cfg.effective_batch_size
+        if (E := est.largest_batch(c, budget_bytes, device=device, context_bytes=0, limit=limit) // 2 * 2) >= 2:
+            break
+    sides = {name: {**o, "train.micro_batch_size": max(E, 2) // (1 + i), "train.accumulation_steps": 1 + i}
+             for i, (name, o) in enumerate(pair.items())}  # none fits: the smallest plan runs, its OOM is recorded
+    return {f"{n}, {o['train.micro_batch_size']} x {o['train.accumulation_steps']}": c.override(o)
+            for n, o in sides.items()}
+
+
+def _c6_run(c, loop, device, budget_bytes: int | None = None) -> dict:
     """One run of the notebook's ``loop(cfg, model, dataset, device)`` under the memory tracker (model loading
-    included, so the peak holds the weights): status, peak bytes, step times."""
+    included, so the peak holds the weights; a CPU refuses past ``budget_bytes``): status, peak bytes, step times."""
     from ...core.env import seed_everything
     from ...core.memory import MemoryTracker, oom_caught, release
     from ...core.train import prepare
@@ -24,7 +37,7 @@ def _c6_run(c, loop, device) -> dict:
     loaded = dataset = None
     try:
         with oom_caught() as oom:
-            with MemoryTracker(device) as mt:
+            with MemoryTracker(device, cpu_budget_bytes=budget_bytes if device.type == "cpu" else None) as mt:
                 loaded, dataset = prepare(c, device, verbose=False)
                 r = loop(c, loaded.model, dataset, device)
             out.update(peak_bytes=mt.peak_bytes, step_times=list(r["step_times"]))
@@ -36,36 +49,32 @@ def _c6_run(c, loop, device) -> dict:
     return out
 
 
-def c6_claim(tech_cfg, loop, config_path: str, info: dict, pair: dict, *, amp: str = "fp16") -> tuple[dict, dict, dict]:
-    """(C6 entry, its conditions, the predicted largest micro-batch on an 8 GB card): FP32 against all three techniques
-    (``pair``: {name: overrides}) at one effective batch with the notebook's ``loop``, on this device's whole memory."""
+def c6_claim(tech_cfg, loop, info: dict, pair: dict, *, amp: str = "fp16", budget_bytes: int) -> tuple:
+    """(C6 entry, its conditions): FP32 against all three techniques (``pair``: {name: overrides}) at one effective
+    batch with the notebook's ``loop``, both sized by :func:`c6_sides` to fit ``budget_bytes`` (a GPU: under its cap)."""
     device = info["device"]
     warm = tech_cfg.train.timing_warmup_steps
     # a GPU gets enough timed steps for a speed verdict; a CPU's time is never judged, so a few steps do
     steps = warm + cl.MIN_TIMED_STEPS if device.type == "cuda" else tech_cfg.train.steps
-    plan = {}
-    for name, over in pair.items():
-        c = tech_cfg.override({**over, "train.steps": steps, "train.warmup_steps": 0})
-        plan[f"{name}, {c.train.micro_batch_size} x {c.train.accumulation_steps}"] = c
-    runs = {name: _c6_run(c, loop, device) for name, c in plan.items()}
+    plan = {name: c.override({"train.steps": steps, "train.warmup_steps": 0})
+            for name, c in c6_sides(tech_cfg, pair, budget_bytes, device.type).items()}
+    runs = {name: _c6_run(c, loop, device, budget_bytes) for name, c in plan.items()}
+    c = next(iter(plan.values()))
     names = tuple(runs)
-    cond = cl.conditions(model=tech_cfg.model.name, batch=f"effective batch {tech_cfg.effective_batch_size}",
-                         sequence=tech_cfg.data.seq_length, precision=f"{amp} + checkpointing + accumulation vs fp32",
-                         hardware=cl.hardware(info), mode=info["mode"])
+    cond = cl.conditions(model=tech_cfg.model.name, batch=f"effective batch {c.effective_batch_size}",
+                         sequence=c.data.seq_length, precision=f"{amp} + checkpointing + accumulation vs fp32",
+                         hardware=cl.hardware(info), mode=info["mode"], budget=fmt_bytes(budget_bytes))
     state_bytes = 16 * est.parameter_count(tech_cfg.model.name, tech_cfg.model.pad_vocab_to)
-    full = load_config(config_path, mode="full")
-    fits_pred = {name: est.largest_batch(full, cards.card_total_bytes(8)[0], limit=64, **over) for name, over in
-                 (("fp32", {}), (f"{amp} + checkpointing", {"precision": amp, "checkpointing": True}))}
     base, both = runs[names[0]], runs[names[1]]
     if base["status"] != "ok" or both["status"] != "ok":
         failed = names[0] if base["status"] != "ok" else names[1]
         e_peak = est.estimate_memory(plan[failed], device=device.type)["peak_bytes"]
-        entry = cl.not_measured("C6", f"'{failed}' did not fit this device's memory ({runs[failed]['status']}); the "
-                                      f"estimator puts its peak at {fmt_bytes(e_peak)} (a prediction, not a "
-                                      f"measurement)", cond)
+        entry = cl.not_measured("C6", f"'{failed}' did not fit the {fmt_bytes(budget_bytes)} budget "
+                                      f"({runs[failed]['status']}); the estimator puts its peak at {fmt_bytes(e_peak)} "
+                                      f"(a prediction, not a measurement)", cond)
         entry["extra"] = {"runs": {n: {"status": r["status"], "peak_bytes": r["peak_bytes"]} for n, r in runs.items()},
-                          "estimate_bytes": {failed: e_peak}, "largest_micro_batch_8GiB_predicted": fits_pred}
-        return entry, cond, fits_pred
+                          "estimate_bytes": {failed: e_peak}}
+        return entry, cond
     values = {"memory_saving": 1 - both["peak_bytes"] / base["peak_bytes"]}
     evidence = {"memory_saving": cl.Evidence(pair=names, note="peak allocated, model loading included",
                                              state_share=state_bytes / base["peak_bytes"])}
@@ -78,9 +87,9 @@ def c6_claim(tech_cfg, loop, config_path: str, info: dict, pair: dict, *, amp: s
     entry = cl.claim_entry("C6", values, cond, evidence=evidence,
                            reason=(f"{fmt_bytes(state_bytes)} of FP32 weights, gradients and AdamW state "
                                    f"({state_bytes / base['peak_bytes']:.0%} of the baseline peak) stay whatever the "
-                                   f"technique"), extra={"largest_micro_batch_8GiB_predicted": fits_pred,
-                                  "peaks_bytes": {names[0]: base["peak_bytes"], names[1]: both["peak_bytes"]}})
-    return entry, cond, fits_pred
+                                   f"technique"),
+                           extra={"peaks_bytes": {names[0]: base["peak_bytes"], names[1]: both["peak_bytes"]}})
+    return entry, cond
 
 
 def zero2_offload_prediction(cfg, precision: str = "fp16") -> dict:

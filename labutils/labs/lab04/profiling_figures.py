@@ -95,8 +95,7 @@ def plot_stages(rows: list[dict], peak_bytes: int, title: str):
     return fig
 
 
-def plot_batch_sweep(sweep: list[dict], fixed: float, per_sample: float, estimate_peak, budget_bytes: int,
-                     title: str):
+def plot_batch_sweep(sweep: list[dict], fixed: float, per_sample: float, estimate_peak, budget_bytes: int, title: str):
     """Measured peaks against micro-batch size, the fitted line, the estimator (``estimate_peak(batch)``), OOM rows
     hollow at their estimate (not measured), and the budget."""
     ok = [r for r in sweep if r["status"] == "ok"]

@@ -70,8 +70,7 @@ def fresh_training(c, device: torch.device, fn):
         release()
 
 
-def add_stage_estimates(rows: list[dict], e_stage: dict, start_bytes: int, device: torch.device,
-                        n_params: int) -> None:
+def add_stage_estimates(rows: list[dict], e_stage: dict, start_bytes: int, device: torch.device, n_params: int) -> None:
     """Add to each stage row ``other`` (allocated minus weights, gradients and AdamW state) and ``estimate`` (the
     estimator's timeline at the same point, steps from 0; on CPU shifted to the measured start)."""
     shift = start_bytes - e_stage["resident_bytes"] if device.type == "cpu" else 0
