@@ -121,6 +121,24 @@ def test_c1_and_c2_conditions_name_the_pair_and_batches_each_compares():
     assert cl.table_rows([c1])[0]["conditions"].count("bf16 vs fp32") == 1
 
 
+def test_c1_shows_the_saving_of_a_micro_batch_the_sweep_has_and_names_it():
+    """Issue 44: C1 showed the sweep's median (11 %, at no micro-batch) and its reason cited micro-batch 4, which the
+    sweep (1 and 8) had not. Breaks if C1's value is not the sweep's at section 4's micro-batch (4 here), or, where
+    the sweep lacks it, at the sweep's largest, with that micro-batch named in the why and its FP32 peak's share."""
+    runs = _runs(CPU_ENV)  # section 4's pair at micro-batch 4, peaks 1000 and 600
+    _, sweep = am.batch_sweep({}, {}, runs, "cpu", "fp16")  # section 4's pair is a point of the sweep, not run again
+    assert [(r["micro_batch"], r["section_4_pair"], r["memory_saving"]) for r in sweep] == [(4, True,
+                                                                                             pytest.approx(0.4))]
+    sweep = [{"micro_batch": 1, "memory_saving": 0.05, "fp32_peak_bytes": 500}, *sweep,
+             {"micro_batch": 8, "memory_saving": 0.5, "fp32_peak_bytes": 2000}]
+    c1 = am.c1_c2_claims(runs, SMOKE, amp="fp16", sweep_rows=sweep, model_state=300)[0]
+    assert c1["measured"]["memory_saving"]["value"] == pytest.approx(0.4) and c1["extra"]["shown_at_micro_batch"] == 4
+    assert "micro-batch 4 of the sweep, where FP32 weights" in c1["why"] and "are 30% of the FP32 peak" in c1["why"]
+    c1 = am.c1_c2_claims(runs, SMOKE, amp="fp16", sweep_rows=[sweep[0], sweep[2]], model_state=300)[0]
+    assert c1["measured"]["memory_saving"]["value"] == 0.5 and c1["extra"]["shown_at_micro_batch"] == 8
+    assert "micro-batch 8 of the sweep" in c1["why"] and "micro-batch 4" not in c1["why"], c1["why"]
+
+
 # ------------------------------------------------------------------------------------------------ lab 03: C4
 def _measured(name, env, step_s, peak, steps=4):
     return cm.Measured(name, "baseline" if name.startswith("no") else "every_n", None,

@@ -7,6 +7,8 @@ showing it fails on the defect it looks for:
 - a speed-up's noise is the run's own (the setup comment promised +-2 % while the run measured 5-23 %), printed
   beside it, and a speed-up inside its noise reads "not decided", never as "no difference";
 - an FP16 run on a CPU without FP16 arithmetic says it is emulated;
+- each 16-bit run's nativeness is printed beside its largest matmul's and its step's speed-up (issue 44: "FP16
+  native" in the setup, 0.86x in section 4, nothing between them);
 - the clip-before-unscale_ line quotes the ratio S x min(|g| / max_norm, 1) that torch's update measured (it said
   "about S times" next to 17,424x, with S = 65536);
 - the saving at micro-batch 1 comes with the phase its FP32 peak falls in (the optimizer step in smoke), as measured;
@@ -55,6 +57,12 @@ def lab01_problems(data: dict, nb: dict) -> list[str]:
     for p, why in native.items():
         if "emulated" in why and p in ran and f"{p} is emulated here" not in sentence:
             problems.append(f"{p} ran emulated and the comparison does not say so: {sentence!r}")
+    speed = {r["run"]: r.get("speedup_vs_fp32") for r in tables.get("precision_comparison", [])}
+    matmul = next((t for _, t in printed if "the largest matmul / section 4's whole step" in t), "")
+    for p in sorted(ran - {"fp32"}):
+        said = f"{p} ({'emulated' if 'emulate' in native.get(p, 'emulate') else 'native'}) "
+        if speed.get(p) is not None and not re.search(rf"\b{re.escape(said)}\S+ / {speed[p]:.2f}x", matmul):
+            problems.append(f"{p}: '{said}' with its matmul and step speed-ups not printed: {matmul!r}")
     clip = {r["order"].split()[0]: r for r in tables.get("clip_order", [])}
     if clip:
         right, wrong = clip["unscale_"], clip["clip"]
@@ -94,10 +102,11 @@ def _fixture(**change):
             "sentence": "final losses within 0.0000 of FP32's; fp16 is emulated here (...).",
             "clip": "clip before unscale_ saw a norm of 16,384: the update came out 16,384x smaller",
             "sweep": "fp16 saves 0% at micro-batch 1; at micro-batch 1 the FP32 step peaks in its optimizer step",
+            "matmul": "relative to fp32, the largest matmul / section 4's whole step: fp16 (emulated) 0.02x / 1.02x",
             "source": "# 24 steps: their noise is measured and printed beside every speed-up"}
     text.update(change)
     nb = {"cells": [{"cell_type": "code", "source": text["source"], "outputs": [{"text": text[k]}]}
-                    for k in ("table", "sentence", "clip", "sweep")]}
+                    for k in ("table", "sentence", "clip", "sweep", "matmul")]}
     return data, nb
 
 
@@ -108,10 +117,11 @@ def test_the_checks_pass_on_a_lesson_and_fail_on_each_defect():
                "sentence": "final losses within 0.0000 of FP32's.",
                "clip": "clip before unscale_: the update came out about 65,536x smaller",
                "sweep": "fp16 saves 0% at micro-batch 1.",
-               "source": "# 24 steps bring the noise to about +-2 % on a CPU"}
+               "source": "# 24 steps bring the noise to about +-2 % on a CPU",
+               "matmul": "largest matmul, TFLOP/s relative to fp32: fp16 0.02x (FP16 emulated on this CPU)"}
     expect = {"table": ("fp32: step noise 7%", "not read as 'not decided'", "'no difference' printed"),
               "sentence": ("fp16 ran emulated",), "clip": ("clip order",), "sweep": ("falls in its optimizer step",),
-              "source": ("promises a noise figure",)}
+              "source": ("promises a noise figure",), "matmul": ("fp16: 'fp16 (emulated) '",)}
     for key, bad in defects.items():
         found = "\n".join(lab01_problems(*_fixture(**{key: bad})))
         assert all(e in found for e in expect[key]), (key, found)

@@ -163,6 +163,49 @@ def lab01_problems(data: dict) -> list[str]:
     return [f"lab 01, {p}: speed-up {vals}" for p, vals in seen.items() if not _same([v for _, v in vals], 1e-6)]
 
 
+SAVING_TEXT = re.compile(r"(-?\d+)% at micro-batch (\d+)")
+
+
+def lab01_saving_problems(data: dict, nb: dict | None = None) -> list[str]:
+    """Lab 01: AMP's peak-memory saving over FP32, one value per micro-batch, each labelled with its micro-batch
+    (issue 44: 16 % at micro-batch 4, 0 % and 22 % at 1 and 8, an unlabelled 11 %, and C1 citing micro-batch 4, which
+    the sweep had not). The batch sweep (table ``batch_sweep``) holds one row per micro-batch; every table row naming
+    the AMP precision (``notes.amp_dtype``) with a saving (``memory_saving_vs_fp32``, ``measured_saving``) names a
+    micro-batch of the sweep and shows its value there, and so do C1 (``extra.shown_at_micro_batch``), every
+    micro-batch its why cites, and every "N% at micro-batch B" the executed notebook prints."""
+    amp, tables = (data.get("notes") or {}).get("amp_dtype"), data.get("tables") or {}
+    sweep = [r for r in tables.get("batch_sweep", []) if r.get("memory_saving") is not None]
+    ref = {r["micro_batch"]: r["memory_saving"] for r in sweep}
+    if not ref:
+        return ["lab 01: table 'batch_sweep' has no micro-batch that ran in both precisions"]
+    problems = [] if len(ref) == len(sweep) else [f"lab 01: batch_sweep has micro-batches "
+                                                  f"{[r['micro_batch'] for r in sweep]}"]
+
+    def check(where, b, value):
+        if b not in ref:
+            problems.append(f"lab 01: {amp}'s saving {value:.4f} in {where} "
+                            + ("names no micro-batch" if b is None else f"at micro-batch {b}, which the sweep has not"))
+        elif not _same([ref[b], value]):
+            problems.append(f"lab 01, micro-batch {b}: {amp}'s saving {ref[b]} in batch_sweep but {value} in {where}")
+
+    for name, rows in tables.items():
+        for r in rows or []:
+            for key in ("memory_saving_vs_fp32", "measured_saving"):
+                if (r.get("run") or r.get("precision")) == amp and isinstance(r.get(key), (int, float)):
+                    check(f"{name}.{key}", r.get("micro_batch"), r[key])
+    for e in data.get("claims", []):
+        if e.get("id") == "C1" and (e.get("measured") or {}).get("memory_saving"):
+            check("C1", (e.get("extra") or {}).get("shown_at_micro_batch"), e["measured"]["memory_saving"]["value"])
+            problems += [f"lab 01: C1's why cites micro-batch {b}, which the sweep has not"
+                         for b in re.findall(r"micro-batch (\d+)", e.get("why", "")) if int(b) not in ref]
+    for i, text in _outputs(nb or {}):
+        for pct, b in SAVING_TEXT.findall(text):
+            if int(b) in ref and round(100 * ref[int(b)]) != int(pct):
+                problems.append(f"lab 01, cell {i}: {pct}% at micro-batch {b} printed, {ref[int(b)]:.2%} in "
+                                f"batch_sweep")
+    return problems
+
+
 def lab02_problems(data: dict) -> list[str]:
     """Lab 02: the cost of accumulating, one value: C3's time cost and every table row with a ``time_cost``
     column at the same pair (extension point: add the keys lab 02 records for its accumulation cost)."""
@@ -174,7 +217,7 @@ def lab02_problems(data: dict) -> list[str]:
     return [] if _same([v for _, v in vals]) else [f"lab 02: accumulation cost {vals}"]
 
 
-ONE_NUMBER_CHECKS = {"01-Mixed_Precision": lambda d, nb: lab01_problems(d),
+ONE_NUMBER_CHECKS = {"01-Mixed_Precision": lambda d, nb: lab01_problems(d) + lab01_saving_problems(d, nb),
                      "02-Gradient_Accumulation": lambda d, nb: lab02_problems(d),
                      "03-Gradient_Checkpointing": lambda d, nb: lab03_problems(d),
                      "04-Memory_Profiling": lab04_problems}
@@ -320,6 +363,30 @@ def test_lab01_check_fails_on_two_speedups():
     data = {"tables": {"precision_comparison": [{"run": "fp16", "speedup_vs_fp32": 1.11}],
                        "expectations": [{"precision": "fp16", "measured_speedup": 1.23}]}, "claims": []}
     assert lab01_problems(data) and not lab01_problems({"tables": {"t": [{"run": "fp16", "speedup_vs_fp32": 1.1}]}})
+
+
+def _lab01(c1_at=4, c1_value=0.16, why="that is micro-batch 4 of the sweep", course_mb=4, sweep=(1, 4, 8)):
+    saving = {1: 0.0, 4: 0.16, 8: 0.22}
+    return {"notes": {"amp_dtype": "fp16"},
+            "tables": {"batch_sweep": [{"micro_batch": b, "memory_saving": saving[b]} for b in sweep],
+                       "precision_comparison": [{"run": "fp16", "micro_batch": 4, "memory_saving_vs_fp32": 0.16}],
+                       "course_expectations_vs_measured": [{"precision": "fp16", "micro_batch": course_mb,
+                                                            "measured_saving": 0.16}]},
+            "claims": [{"id": "C1", "measured": {"memory_saving": {"value": c1_value}}, "why": why,
+                        "extra": {"shown_at_micro_batch": c1_at}}]}
+
+
+def test_lab01_saving_check_fails_on_an_unlabelled_or_second_value():
+    """Issue 44's run: the sweep at 1 and 8 only, section 4's 16 % at micro-batch 4 unlabelled, C1 the median 11 %
+    citing micro-batch 4; and a printed sentence that disagrees with the sweep."""
+    nb = {"cells": [{"cell_type": "code", "outputs": [{"text": "saves 0% at micro-batch 1, 16% at micro-batch 4"}]}]}
+    assert lab01_saving_problems(_lab01(), nb) == []
+    found = "\n".join(lab01_saving_problems(_lab01(c1_at=None, c1_value=0.11, course_mb=None, sweep=(1, 8))))
+    assert "0.1100 in C1 names no micro-batch" in found and "C1's why cites micro-batch 4" in found
+    assert "course_expectations_vs_measured.measured_saving names no micro-batch" in found
+    assert "precision_comparison.memory_saving_vs_fp32 at micro-batch 4, which the sweep has not" in found
+    nb["cells"][0]["outputs"][0]["text"] = "saves 0% at micro-batch 1, 22% at micro-batch 4"
+    assert any("cell 0" in p for p in lab01_saving_problems(_lab01(), nb))
 
 
 def test_reader_check_finds_outside_documents_dead_paths_and_section_order(tmp_path):

@@ -9,6 +9,8 @@ import os
 
 import torch
 
+CPU_NATIVE = "oneDNN's {} matmuls use them, not autocast's casts or FP32 ops: a step can still be slower than FP32"
+
 
 def cuda_available() -> bool:
     return torch.cuda.is_available()
@@ -48,7 +50,7 @@ def bf16_support(device=None) -> tuple[bool, str]:
         with contextlib.suppress(Exception):  # absent from builds without oneDNN
             native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
         cap = torch.backends.cpu.get_cpu_capability()
-        return native, (f"this CPU ({cap}) has native BF16 instructions (oneDNN)" if native else
+        return native, (f"this CPU ({cap}) has native BF16 instructions: {CPU_NATIVE.format('BF16')}" if native else
                         f"this CPU ({cap}) has no native BF16: autocast would emulate bfloat16 (correct, but many "
                         f"times slower than FP32)")
     card, major = _card(device)
@@ -65,7 +67,7 @@ def fp16_support(device=None) -> tuple[bool, str]:
     with contextlib.suppress(Exception):  # absent from builds without oneDNN
         native = bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
     if native:
-        return True, "this CPU has native FP16 instructions (AVX512-FP16 / AMX-FP16)"
+        return True, f"this CPU has native FP16 instructions (AVX512-FP16 / AMX-FP16): {CPU_NATIVE.format('FP16')}"
     return False, ("this CPU has no FP16 arithmetic (no AVX512-FP16 / AMX-FP16): autocast's FP16 is emulated, each "
                    "matmul converting to FP32 inside, far slower than FP32 itself")
 

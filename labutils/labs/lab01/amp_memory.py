@@ -125,8 +125,7 @@ def dtype_rows(mem: dict) -> list[dict]:
 
 
 def plot_memory_breakdown(mem: dict, title: str):
-    """One stacked bar per measurement (model state, weight copies, saved activations; the dtypes measured in the
-    legend) and its peak as a black line, with the phase it falls in."""
+    """A stacked bar per measurement (state, weight copies, activations; dtypes in the legend), its peak and phase."""
     import matplotlib.pyplot as plt
 
     d = lambda k: "/".join(sorted({m["dtypes"].get(k, "-") for m in mem.values()}))  # noqa: E731
@@ -157,16 +156,24 @@ def plot_memory_breakdown(mem: dict, title: str):
     return fig
 
 
+def memory_saving(base, r) -> float | None:
+    """1 - peak / ``base``'s peak, None unless both ran: every saving lab 01 shows (sections 4, 5, 9 and C1)."""
+    ok = r.ok and base.ok and r.peak_memory_bytes and base.peak_memory_bytes
+    return 1 - r.peak_memory_bytes / base.peak_memory_bytes if ok else None
+
+
 def batch_sweep(cfgs: dict, rows: dict, reuse: dict, device, amp: str, budget_bytes: int | None = None,
                 steps: int = 12) -> tuple[dict, list[dict]]:
     """Each of ``rows`` ({label: overrides}) run by ``lu.run`` for ``steps`` steps (CPU: within ``budget_bytes``), or
-    ``reuse``'s run at that micro-batch: ({label: RunResult}, per micro-batch: status, peak, saving, speed-up)."""
+    ``reuse``'s run at that micro-batch; ``reuse``'s pair is a point too: ({label: RunResult}, row per micro-batch)."""
     from ...verdicts import claims as cl
     from ...core.train import run
 
     kw = cpu_budget_kwargs(budget_bytes, device) if budget_bytes is not None else {}
+    pair4 = {f"{p} x {r.config['train']['micro_batch_size']}": {"train.precision": p, "train.micro_batch_size":
+            r.config["train"]["micro_batch_size"]} for p, r in reuse.items() if p in (BASELINE, amp)}
     results, by = {}, {}
-    for label, ov in rows.items():
+    for label, ov in {**rows, **pair4}.items():
         p, b = ov["train.precision"], ov["train.micro_batch_size"]
         if p in reuse and reuse[p].config["train"]["micro_batch_size"] == b:
             results[label] = reuse[p]
@@ -183,7 +190,7 @@ def batch_sweep(cfgs: dict, rows: dict, reuse: dict, device, amp: str, budget_by
         table.append({"micro_batch": b, "fp32_status": r32.status, f"{amp}_status": ra.status,
                       "fp32_peak_bytes": r32.peak_memory_bytes if r32.ok else None,
                       f"{amp}_peak_bytes": ra.peak_memory_bytes if ra.ok else None,
-                      "memory_saving": 1 - ra.peak_memory_bytes / r32.peak_memory_bytes if ok else None,
+                      "memory_saving": memory_saving(r32, ra), "section_4_pair": r32 is reuse.get(BASELINE),
                       "fp32_target_tokens_per_s": r32.target_tokens_per_second,
                       f"{amp}_target_tokens_per_s": ra.target_tokens_per_second,
                       "speedup_vs_fp32": 1 / ratio if ratio else None, "fp32_mfu": r32.mfu, f"{amp}_mfu": ra.mfu})
@@ -226,10 +233,10 @@ def plot_batch_sweep(rows: list[dict], amp: str, budget_bytes: int | None, timed
 
 
 def sweep_sentence(rows: list[dict], amp: str, mem: dict) -> str:
-    """The sweep in one sentence: the saving per micro-batch, where the smallest one's FP32 peak falls and what it
-    holds then (``mem``: :func:`measure_step_memory` results), the OOM rows."""
+    """The sweep in a sentence: the saving per micro-batch, what the smallest one's FP32 peak holds (``mem``), OOMs."""
     saved = [r for r in rows if r["memory_saving"] is not None]
-    text = f"{amp} saves " + ", ".join(f"{r['memory_saving']:.0%} at micro-batch {r['micro_batch']}" for r in saved)
+    text = f"{amp} saves " + ", ".join(f"{r['memory_saving']:.0%} at micro-batch {r['micro_batch']}"
+                                       + (" (section 4's runs)" if r.get("section_4_pair") else "") for r in saved)
     small = min((m for m in mem.values() if m["precision"] == BASELINE), key=lambda m: m["micro_batch"], default=None)
     if small is not None:
         state = (small["weights"] + small["gradients"] + small["optimizer"]) / small["peak"]

@@ -3,14 +3,13 @@
 :mod:`labutils.labs.lab01.amp_memory` and :mod:`labutils.labs.lab01.op_profile` (labs 01 and 04: ``am.``). """
 from __future__ import annotations
 
-import statistics
 from dataclasses import replace
 
 import torch
 
 from ...verdicts import claims as cl
 from .amp_memory import (batch_sweep, dtype_rows, measure_step_memory, memory_breakdown_rows,  # noqa: F401
-                         plot_batch_sweep, plot_memory_breakdown, saved_tensor_census, sweep_sentence)
+                         memory_saving, plot_batch_sweep, plot_memory_breakdown, saved_tensor_census, sweep_sentence)
 from ...core.env import matmul_precision
 from ...core.memory import fmt_bytes
 from .op_profile import (OpProfile, gpu_busy, op_group, op_group_rows, op_profile, plot_op_groups,  # noqa: F401
@@ -23,8 +22,7 @@ SPEEDUP = "speedup_vs_fp32"            # by "run" = the precision), in this colu
 
 
 def speed_evidence(base, r, names: tuple[str, str], gpu_busy: float | None = None) -> tuple[float | None, cl.Evidence]:
-    """The speed-up of ``r`` over ``base`` (median over median step time) and its evidence: pair, hardware, timed
-    steps, noise (``spread``, +- in x) and ``gpu_busy`` (:func:`labutils.labs.lab01.op_profile.gpu_busy`), if known."""
+    """The speed-up of ``r`` over ``base`` (median over median step time), its evidence with noise and ``gpu_busy``."""
     ratio, ev = cl.run_pair_evidence(base, r, names)  # no ratio: no spread either
     spread = ev.spread / ratio ** 2 if ratio and ev.spread is not None else None
     return (1 / ratio if ratio else None), replace(ev, gpu_busy=gpu_busy, spread=spread)
@@ -80,21 +78,21 @@ def skipped_result(cfg, reason: str, device=None):
 
 
 def comparison_rows(runs: dict, speed_rows: list[dict], baseline: str = "fp32") -> list[dict]:
-    """One row per run: loss, time of all steps, throughput, TFLOP/s and MFU over the timed steps, peak memory and
-    its saving against ``baseline``, and the step time and speed-up of ``speed_rows`` (read, not measured again)."""
+    """One row per run: micro-batch, loss, time of all steps, throughput, TFLOP/s and MFU over the timed steps, peak
+    memory and its saving against ``baseline``, the step time and speed-up of ``speed_rows`` (read, not measured)."""
     base = runs[baseline]
     speed = {r["precision"]: r for r in speed_rows}
     rows = []
     for label, r in runs.items():
         d, sp = r.to_dict(), speed.get(label, {})
-        rows.append({"run": label, "status": r.status, "avg_loss": d["avg_loss"], "final_loss": d["final_loss"],
+        rows.append({"run": label, "status": r.status, "micro_batch": r.config["train"]["micro_batch_size"],
+            "avg_loss": d["avg_loss"], "final_loss": d["final_loss"],
             "time_all_steps_s": sum(r.step_times) if r.ok else None,
             "median_step_ms": sp.get("median_step_ms"), "step_noise": sp.get("step_noise"),
             "target_tokens_per_s": r.target_tokens_per_second, "tflops": r.achieved_tflops, "mfu": r.mfu,
             "peak_memory_bytes": r.peak_memory_bytes if r.ok else None,
             SPEEDUP: sp.get(SPEEDUP), "speedup_noise": sp.get("speedup_noise"),
-            "memory_saving_vs_fp32": 1 - r.peak_memory_bytes / base.peak_memory_bytes
-            if r.ok and base.ok and r.peak_memory_bytes and base.peak_memory_bytes else None,
+            "memory_saving_vs_fp32": memory_saving(base, r),
             "skipped_steps": r.skipped_steps if r.ok else None, "note": r.error or ""})
     return rows
 
@@ -106,13 +104,13 @@ def comparison_display(rows: list[dict]) -> list[dict]:
              "median step [ms]": "-" if r["median_step_ms"] is None else
              f"{r['median_step_ms']:.3g} +- {pct(r['step_noise'])}",
              "speed-up vs FP32": speed_words(r[SPEEDUP], r["speedup_noise"]) if r["run"] != BASELINE else "1 (baseline)",
-             "peak_memory_bytes": r["peak_memory_bytes"], "saving vs FP32": pct(r["memory_saving_vs_fp32"])}
+             "peak_memory_bytes": r["peak_memory_bytes"], f"saving at micro-batch {r['micro_batch']}":
+             pct(r["memory_saving_vs_fp32"])}
             for r in rows]
 
 
 def speed_sentence(rows: list[dict], timed_on: str, emulated: dict) -> str:
-    """The line under the comparison: the largest loss difference to FP32, where it was timed, and which of the runs
-    this device only emulates (``emulated``: {precision: reason})."""
+    """The line under the comparison: largest loss difference to FP32, where timed, the runs ``emulated`` here."""
     base = next(r for r in rows if r["run"] == BASELINE)
     diffs = [abs(r["final_loss"] - base["final_loss"]) for r in rows if r["status"] == "ok" and r["run"] != BASELINE]
     text = (f"final losses within {max(diffs):.4f} of FP32's (same data and seed)" if diffs and base["final_loss"]
@@ -124,8 +122,7 @@ def speed_sentence(rows: list[dict], timed_on: str, emulated: dict) -> str:
 
 
 def matmul_tflops(m: int, k: int, n: int, precision: str, device: torch.device, min_run_time: float = 0.2) -> float:
-    """Achieved TFLOP/s of an (m x k) @ (k x n) matmul in ``precision`` (tf32: FP32 tensors, TF32 math), timed with
-    ``torch.utils.benchmark`` (which synchronises CUDA)."""
+    """Achieved TFLOP/s of an (m x k) @ (k x n) matmul in ``precision`` (tf32: TF32 math), by torch.utils.benchmark."""
     from torch.utils import benchmark
 
     dtype = get(precision).dtype
@@ -163,8 +160,7 @@ def speed_reading_rows(speed_rows: list[dict], big: dict, precisions: list, hard
 
 
 def mfu_reading(points: list, amp: str, gpu_name: str | None) -> str:
-    """The MFU of the ``amp`` runs ``[(micro_batch, result), ...]`` (smallest first): is the small batch
-    launch-bound? Or why no MFU was computed."""
+    """The MFU of the ``amp`` runs ``[(micro_batch, result), ...]``: is the small batch launch-bound? (or why none)"""
     if not points:
         return f"MFU not computed: {peak_info(gpu_name, amp)[1]}."
     (b_lo, r_lo), (b_hi, r_hi) = points[0], points[-1]
@@ -179,14 +175,13 @@ def mfu_reading(points: list, amp: str, gpu_name: str | None) -> str:
 def course_rows(runs: dict, speed_rows: list[dict], expected: dict, baseline: str = "fp32",
                 gpu_busy: float | None = None) -> list[dict]:
     """The course's expected results (``expected``: {precision: (peak GB, speed vs FP32)}) beside this run's peak
-    (GB = 1e9 bytes), saving and speed-up (``speed_rows``), with C2's rule applied to each speed-up."""
+    (GB = 1e9 bytes), saving at its micro-batch and speed-up (``speed_rows``), with C2's rule applied to each."""
     base = runs[baseline]
     speed = {r["precision"]: r for r in speed_rows}
     rows = []
     for p, (gb, claimed_speed) in expected.items():
         r = runs[p]
-        ok = r.ok and base.ok
-        speedup = speed.get(p, {}).get(SPEEDUP) if ok else None
+        speedup = speed.get(p, {}).get(SPEEDUP)  # None unless both ran
         if not r.ok:
             verdict = f"not measured: {r.status}"
         elif p == baseline:
@@ -194,9 +189,9 @@ def course_rows(runs: dict, speed_rows: list[dict], expected: dict, baseline: st
         else:
             ev = speed_evidence(base, r, (baseline, p), gpu_busy if get(p).amp else None)[1]
             verdict = cl.verdict("C2", {"speedup": speedup}, ev)[0]
-        rows.append({"precision": p, "course_peak_GB": gb, "measured_peak_GB": r.peak_memory_bytes / 1e9 if r.ok
-                     else None, "course_saving": 1 - gb / expected[baseline][0],
-                     "measured_saving": 1 - r.peak_memory_bytes / base.peak_memory_bytes if ok else None,
+        rows.append({"precision": p, "micro_batch": r.config["train"]["micro_batch_size"], "course_peak_GB": gb,
+                     "measured_peak_GB": r.peak_memory_bytes / 1e9 if r.ok else None, "measured_saving":
+                     memory_saving(base, r), "course_saving": 1 - gb / expected[baseline][0],
                      "course_speedup": claimed_speed, "measured_speedup": speedup, "speed_verdict": verdict})
     return rows
 
@@ -204,22 +199,24 @@ def course_rows(runs: dict, speed_rows: list[dict], expected: dict, baseline: st
 def c1_c2_claims(runs: dict, cond: dict, *, amp: str, speed_rows: list[dict] | None = None,
                  model_state: int | None = None, fp16_matmul_x: float | None = None, sweep_rows=(),
                  gpu_busy: float | None = None) -> list[dict]:
-    """C1 and C2 as recorded claims. C1: ``amp`` against fp32 over the batch sweep (``sweep_rows``; shown: the median
-    saving), ``model_state`` (FP32 state bytes) its reason. C2: fp16 against fp32 at the config's batch."""
+    """C1: ``amp`` vs fp32 over the batch sweep (``sweep_rows``), shown at section 4's micro-batch (else the sweep's
+    largest) with ``model_state``'s share of that FP32 peak. C2: fp16 vs fp32 at the config's batch."""
     base, r16 = runs["fp32"], runs["fp16"]
-    savings = {r["micro_batch"]: r["memory_saving"] for r in sweep_rows if r["memory_saving"] is not None}
-    if savings:
-        share = model_state / base.peak_memory_bytes if model_state is not None and base.ok else None
-        reason = (f"FP32 weights, gradients and AdamW state ({fmt_bytes(model_state)}) are {share:.0%} of the FP32 "
-                  f"peak at micro-batch {base.config.get('train', {}).get('micro_batch_size')} and autocast does not "
-                  f"shrink them" if share is not None else None)
+    sweep = {r["micro_batch"]: r for r in sweep_rows if r["memory_saving"] is not None}
+    if sweep:
+        savings = {m: r["memory_saving"] for m, r in sweep.items()}
+        b = next((m for m in (base.config["train"]["micro_batch_size"],) if m in sweep), max(sweep))  # section 4's
+        share = model_state / sweep[b]["fp32_peak_bytes"] if model_state and sweep[b].get("fp32_peak_bytes") else None
+        reason = f"that is micro-batch {b} of the sweep" + (f", where FP32 weights, gradients and AdamW state ("
+                                                             f"{fmt_bytes(model_state)}) are {share:.0%} of the FP32 "
+                                                             f"peak and autocast does not shrink them" if share else "")
         bs = sorted(savings)
         accumulation = str(cond.get("batch") or "").partition(" x ")[2] or "1"
-        c1_cond = {**cond, "precision": f"{amp} vs fp32", "batch": " / ".join(f"{b} x {accumulation}" for b in bs)}
-        c1 = cl.claim_entry("C1", {"memory_saving": statistics.median(savings.values())}, c1_cond, reason=reason,
+        c1_cond = {**cond, "precision": f"{amp} vs fp32", "batch": " / ".join(f"{m} x {accumulation}" for m in bs)}
+        c1 = cl.claim_entry("C1", {"memory_saving": savings[b]}, c1_cond, reason=reason,
                             evidence=cl.Evidence(pair=(f"fp32 at micro-batch {bs}", f"{amp} at micro-batch {bs}"),
-                                                 sweep=savings, note="value shown: the median over the sweep"),
-                            extra={f"{amp}_saving_by_micro_batch": savings,
+                                                 sweep=savings, note=f"value shown: micro-batch {b}"),
+                            extra={f"{amp}_saving_by_micro_batch": savings, "shown_at_micro_batch": b,
                                    **({"model_state_share_of_fp32_peak": share} if share is not None else {})})
     else:
         c1 = cl.not_measured("C1", f"no micro-batch of the sweep ran in both fp32 and {amp}",

@@ -122,8 +122,7 @@ def gpu_busy(profile: OpProfile, step_seconds: float | None) -> float | None:
 
 
 def op_group_rows(profiles: dict, baseline: str = "fp32") -> list[dict]:
-    """One row per op group (then memory-bound, then all ops) of ``profiles`` ``{precision: OpProfile}``: time per
-    step, share of the total, calls per step, and each other precision's op-time speed-up (not a step speed-up)."""
+    """Per op group (then memory-bound, all ops) of ``profiles``: time, share, calls per step, op-time speed-ups."""
     rows = []
     for label, members in [(g, (g,)) for g in OP_GROUPS] + [("memory-bound (elementwise + casts)", MEMORY_BOUND),
                                                             ("all ops", OP_GROUPS)]:
@@ -140,8 +139,7 @@ def op_group_rows(profiles: dict, baseline: str = "fp32") -> list[dict]:
 
 
 def top_op_rows(profile: OpProfile, n: int = 5) -> list[dict]:
-    """The ``n`` operators with the most self time per step: group, calls, time, share of the step's op time, the
-    dtypes of their first floating-point input, and the time spent with FP32 inputs outside the optimizer step."""
+    """The ``n`` ops with the most self time per step: group, calls, time, share, input dtypes, FP32-input time."""
     return [{"rank": i, "op": r["op"], "group": r["group"], "calls": r["calls"], "ms": r["ms"],
              "share": r["ms"] / profile.total_ms if profile.total_ms else None,
              "input_dtypes": r.get("dtypes", "-"), "fp32_input_ms": r["fp32_input_ms"]}
@@ -201,8 +199,7 @@ def profile_reading(profiles: dict, amp: str, activation: str, baseline: str = "
 
 
 def step_time_rows(times: dict, baseline: str = "before") -> list[dict]:
-    """One row per run ``{label: [seconds per timed step]}``: median step time and its noise, the timed steps, and
-    the speed-up over ``baseline`` with its noise (:func:`labutils.verdicts.claims.timed_ratio`)."""
+    """Per run ``{label: [timed step seconds]}``: median step time, noise, steps, speed-up over ``baseline``, noise."""
     rows = []
     for label, ts in times.items():
         t = cl.timed_ratio(times[baseline], ts)

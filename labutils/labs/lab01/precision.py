@@ -213,15 +213,13 @@ def plot_loss_scale(steps: list, scales: list, skipped: list, title: str, inject
 
 
 def loss_scale_rows(run, inject: set) -> list[dict]:
-    """One row per step of an fp16 run: loss scale, skipped, injected overflow, loss. Steps numbered from 1
-    (``run.skipped`` and ``inject`` count from 0, as labutils.core.train does)."""
+    """One row per step of an fp16 run, numbered from 1 (``inject`` from 0): loss scale, skipped, injected, loss."""
     return [{"step": i + 1, "loss_scale": s, "skipped": i in run.skipped, "injected": i in inject, "loss": l}
             for i, (s, l) in enumerate(zip(run.loss_scales, run.losses))]
 
 
 def guarded(fn, *args, **kw):
-    """Run one of the notebook's hand-written experiments: an out-of-memory error becomes ``None`` (the reason
-    is printed and the notebook carries on), and memory is released either way."""
+    """Run a hand-written experiment: an OOM becomes ``None`` (its reason printed); memory is released either way."""
     from ...core.memory import oom_caught, release
 
     try:
