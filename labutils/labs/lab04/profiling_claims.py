@@ -11,13 +11,12 @@ from ...core.memory import fmt_bytes
 ZERO2_OFFLOAD_ACCELERATE = "configs/accelerate/deepspeed_zero2_offload.yaml"
 
 
-def c6_sides(tech_cfg, pair: dict, budget_bytes: int, device: str) -> dict:
-    """C6's sides (``pair``: {name: overrides}, FP32 first) sized by the estimator to fit ``budget_bytes`` (the lab's
+def c6_sides(tech_cfg, pair: dict, budget: int, device: str) -> dict:
+    """C6's sides (``pair``: {name: overrides}, FP32 first) sized by the estimator to fit ``budget`` bytes (the lab's
     8 GB card; smoke: its scale model): FP32 as one micro-batch of E, the largest even E up to the config's effective
     batch that fits, the techniques as E/2 x 2; at the config's sequence, else 3/4 or 1/2 of it: the first with E>=2."""
     for c in (tech_cfg.override({"data.seq_length": tech_cfg.data.seq_length * n // 4}) for n in (4, 3, 2)):
-        limit = tech_cfg.effective_batch_size
-        if (E := est.largest_batch(c, budget_bytes, device=device, context_bytes=0, limit=limit) // 2 * 2) >= 2:
+        if (E := est.largest_batch(c, budget, device=device, context_bytes=0, limit=c.effective_batch_size)//2*2) > 1:
             break
     sides = {name: {**o, "train.micro_batch_size": max(E, 2) // (1 + i), "train.accumulation_steps": 1 + i}
              for i, (name, o) in enumerate(pair.items())}  # none fits: the smallest plan runs, its OOM is recorded
@@ -51,7 +50,7 @@ def _c6_run(c, loop, device, budget_bytes: int | None = None) -> dict:
 
 def c6_claim(tech_cfg, loop, info: dict, pair: dict, *, amp: str = "fp16", budget_bytes: int) -> tuple:
     """(C6 entry, its conditions): FP32 against all three techniques (``pair``: {name: overrides}) at one effective
-    batch with the notebook's ``loop``, both sized by :func:`c6_sides` to fit ``budget_bytes`` (a GPU: under its cap)."""
+    batch with the notebook's ``loop``, both sized by :func:`c6_sides` to fit ``budget_bytes`` (a GPU: capped)."""
     device = info["device"]
     warm = tech_cfg.train.timing_warmup_steps
     # a GPU gets enough timed steps for a speed verdict; a CPU's time is never judged, so a few steps do
