@@ -12,7 +12,8 @@ showing it fails on the defect it looks for:
 - the clip-before-unscale_ line quotes the ratio S x min(|g| / max_norm, 1) that torch's update measured (it said
   "about S times" next to 17,424x, with S = 65536);
 - the saving at micro-batch 1 comes with the phase its FP32 peak falls in (the optimizer step in smoke), as measured;
-- no op of the profile is given a speed-up of its own ("aten::mul still read FP32 inputs (op speed-up 2.15x)").
+- no op of the profile is given a speed-up of its own ("aten::mul still read FP32 inputs (op speed-up 2.15x)");
+- on a CPU no speed-up is worded faster or slower (issue 44 §1: "0.12x +- 0.01, slower" from CPU timing).
 """
 from __future__ import annotations
 
@@ -52,6 +53,8 @@ def lab01_problems(data: dict, nb: dict) -> list[str]:
             problems.append(f"{r['run']}: {x:.2f}x inside its noise +-{noise:.2f} not read as 'not decided': {line!r}")
         if "no difference" in line:
             problems.append(f"{r['run']}: 'no difference' printed: {line!r}")
+        if (data.get("env") or {}).get("device") == "cpu" and re.search(r"\b(faster|slower)\b", line):
+            problems.append(f"{r['run']}: CPU timing worded as a speed difference: {line!r}")
     native = (data.get("notes") or {}).get("native", {})
     ran = {r["run"] for r in tables.get("precision_comparison", []) if r["status"] == "ok"}
     for p, why in native.items():
@@ -125,6 +128,10 @@ def test_the_checks_pass_on_a_lesson_and_fail_on_each_defect():
     for key, bad in defects.items():
         found = "\n".join(lab01_problems(*_fixture(**{key: bad})))
         assert all(e in found for e in expect[key]), (key, found)
+    data, nb = _fixture(table="| run | median step [ms] |\n| fp32 | 176 +- 7% |\n"
+                              "| fp16 | 855 +- 12% | 0.12x +- 0.01, slower |")
+    data["env"] = {"device": "cpu"}  # issue 44 §1: a CPU's speed-up is shown, never worded faster or slower
+    assert any("CPU timing worded" in p for p in lab01_problems(data, nb)), lab01_problems(data, nb)
     data, nb = _fixture()
     nb["cells"][0]["outputs"].append({"text": "aten::mul 0.63 ms (op speed-up 2.15x)"})
     assert any("op speed-up" in p for p in lab01_problems(data, nb))

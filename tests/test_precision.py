@@ -133,6 +133,7 @@ def test_a_speed_up_inside_its_noise_is_not_decided_never_no_difference():
     assert am.speed_words(0.97, 0.05).endswith("not decided")
     assert am.speed_words(1.20, 0.05).endswith("faster") and am.speed_words(0.80, 0.05).endswith("slower")
     assert "no difference" not in am.speed_words(1.0, 0.0) and "unknown" in am.speed_words(1.2, None)
+    assert am.speed_words(0.12, 0.01, judged=False) == "0.12x +- 0.01, CPU timing: not judged"
 
 
 def test_fp16_on_a_cpu_says_whether_it_is_emulated():

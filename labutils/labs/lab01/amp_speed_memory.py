@@ -57,15 +57,15 @@ def speed_label(hardware: str) -> str:
     return "CPU timing, not a GPU result" if cl.on_cpu(hardware) else f"timed on {hardware}"
 
 
-def speed_words(x: float | None, noise: float | None) -> str:
+def speed_words(x: float | None, noise: float | None, judged: bool = True) -> str:
     """A speed-up with its noise (+- in x), worded by both: within its noise "not decided" (the run cannot tell it
-    from 1.00x), never "no difference"; outside it, faster or slower."""
+    from 1.00x), never "no difference"; outside it, faster or slower; CPU timing (``judged`` False): neither."""
     if x is None:
         return "not measured"
     if noise is None:
         return f"{x:.2f}x (noise unknown)"
     verdict = "within its noise: not decided" if abs(x - 1) <= noise else "faster" if x > 1 else "slower"
-    return f"{x:.2f}x +- {noise:.2f}, {verdict}"
+    return f"{x:.2f}x +- {noise:.2f}, {verdict if judged else 'CPU timing: not judged'}"
 
 
 def skipped_result(cfg, reason: str, device=None):
@@ -97,13 +97,13 @@ def comparison_rows(runs: dict, speed_rows: list[dict], baseline: str = "fp32") 
     return rows
 
 
-def comparison_display(rows: list[dict]) -> list[dict]:
-    """:func:`comparison_rows` as a reader sees them: each time and speed-up with its noise beside it."""
-    pct = lambda v: "-" if v is None else f"{v:.0%}"  # noqa: E731
+def comparison_display(rows: list[dict], hardware: str) -> list[dict]:
+    """:func:`comparison_rows` as read: times and speed-ups, noise beside them (on a CPU not worded faster/slower)."""
+    pct, judged = (lambda v: "-" if v is None else f"{v:.0%}"), not cl.on_cpu(hardware)
     return [{"run": r["run"], "status": r["status"], "final loss": r["final_loss"],
              "median step [ms]": "-" if r["median_step_ms"] is None else
-             f"{r['median_step_ms']:.3g} +- {pct(r['step_noise'])}",
-             "speed-up vs FP32": speed_words(r[SPEEDUP], r["speedup_noise"]) if r["run"] != BASELINE else "1 (baseline)",
+             f"{r['median_step_ms']:.3g} +- {pct(r['step_noise'])}", "speed-up vs FP32": "1 (baseline)"
+             if r["run"] == BASELINE else speed_words(r[SPEEDUP], r["speedup_noise"], judged),
              "peak_memory_bytes": r["peak_memory_bytes"], f"saving at micro-batch {r['micro_batch']}":
              pct(r["memory_saving_vs_fp32"])}
             for r in rows]
