@@ -1,5 +1,5 @@
 """Legends that hide something (the H200 run's every_k figure: two legends side by side below its panels, the right
-one over the other and off the figure). :func:`labutils.core.figures.overlapping_legends` measures the drawn figure
+one over the other and off the figure). :func:`labutils.core.figures.unseen` measures the drawn figure
 (matplotlib's own window extents); ``record_results`` prints a warning for each problem, and no lab's figure may
 have one in the session's run."""
 import json
@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 import labutils as lu  # noqa: E402
-from labutils.core.figures import legend_outside, overlapping_legends  # noqa: E402
+from labutils.core.figures import legend_outside, unseen  # noqa: E402
 from labutils.labs.registry import IDS as LABS  # noqa: E402
 
 
@@ -26,7 +26,7 @@ def two_panels(labels=3):
 def test_a_legend_set_outside_onto_the_next_panel_is_found():
     fig, (left, right) = two_panels()
     legend_outside(left)
-    assert overlapping_legends(fig) == ["legend 1 covers panel 2"]
+    assert unseen(fig) == ["legend 1 covers panel 2"]
     plt.close(fig)
 
 
@@ -35,7 +35,7 @@ def test_two_figure_legends_over_each_other_are_found():
     ax.plot([0, 1], [0, 1], label="x" * 40)
     fig.legend(loc="lower left", bbox_to_anchor=(0, -0.2))
     fig.legend(loc="lower left", bbox_to_anchor=(0.3, -0.2))
-    assert overlapping_legends(fig) == ["legends 1 and 2 overlap"]
+    assert unseen(fig) == ["legends 1 and 2 overlap"]
     plt.close(fig)
 
 
@@ -46,7 +46,21 @@ def test_legends_in_their_own_panel_or_beside_the_last_one_pass():
     twin = left.twinx()  # a twin axis shares its panel: a legend there is inside its own panel
     twin.plot([0, 1], [1, 0], label="other scale")
     twin.legend(loc="lower right")
-    assert overlapping_legends(fig) == []
+    assert unseen(fig) == []
+    plt.close(fig)
+
+
+def test_a_curve_drawn_over_another_in_the_same_style_is_found():
+    """Issue 44 §7: lab 01's fp32, fp16 and bf16 losses agree within 3e-4, so one line hid the other two while the
+    legend listed three. Breaks if such a curve is not found, or if one told apart by its style (a dashed line with
+    markers over a solid one) or by its values is."""
+    fig, ax = plt.subplots(figsize=(4, 3))
+    ax.plot([1, 2, 3], [5.0, 4.0, 3.0], label="fp32")
+    ax.plot([1, 2, 3], [5.0, 4.0003, 3.0], label="fp16")
+    ax.plot([1, 2, 3], [5.2, 4.5, 3.5], label="another run")
+    assert unseen(fig) == ["panel 1: 'fp16' hides 'fp32'"]
+    ax.lines[1].set(linestyle="--", marker="o")
+    assert unseen(fig) == []
     plt.close(fig)
 
 
@@ -60,7 +74,7 @@ def test_record_results_warns_of_a_hidden_legend(tmp_path, capsys):
 
 @pytest.mark.parametrize("lab", [pytest.param(lab, marks=pytest.mark.regen_labs(lab)) for lab in LABS])
 def test_no_lab_figure_hides_a_legend(lab):
-    """Every figure every lab records, drawn as saved: no warning from overlapping_legends in the executed copy."""
+    """Every figure every lab records, drawn as saved: no warning from unseen in the executed copy."""
     from tests import regen_once
 
     run = regen_once.run_for([lab])

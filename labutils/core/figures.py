@@ -25,14 +25,24 @@ def legend_outside(ax, **kwargs):
     return ax.legend(bbox_to_anchor=(1.01, 1), loc="upper left", borderaxespad=0.0, **kwargs)
 
 
-def overlapping_legends(fig) -> list[str]:
+def unseen(fig) -> list[str]:
     """What a reader could not see on ``fig`` as drawn: a legend over another legend, or over a panel other than its
-    own (two legends side by side under the panels, or one set outside its panel onto the next)."""
+    own (two legends side by side under the panels, or one set outside its panel onto the next); a labelled curve
+    drawn over another in the same style, within 0.5 % of the panel's height at every point (lab 01's three losses)."""
+    import numpy as np
+
     fig.canvas.draw()
     legends = [(ax, ax.get_legend()) for ax in fig.axes if ax.get_legend()] + [(None, lg) for lg in fig.legends]
     boxes = [(own, lg.get_window_extent()) for own, lg in legends]
     found = [f"legends {i + 1} and {j + 1} overlap" for i, (_, a) in enumerate(boxes)
              for j, (_, b) in enumerate(boxes) if i < j and a.overlaps(b)]
+    for k, ax in enumerate(fig.axes):
+        lines = [(ln, np.asarray(ln.get_xydata(), float)) for ln in ax.get_lines() if ln.get_label()[:1] != "_"]
+        tol = 0.005 * abs(np.subtract(*ax.get_ylim()))
+        found += [f"panel {k + 1}: '{b.get_label()}' hides '{a.get_label()}'" for i, (a, xa) in enumerate(lines)
+                  for b, xb in lines[i + 1:] if len(xa) > 1 and xa.shape == xb.shape and np.allclose(xa[:, 0], xb[:, 0])
+                  and np.abs(xa[:, 1] - xb[:, 1]).max() <= tol
+                  and (a.get_linestyle(), a.get_marker()) == (b.get_linestyle(), b.get_marker())]
     return found + [f"legend {i + 1} covers panel {k + 1}" for i, (own, box) in enumerate(boxes)
                     for k, ax in enumerate(fig.axes) if ax is not own and box.overlaps(ax.get_window_extent())
                     and (own is None or ax.get_position().bounds != own.get_position().bounds)]  # a twin: its own

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .figures import overlapping_legends
+from .figures import unseen
 
 RESULTS_DIR = Path("results")
 SMOKE_DIR = Path(tempfile.gettempdir()) / "labutils-smoke"  # not the repository: smoke runs leave it unchanged
@@ -241,7 +241,7 @@ def record_results(notebook: str, tables: dict[str, list[dict]], figures: dict |
     stem = Path(notebook).stem
     fig_paths = []
     for name, fig in (figures or {}).items():
-        for problem in overlapping_legends(fig):
+        for problem in unseen(fig):
             print(f"warning: figure {name!r}: {problem}", file=sys.stderr)
         path = out / "figures" / f"{stem}-{name}.png"
         write_atomic(path, functools.partial(fig.savefig, format="png", dpi=110, bbox_inches="tight"))

@@ -211,13 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write the full result record as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_run)
-    p = sub.add_parser("bench", help="the course's path (the one loop) against a reference, a nanoGPT-style GPT-2 "
-                                     "with the same weights in a bare loop: step time of both (each run's median "
-                                     "step, spread over ABBA repeats), the ratio and its verdict (met / missed / not "
-                                     "decided); the other model.loss and, compiled, eager runs too, labelled")
+    p = sub.add_parser("bench", help="the one loop against a nanoGPT-style GPT-2 with the same weights in a bare loop: "
+                                     "median step times (spread over ABBA repeats), their ratio and its verdict")
     _add_config_args(p)
-    p.add_argument("--repeats", type=positive_int, default=5,
-                   help="runs of each loop, in ABBA order (default 5; fewer gives a spread worth little)")
+    p.add_argument("--repeats", type=positive_int, default=5, help="runs of each loop, in ABBA order (default 5)")
     p.add_argument("--json", metavar="PATH", help="write both sides' step times, spread and the ratio as JSON")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("estimate", help="predict memory (params, grads, optimizer, activations, peak) and advise")
@@ -225,8 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-gb", type=gpu_memory_gb, default=None, metavar="G",
                    help=f"memory to fit in, in GiB (default: this GPU's or its LAB_GPU_MEMORY_GB cap, else 8; "
                         f"{GPU_MEMORY_HELP})")
-    p.add_argument("--gpus", type=positive_int, default=8, metavar="N",
-                   help="also print per-GPU memory under DDP / ZeRO-1/2/3 for 1..N GPUs (default 8)")
+    p.add_argument("--gpus", type=positive_int, default=8, metavar="N", help="per-GPU memory under DDP / ZeRO, 1..N")
     p.add_argument("--json", metavar="PATH", help="write the estimate and recommendation as JSON")
     p.set_defaults(func=cmd_estimate)
     p = sub.add_parser("doctor", help="check this machine's GPU paths (run this first on a new machine)")
@@ -235,28 +231,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("regenerate", help="re-execute the lab notebooks and regenerate results tables and figures")
     p.add_argument("--smoke", action="store_true", help="smoke mode (tiny model, CPU is fine); never writes results/")
     p.add_argument("--only", metavar="01,03", help="comma-separated lab numbers (default: every lab)")
-    p.add_argument("--out", metavar="DIR", help="output folder (default: results/<this GPU>/, or a temp folder with "
-                                                "--smoke)")
-    p.add_argument("--notebooks", metavar="DIR", help="folder of the NN-*.ipynb notebooks to run, in that folder with "
-                                                      "its configs/ (default: the repository's labs; another folder "
-                                                      "never updates README.md)")
+    p.add_argument("--out", metavar="DIR", help="output folder (default: results/<this GPU>/; --smoke: a temp one)")
+    p.add_argument("--notebooks", metavar="DIR", help="folder of NN-*.ipynb notebooks to run there, with its configs/ "
+                                                      "(default: the checkout's labs; never updates README.md)")
     p.add_argument("--gpu-memory-gb", type=gpu_memory_gb, default=8.0, metavar="G",
                    help=f"cap CUDA memory to G GiB so any card behaves like the students' (default 8; "
                         f"{GPU_MEMORY_HELP})")
-    p.add_argument("--skip-doctor", action="store_true",
-                   help="full mode runs `python -m labutils doctor` first and stops if it fails; skip that check")
+    p.add_argument("--skip-doctor", action="store_true", help="do not run the doctor first (full mode runs it)")
     p.add_argument("--bench", nargs="?", const=5, type=positive_int, metavar="REPEATS",
                    help="after the labs, `bench configs/fast_config.yaml --repeats REPEATS` (default 5) into "
                         "<out>/bench.json (make gpu-results)")
     p.add_argument("--part", type=positive_int, metavar="K", help="run only the K-th command of the plan's sequence "
                    "(its doctor, labs, bench; regenerate --plan lists them): make gpu-results PART=K")
-    p.add_argument("--rehearse", action="store_true",
-                   help="the full run's whole path (plan, doctor, labs, bench, run.json) at smoke sizes, into --out or "
-                        "a temporary folder, never results/ or README.md: a dry run of make gpu-results")
-    p.add_argument("--plan", action="store_true", help="print the predicted time per lab on this GPU (or --gpu) "
-                                                       "and stop; a full run prints it first anyway")
-    p.add_argument("--render-only", action="store_true", help="run nothing: README-results.md (and, for results/, "
-                                                              "the README's blocks) from the results --out holds")
+    p.add_argument("--rehearse", action="store_true", help="the full run's path (plan, doctor, labs, bench) at "
+                   "smoke sizes, into --out or a temp folder, never results/ or README.md")
+    p.add_argument("--plan", action="store_true", help="print the predicted time per lab on this GPU (or --gpu)")
+    p.add_argument("--render-only", action="store_true", help="run nothing: the results page from --out's results")
     p.add_argument("--gpu", metavar="NAME", help="with --plan: the GPU to plan for, as torch names it "
                                                  "(e.g. 'NVIDIA H100 80GB HBM3'); runs on a CPU too")
     p.set_defaults(func=cmd_regenerate)
