@@ -191,7 +191,7 @@ def test_a_lab_run_saved_and_reopened_shows_no_stale_bar_widget_error_or_console
                 outputs = cell.locator(".jp-OutputArea-output")
                 text = "\n".join(outputs.all_text_contents())
                 problems += [f"cell {i} after its run: progress bar left on screen: {b!r}" for b in bars_in(text)]
-                for w in cell.locator(f".jp-OutputArea-output[data-mime-type='{WIDGET}']").all():
+                for w in outputs.filter(has=page.locator(".jupyter-widgets")).all():  # a closed one is empty
                     red = " red (bar_style danger)" * bool(w.locator(".progress-bar-danger").count())
                     problems.append(f"cell {i} after its run: a{red} widget left in its output: "
                                     f"{' '.join((w.text_content() or '').split())!r}")
