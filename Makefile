@@ -8,6 +8,9 @@
 #   make test-regen-all the acceptance test alone: regenerate all four notebooks in smoke mode (minutes)
 #   make test-interrupts every measuring cell of every lab interrupted partway in a real kernel, re-run, and its
 #                       memory columns compared with a clean re-run's (CI interrupts one cell per lab; ~8 min)
+#   make test-browser   one lab (LAB_BROWSER_LAB=01) run cell by cell in JupyterLab in headless Chromium (Playwright;
+#                       needs Debian's chromium and pip's playwright), saved and reopened: fails on a widget error, a
+#                       progress bar left on screen, a console error or an error output (~2-3 min; not in CI)
 #   make gpu-wheels     here, online: the wheels a lent GPU machine's image lacks (Jupyter's kernel and client, GPT-2's
 #                       BPE files), for CPython $(GPU_PYTHON) on x86-64 Linux, into .whl/ (git-ignored)
 #   make gpu-results    on a GPU, offline: .whl/ installed into a temp folder if present, then the time plan, doctor,
@@ -38,7 +41,7 @@ WHEELS ?= .whl
 # what the lent machines' image already holds of those wheels' dependencies (installing them again would shadow it)
 GPU_IMAGE_HAS ?= attrs packaging psutil pygments python_dateutil six typing_extensions
 
-.PHONY: results smoke-results test test-regen-all test-interrupts gpu-wheels gpu-results
+.PHONY: results smoke-results test test-regen-all test-interrupts test-browser gpu-wheels gpu-results
 
 results:
 	$(PYTHON) -m labutils regenerate --gpu-memory-gb $(GPU_MEMORY_GB) $(if $(ONLY),--only $(ONLY)) $(OUT_ARG)
@@ -54,6 +57,9 @@ test-regen-all:
 
 test-interrupts:
 	LAB_SMOKE=1 LAB_INTERRUPT_ALL=1 $(PYTHON) -m pytest -q -p no:randomly tests/test_interrupts.py
+
+test-browser:
+	LAB_BROWSER=1 $(PYTHON) -m pytest -q -s -p no:randomly -p no:xdist tests/browser
 
 gpu-wheels:
 	rm -rf .whl
