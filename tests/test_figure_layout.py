@@ -64,6 +64,15 @@ def test_a_curve_drawn_over_another_in_the_same_style_is_found():
     plt.close(fig)
 
 
+def test_a_figure_wider_than_the_output_area_is_found():
+    """Issue 44 §7: figures 12-15 in wide were shrunk to 67-85 % in JupyterLab's ~1,000-pixel output area (at
+    matplotlib's 100 dpi), their labels 6-7 px. Breaks if such a figure passes, or a 10-in one is flagged."""
+    for width, found in ((14, ["14 in wide: shrunk to 71% in a 1,000-px output area"]), (10, [])):
+        fig, ax = plt.subplots(figsize=(width, 3))
+        assert unseen(fig) == found
+        plt.close(fig)
+
+
 def test_record_results_warns_of_a_hidden_legend(tmp_path, capsys):
     fig, (left, right) = two_panels()
     legend_outside(left)

@@ -3,6 +3,8 @@ keeps 0-based indices; :func:`step_numbers` adds 1), step axes get integer ticks
 no data (``loc="best"``, or :func:`legend_outside` where a panel has no free corner)."""
 from __future__ import annotations
 
+import numpy as np
+
 FIRST_STEP = 1  # the number of the first optimizer step in every figure
 
 
@@ -13,9 +15,7 @@ def step_numbers(values) -> range:
 
 def step_axis(ax, label: str = "optimizer step"):
     """Label the x axis as a step axis and give it integer ticks only (no 1.5 steps). Returns ``ax``."""
-    from matplotlib.ticker import MaxNLocator
-
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.xaxis.set_label_text(label)
     return ax
 
@@ -26,16 +26,15 @@ def legend_outside(ax, **kwargs):
 
 
 def unseen(fig) -> list[str]:
-    """What a reader could not see on ``fig`` as drawn: a legend over another legend, or over a panel other than its
-    own (two legends side by side under the panels, or one set outside its panel onto the next); a labelled curve
-    drawn over another in the same style, within 0.5 % of the panel's height at every point (lab 01's three losses)."""
-    import numpy as np
-
+    """What a reader could not see on ``fig`` as drawn: more than 10 in wide (JupyterLab shrinks it); a legend over a
+    legend, or over a panel not its own (two legends side by side under the panels, or one set outside onto the next);
+    a labelled curve drawn over another in the same style, within 0.5 % of its panel's height (lab 01's losses)."""
     fig.canvas.draw()
     legends = [(ax, ax.get_legend()) for ax in fig.axes if ax.get_legend()] + [(None, lg) for lg in fig.legends]
     boxes = [(own, lg.get_window_extent()) for own, lg in legends]
-    found = [f"legends {i + 1} and {j + 1} overlap" for i, (_, a) in enumerate(boxes)
-             for j, (_, b) in enumerate(boxes) if i < j and a.overlaps(b)]
+    found = [f"{w:g} in wide: shrunk to {10 / w:.0%} in a 1,000-px output area" for w in [fig.get_figwidth()] if w > 10]
+    found += [f"legends {i + 1} and {j + 1} overlap" for i, (_, a) in enumerate(boxes)
+              for j, (_, b) in enumerate(boxes) if i < j and a.overlaps(b)]
     for k, ax in enumerate(fig.axes):
         lines = [(ln, np.asarray(ln.get_xydata(), float)) for ln in ax.get_lines() if ln.get_label()[:1] != "_"]
         tol = 0.005 * abs(np.subtract(*ax.get_ylim()))

@@ -201,7 +201,7 @@ def plot_batch_sweep(rows: list[dict], amp: str, budget_bytes: int | None, timed
     """Peak memory (OOM rows marked at the budget), the saving and the throughput against the micro-batch."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(10, 3.8))
     unit, size = byte_unit([r[f"{p}_peak_bytes"] for r in rows for p in (BASELINE, amp)] + [budget_bytes])
     for p in (BASELINE, amp):
         ok = [r for r in rows if r[f"{p}_status"] == "ok"]

@@ -151,7 +151,7 @@ def plot_op_groups(profiles: dict, title: str):
     import matplotlib.pyplot as plt
 
     labels = list(profiles)
-    fig, ax = plt.subplots(figsize=(12, 1.8 + 0.6 * len(labels)))
+    fig, ax = plt.subplots(figsize=(10, 1.8 + 0.6 * len(labels)))
     left = [0.0] * len(labels)
     for g in OP_GROUPS:
         ms = [profiles[p].group_ms(g) for p in labels]

@@ -186,7 +186,7 @@ def plot_loss_scale(steps: list, scales: list, skipped: list, title: str, inject
     real ones); with ``losses`` a second panel with the loss, and ``reference``'s loss (a run) dashed beside it."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2 if losses else 1, figsize=(13 if losses else 10, 4), squeeze=False)
+    fig, axes = plt.subplots(1, 2 if losses else 1, figsize=(10, 4), squeeze=False)
     ax = axes[0][0]
     ax.step(steps, scales, where="post", color=get("fp16").color, label="loss scale")
     at = dict(zip(steps, scales))

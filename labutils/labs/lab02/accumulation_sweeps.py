@@ -71,7 +71,7 @@ def plot_sweep(runs: dict, micro: int, window: int, title: str):
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for k, r in runs.items():
         (line,) = axes[0].plot(step_numbers(r.losses), r.losses, lw=1, alpha=0.35)
         axes[0].plot(step_numbers(r.losses), moving_average(r.losses, window), color=line.get_color(),
@@ -108,7 +108,7 @@ def plot_stability(runs: dict, rows: list[dict], micro: int, max_grad_norm: floa
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for k, r in runs.items():
         axes[0].plot(step_numbers(r.grad_norms), r.grad_norms, label=f"B={micro * k}", alpha=0.8)
     axes[0].axhline(max_grad_norm or np.nan, color="red", ls=":", label="clip threshold")

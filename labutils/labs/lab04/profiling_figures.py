@@ -72,7 +72,7 @@ def plot_peak_breakdown(estimates: dict, budget_bytes: int, title: str):
 def plot_stages(rows: list[dict], peak_bytes: int, title: str):
     """One training step, stage by stage (rows with ``estimate`` and ``other``): allocated memory measured and
     estimated with the peak so far; and the same memory stacked by kind."""
-    fig, (ax1, ax2) = _axes(title, 2, figsize=(14, 4.5))
+    fig, (ax1, ax2) = _axes(title, 2, figsize=(10, 4.2))
     labels = [f"step {r['step'] + 1}: {r['stage']}" for r in rows]
     x = np.arange(len(rows))
     div, unit = _unit(peak_bytes)
@@ -120,7 +120,7 @@ def plot_profile_ops(rows: list[dict], title: str, n: int = 8):
     ``n`` that allocate the most memory they do not free themselves (self memory), coloured by op group."""
     from matplotlib.patches import Patch
 
-    fig, axes = _axes(title, 2, figsize=(12, 3.8))
+    fig, axes = _axes(title, 2, figsize=(10, 3.6))
     for ax, key, xlabel in ((axes[0], "self time (ms)", "self time per step (ms)"),
                             (axes[1], "self memory (MiB)", "self memory per step (MiB): not freed in the op")):
         top = sorted(rows, key=lambda r: -r[key])[:n][::-1]
@@ -150,7 +150,7 @@ def plot_op_changes(rows: list[dict], title: str):
 def plot_snapshot(summary: dict, title: str):
     """A memory snapshot's two offline views (:func:`labutils.labs.lab04.profiling.trace_summary`): allocated memory over time
     with the peak marked, and the largest holders at the peak."""
-    fig, (ax1, ax2) = _axes(title, 2, figsize=(14, 3.8), gridspec_kw={"width_ratios": [3, 2]})
+    fig, (ax1, ax2) = _axes(title, 2, figsize=(10, 3.6), gridspec_kw={"width_ratios": [3, 2]})
     div, unit = _unit(max(summary["bytes"], default=0))
     ys = [b / div for b in summary["bytes"]]
     ax1.plot(summary["t"], ys, lw=1.2, label="allocated")
