@@ -79,15 +79,13 @@ def saving(base: Measured, other: Measured) -> float | None:
 
 
 def overhead(base: Measured, other: Measured) -> float | None:
-    """``other``'s step-time overhead against ``base`` (the ratio of their medians - 1, as
-    :func:`labutils.verdicts.claims.run_pair_evidence` gives a claim), or None unless both ran."""
+    """``other``'s step-time overhead over ``base`` (ratio of medians - 1, as claims take it), None unless both ran."""
     return other.step_time / base.step_time - 1 if base.ok and other.ok else None
 
 
 @contextlib.contextmanager
 def memory_budget(budget_bytes: int | None, device: torch.device | str | None = None):
-    """Inside the block PyTorch may hold at most ``budget_bytes`` (:func:`labutils.core.device.memory_cap`): yields None
-    on CUDA, on a CPU the budget to pass on as ``cpu_budget_bytes``."""
+    """At most ``budget_bytes`` inside (:func:`labutils.core.device.memory_cap`); yields a CPU's budget, or None."""
     release()
     try:
         with dev.memory_cap(budget_bytes, device) as cpu_budget:
@@ -142,7 +140,7 @@ def measure(cfg: Config, variants, device: torch.device | str | None = None, *, 
             progress: bool = True) -> list[Measured]:
     """Train ``cfg`` once per variant on one loaded model (within ``budget_bytes``: :func:`memory_budget`), peaks as in
     ``labutils.run``; first, apart, what each recomputes on one sequence as trained: ``info["extra_flops_pct"]`` (over
-    a plain step's :func:`step_flops`) and ``info["recomputed_blocks"]`` (:func:`forward_calls` beyond a plain step's)."""
+    a plain step's :func:`step_flops`), ``info["recomputed_blocks"]`` (:func:`forward_calls` beyond a plain step's)."""
     device = torch.device(device or _env.default_device())
     cfg = cfg.override({"train.gradient_checkpointing": False})  # the variants decide
     with memory_budget(budget_bytes, device) as cpu_budget, loaded(cfg, device) as s:
@@ -203,8 +201,7 @@ def one_batch(dataset, micro_batch_size: int, seed: int, device) -> dict:
 
 @contextlib.contextmanager
 def _one_step(model, batch: dict, variant: Variant | None):
-    """One forward + backward with ``variant`` on, run on entering the block (read its gradients inside the block);
-    gradients cleared before and after."""
+    """One forward + backward with ``variant`` on, on entering the block (read grads inside); grads cleared around."""
     model.train()
     model.zero_grad(set_to_none=True)
     undo = variant.apply(model) if variant else None

@@ -46,8 +46,7 @@ def switch_lines(switch: dict, estimates: dict, device_type: str, peak_info: tup
 
 
 def plot_chain(ks: list[int], peaks: list[float], n_layers: int):
-    """Peak memory (in layer tensors) of a chain of ``n_layers`` equal layers against segment length k, with
-    Chen et al.'s model L/k + k and k = sqrt(L). Returns the figure."""
+    """Peak (layer tensors) of an ``n_layers`` chain against segment length k, with L/k + k and k = sqrt(L)."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 3.6))
@@ -80,8 +79,7 @@ def every_k_accounting(L: int, k: int, x: float, a: float) -> float:
 
 
 def segments_accounting(L: int, k: int, x: float, a: float) -> float:
-    """The same for segments of k blocks (every block recomputed): all ceil(L/k) segment inputs are live when the
-    top segment's k blocks are recomputed (Chen et al.'s L/k + k)."""
+    """The same for segments of k blocks: ceil(L/k) segment inputs + the top segment's k blocks (Chen's L/k + k)."""
     return math.ceil(L / k) * x + min(k, L) * a
 
 
