@@ -144,10 +144,11 @@ def measure(cfg: Config, variants, device: torch.device | str | None = None, *, 
     device = torch.device(device or _env.default_device())
     cfg = cfg.override({"train.gradient_checkpointing": False})  # the variants decide
     with memory_budget(budget_bytes, device) as cpu_budget, loaded(cfg, device) as s:
-        batch = one_batch(s.dataset, 1, cfg.train.seed, device)
-        plain, calls = step_flops(s.model, batch), forward_calls(s.model, batch)
-        extra = [{"extra_flops_pct": 100 * step_flops(s.model, batch, v) / plain - 100,
-                  "recomputed_blocks": forward_calls(s.model, batch, v) - calls} for v in variants]
+        batch, extra = one_batch(s.dataset, 1, cfg.train.seed, device), [{}] * len(variants)  # {}: counting OOMed
+        with oom_caught():
+            plain, calls = step_flops(s.model, batch), forward_calls(s.model, batch)
+            extra = [{"extra_flops_pct": 100 * step_flops(s.model, batch, v) / plain - 100,
+                      "recomputed_blocks": forward_calls(s.model, batch, v) - calls} for v in variants]
         del batch
         release()  # what the counter kept alive is gone before any peak is measured
         env = _env.environment(device, cfg.mode, s.weights)

@@ -113,8 +113,7 @@ CPU_ORDER = f"ordered by recomputed FLOPs, then blocks re-run (counted): not a G
 
 
 def cost(m, device_type: str):
-    """A run's cost: GPU, its median step time; CPU (timing not judged), what it recomputes, counted: extra FLOPs, then
-    blocks re-run (selective re-runs their cheap ops): ``info`` (:func:`.checkpoint_measure.measure`)."""
+    """A run's cost: GPU, its median step time; CPU (timing not judged), what it recomputes (``cm.measure`` counts)."""
     return m.step_time if device_type == "cuda" else tuple(m.info[k] for k in cm.RECOMPUTE)
 
 
