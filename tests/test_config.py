@@ -120,3 +120,11 @@ def test_a_value_the_smoke_mode_capped_is_named_as_the_modes():
     with pytest.raises(lu.ConfigError, match=rf"given train.micro_batch_size = {own} from"):
         lu.load_config(path, overrides={"train.accumulation_steps": 0}, mode="full")
     assert full.train.micro_batch_size == own
+
+
+def test_model_names_are_the_presets():
+    """config.py cannot import the model package (it imports config), so its list of names is checked here."""
+    from labutils.core.config import MODEL_NAMES
+    from labutils.models.spec import PRESETS
+
+    assert set(MODEL_NAMES) == set(PRESETS)

@@ -70,9 +70,10 @@ def hf_home(tmp_path_factory) -> Path:
     # use_cache=True, as the hub's GPT-2 config says (it is written for generation): load_model must cope
     small = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=50257, n_positions=1024, use_cache=True)
     write_hub_cache(home / "hub", HUB_IDS["gpt2"], GPT2LMHeadModel(small), offline_gpt2_tokenizer().tok)
-    tiny = gpt2_config("tiny")
-    tiny.use_cache = True
-    write_hub_cache(home / "hub", TINY_CACHE_ID, GPT2LMHeadModel(tiny))
+    for name in ("tiny", "tiny-deep"):  # lab 03's smoke model is tiny-deep (its config's smoke: section)
+        tiny = gpt2_config(name)
+        tiny.use_cache = True
+        write_hub_cache(home / "hub", TINY_CACHE_ID + name[4:], GPT2LMHeadModel(tiny))
     return home
 
 

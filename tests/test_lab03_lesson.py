@@ -73,8 +73,10 @@ def test_a_zero_saving_says_why_when_the_peak_holds_no_activation():
     est = {b: estimate_memory(cfg, device="cpu", micro=b) for b in (1, 4)}
     assert est[1]["peak_breakdown"]["activations"] == 0 and est[4]["peak_breakdown"]["activations"] > 0
     switch = {**_pair(1, 1000, 1000), **_pair(4, 2000, 1500)}
-    one, four, mfu = cr.switch_lines(switch, est, "cpu", (None, "no GPU: MFU is defined against a GPU's peak"))
+    one, four, mfu = cr.switch_lines(switch, est, "cpu", (None, "no GPU: MFU is defined against a GPU's peak"), 1.31)
     assert one.startswith("batch 1: checkpointing saves 0%") and "Why 0 %" in one
+    # a CPU's cost is the FLOP count it is given, its step time not judged (the pair's +20 % is CPU timing)
+    assert "for +31% FLOPs" in one and "+20%" not in one and "not judged (CPU timing)" in one
     assert est[1]["peak_phase"] in one and "no activation is live" in one
     assert four.startswith("batch 4: checkpointing saves 25%") and "Why" not in four
     assert mfu == "MFU / HFU: - (no GPU: MFU is defined against a GPU's peak)"
@@ -87,11 +89,11 @@ def test_mfu_line_never_gives_the_peak_flops_derivation_as_the_reason():
     derivation = (989.0, "NVIDIA H100 SXM datasheet, dense")
     switch = {**_pair(1, 1000, 1000, mfu=0.30, device="cuda"), **_pair(4, 2000, 1500, mfu=0.40, device="cuda")}
     switch[4, False] = cm.Measured("no checkpointing", "baseline", None, _run(None, status="oom", batch=4))
-    lines = cr.switch_lines(switch, {}, "cuda", derivation)
-    assert lines[1].startswith("batch 4: 'no checkpointing' did not fit")
+    lines = cr.switch_lines(switch, {}, "cuda", derivation, 1.31)
+    assert lines[0].endswith("for +20% step time") and lines[1].startswith("batch 4: 'no checkpointing' did not fit")
     assert lines[-1].startswith("batch 1: MFU 30.0% -> 30.0%")
     switch[1, False] = cm.Measured("no checkpointing", "baseline", None, _run(None, status="oom", batch=1))
-    last = cr.switch_lines(switch, {}, "cuda", derivation)[-1]
+    last = cr.switch_lines(switch, {}, "cuda", derivation, 1.31)[-1]
     assert "no micro-batch ran both" in last and "datasheet" not in last
 
 
@@ -142,9 +144,10 @@ def test_printed_recommendation_names_every_front_member_and_no_other_front_line
     recommendation table does not list the front the run recorded (up to its six evenly spaced rows), or if a
     sentence names the front apart from a table."""
     cells, data = _executed()
-    # the front in its own order (step time, then peak; cr.pareto_front): the pareto table lists the runs in sweep order
-    front = [r["variant"] for r in sorted((r for r in data["tables"]["pareto"] if r["on_front"]),
-                                          key=lambda r: (r["step_s"], r["peak_mib"]))]
+    # the front in its own order (on this CPU run: recomputed FLOPs, blocks re-run, then peak; cr.pareto_front): the
+    # pareto table lists the runs in sweep order
+    front = [r["variant"] for r in sorted((r for r in data["tables"]["pareto"] if r["on_front"]), key=lambda r: (
+        r["extra_flops_pct"], r["recomputed_blocks"], r["peak_mib"]))]
     assert front and [r["use"] for r in data["tables"]["recommendation"]][:len(front)] == front
     text = next(t for t in cells if "| budget_at_least_mib |" in t)
     printed = [row.split("|")[2].strip() for row in text.splitlines() if re.match(r"\| [\d.]+ \|", row)]
@@ -183,3 +186,45 @@ def test_batch_one_saving_is_explained_in_the_run():
     assert abs(b1["memory_saving_pct"]) < 1, data["tables"]["switch"]
     line = next(l for t in cells for l in t.splitlines() if l.startswith("batch 1: checkpointing saves"))
     assert "Why 0 %" in line and "no activation is live" in line
+
+
+def test_smoke_model_has_blocks_enough_for_three_k():
+    """Issue 44 §1: smoke trained tiny's 2 blocks, so section 4's k (the divisors of L) could only be 1 or 2. The smoke
+    model is the config's (its smoke: section), its depth the preset's (labutils.models.spec.PRESETS)."""
+    name = lu.load_config(CONFIG, mode="smoke").model.name
+    blocks = lu.spec_of(name).n_layer
+    assert len([k for k in range(1, blocks + 1) if blocks % k == 0]) >= 3, (name, blocks)
+
+
+@pytest.mark.regen_labs("03")
+def test_smoke_k_sweep_and_pareto_front_have_three_points_each():
+    """Issue 44 §1: in smoke the k-sweep had 2 points and the Pareto front 1. Whatever k and variants come out best,
+    the run must show at least three of each; on a CPU the front is read from recomputed work (counted), never CPU
+    time, and offload (host to host) is not on it."""
+    _, data = _executed()
+    sweep, front = data["tables"]["every_k"], [r for r in data["tables"]["pareto"] if r["on_front"]]
+    assert len(sweep) >= 3 and all(r["every_n_status"] == "ok" for r in sweep), sweep
+    assert len(front) >= 3, data["tables"]["pareto"]
+    assert all(r["extra_flops_pct"] is not None for r in data["tables"]["pareto"])
+    assert not any(r["variant"] == "offload" for r in front)
+    costs = [(r["extra_flops_pct"], r["recomputed_blocks"]) for r in data["tables"]["recommendation"][:len(front)]]
+    peaks = [r["budget_at_least_mib"] for r in data["tables"]["recommendation"][:len(front)]]
+    assert costs == sorted(costs) and peaks == sorted(peaks, reverse=True), (costs, peaks)
+
+
+SPEED = re.compile(r"faster|slower|speed-?up|quicker|[+-]\d+(\.\d+)? ?% (step )?time|time overhead", re.I)
+
+
+@pytest.mark.regen_labs("03")
+def test_no_smoke_sentence_states_a_cpu_speed_difference():
+    """Issue 44 §1: "batch 1: checkpointing saves 0 % ... for -8 % step time (CPU timing)" and a printed
+    time_overhead_pct of -13.1 read as "checkpointing is faster" from CPU noise. On a CPU every printed sentence that
+    names a speed says it is not judged, and the printed recommendation has no time-overhead column (its cost is
+    FLOPs); tables may show step times as measured."""
+    cells, data = _executed()
+    assert data["env"]["device"] == "cpu"
+    sentences = [line for text in cells for line in text.splitlines() if line.strip() and not line.startswith("|")]
+    assert [s for s in sentences if SPEED.search(s) and "not judged" not in s] == []
+    rec = next(t for t in cells if "| budget_at_least_mib |" in t)
+    assert "time_overhead_pct" not in rec and "extra_flops_pct" in rec.splitlines()[0], rec
+    assert "for +" in next(s for s in sentences if s.startswith("batch 1: checkpointing saves"))  # FLOPs: a cost

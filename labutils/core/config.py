@@ -22,7 +22,7 @@ import yaml
 
 from .precisions import NAMES
 
-MODEL_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "tiny")
+MODEL_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "tiny", "tiny-deep")  # labutils.models.spec.PRESETS
 PRETRAINED = ("auto", "true", "false")
 ATTENTION = ("sdpa", "eager", "sdpa_causal")  # sdpa_causal: causal SDPA without a mask (labutils.models.gpt2.CAUSAL_SDPA)
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # the same tanh GELU: ~9 elementwise ops, or one fused kernel
@@ -281,7 +281,7 @@ def validate(cfg: Config) -> Config:
     if m.pad_vocab_to is not None and m.pad_vocab_to not in PAD_VOCAB_TO:
         raise ConfigError(s("model.pad_vocab_to"), "model.pad_vocab_to", m.pad_vocab_to,
                           f"must be null or one of {', '.join(map(str, PAD_VOCAB_TO))}")
-    if m.name == "tiny" and m.pretrained == "true":
+    if m.name.startswith("tiny") and m.pretrained == "true":
         raise ConfigError(s("model.pretrained"), "model.pretrained", m.pretrained,
                           "the tiny model has no pretrained weights; use auto or false"
                           + (given("model.pretrained", "model.name") if s("model.name") != s("model.pretrained")

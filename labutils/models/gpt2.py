@@ -206,7 +206,7 @@ def _from_cache_or_hub(cfg: ModelConfig, repo: str, device: torch.device, local_
     # from_pretrained returns the model in eval mode: dropout off, and transformers hands back a KV cache even
     # under checkpointing. Every lab trains it, so it leaves here in training mode, like a freshly built model.
     model.to(device).train()
-    if cfg.name == "tiny":
+    if cfg.name.startswith("tiny"):
         return model, ByteTokenizer(TINY_VOCAB)
     from transformers import GPT2TokenizerFast
     try:
@@ -227,8 +227,8 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int =
     want = cfg.pretrained
     notice = None
     if want in ("auto", "true"):
-        reachable = hub_reachable() if cfg.name != "tiny" else False  # before transformers is imported
-        repo = TINY_CACHE_ID if cfg.name == "tiny" else HUB_IDS[cfg.name]
+        reachable = hub_reachable() if not (tiny := cfg.name.startswith("tiny")) else False  # before transformers
+        repo = TINY_CACHE_ID + cfg.name[4:] if tiny else HUB_IDS[cfg.name]  # tiny-deep's: labutils/gpt2-tiny-deep
         errors = load_errors()
         try:
             try:
@@ -245,11 +245,11 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int =
             return _ready(model, tok, cfg, "pretrained", notice, verbose)
         except errors as exc:
             why, fix, cached = why_not_loaded(repo, exc, reachable)
-            if cfg.name == "tiny" and not cached:
+            if tiny and not cached:
                 pass  # no stand-in checkpoint cached: random weights, as for any smoke run
             elif want == "true":
                 raise WeightsUnavailableError(repo, why, fix) from None
-            elif cfg.name == "tiny":  # a stand-in that is cached but unreadable: random weights, said
+            elif tiny:  # a stand-in that is cached but unreadable: random weights, said
                 notice = f"[labutils] {repo} is not available ({why}; {fix}): using random weights."
             else:
                 problem = offline_tokenizer_problem()

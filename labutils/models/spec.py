@@ -43,7 +43,7 @@ class ModelSpec:
 PRESETS = {name: ModelSpec("gpt2", n, d, a, a, d // a, 4 * d, False, vocab_size(name), True, 1024, "transformer.h",
                            "GPT2Block") for name, (n, d, a) in {
     "gpt2": (12, 768, 12), "gpt2-medium": (24, 1024, 16), "gpt2-large": (36, 1280, 20), "gpt2-xl": (48, 1600, 25),
-    "tiny": (2, 128, 4)}.items()}  # tiny: GPT-2's architecture for smoke runs only; no hub checkpoint
+    "tiny": (2, 128, 4), "tiny-deep": (4, 96, 4)}.items()}  # tiny*: smoke only, no hub checkpoint; a config's smoke:
 
 
 def real_vocab_size(model) -> int:

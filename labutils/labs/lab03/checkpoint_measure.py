@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Callable
 
@@ -20,6 +20,7 @@ from ...core.train import RunResult, prepare, train
 from ...verdicts.verdict_rule import median_spread, timed_step_times
 
 MiB = 2**20
+RECOMPUTE = ("extra_flops_pct", "recomputed_blocks")  # what a variant recomputes, counted (:func:`measure`)
 
 
 # -------------------------------------------------------------------------------------------------------- runs
@@ -68,7 +69,8 @@ class Measured:
                 "target_tokens_per_s": r.target_tokens_per_second if self.ok else None,
                 "memory_saving_pct": 100 * (1 - self.peak / baseline.peak) if both else None,
                 "time_overhead_pct": 100 * overhead(baseline, self) if both else None,
-                "host_mib": self.host_bytes / MiB if self.host_bytes is not None else None, "error": r.error}
+                "host_mib": self.host_bytes / MiB if self.host_bytes is not None else None, "error": r.error,
+                **{k: self.info.get(k) for k in RECOMPUTE}}
 
 
 def saving(base: Measured, other: Measured) -> float | None:
@@ -77,15 +79,13 @@ def saving(base: Measured, other: Measured) -> float | None:
 
 
 def overhead(base: Measured, other: Measured) -> float | None:
-    """``other``'s step-time overhead against ``base`` (the ratio of their medians - 1, as
-    :func:`labutils.verdicts.claims.run_pair_evidence` gives a claim), or None unless both ran."""
+    """``other``'s step-time overhead over ``base`` (ratio of medians - 1, as claims take it), None unless both ran."""
     return other.step_time / base.step_time - 1 if base.ok and other.ok else None
 
 
 @contextlib.contextmanager
 def memory_budget(budget_bytes: int | None, device: torch.device | str | None = None):
-    """Inside the block PyTorch may hold at most ``budget_bytes`` (:func:`labutils.core.device.memory_cap`): yields None
-    on CUDA, on a CPU the budget to pass on as ``cpu_budget_bytes``."""
+    """At most ``budget_bytes`` inside (:func:`labutils.core.device.memory_cap`); yields a CPU's budget, or None."""
     release()
     try:
         with dev.memory_cap(budget_bytes, device) as cpu_budget:
@@ -138,17 +138,23 @@ def loaded(cfg: Config, device: torch.device | str | None = None):
 
 def measure(cfg: Config, variants, device: torch.device | str | None = None, *, budget_bytes: int | None = None,
             progress: bool = True) -> list[Measured]:
-    """Train ``cfg`` once per variant on one loaded model (within ``budget_bytes``: :func:`memory_budget`); one
-    :class:`Measured` per variant. Memory is the tracker's peak of live tensors, as in ``labutils.run``."""
+    """Train ``cfg`` once per variant on one loaded model (within ``budget_bytes``: :func:`memory_budget`), peaks as in
+    ``labutils.run``; first, apart, what each recomputes on one sequence as trained: ``info["extra_flops_pct"]`` (over
+    a plain step's :func:`step_flops`), ``info["recomputed_blocks"]`` (:func:`forward_calls` beyond a plain step's)."""
     device = torch.device(device or _env.default_device())
     cfg = cfg.override({"train.gradient_checkpointing": False})  # the variants decide
-    out = []
     with memory_budget(budget_bytes, device) as cpu_budget, loaded(cfg, device) as s:
+        batch, extra = one_batch(s.dataset, 1, cfg.train.seed, device), [{}] * len(variants)  # {}: counting OOMed
+        with oom_caught():
+            plain, calls = step_flops(s.model, batch), forward_calls(s.model, batch)
+            extra = [{"extra_flops_pct": 100 * step_flops(s.model, batch, v) / plain - 100,
+                      "recomputed_blocks": forward_calls(s.model, batch, v) - calls} for v in variants]
+        del batch
+        release()  # what the counter kept alive is gone before any peak is measured
         env = _env.environment(device, cfg.mode, s.weights)
-        for v in variants:
-            out.append(_train_variant(cfg, s.model, s.dataset, device, v, env, cpu_budget=cpu_budget,
-                                      progress=progress))
-    return out
+        out = [_train_variant(cfg, s.model, s.dataset, device, v, env, cpu_budget=cpu_budget, progress=progress)
+               for v in variants]
+    return [replace(m, info={**m.info, **x}) for m, x in zip(out, extra)]
 
 
 def largest_batch(cfg: Config, variant: Variant, device: torch.device | str | None = None, *,
@@ -196,8 +202,7 @@ def one_batch(dataset, micro_batch_size: int, seed: int, device) -> dict:
 
 @contextlib.contextmanager
 def _one_step(model, batch: dict, variant: Variant | None):
-    """One forward + backward with ``variant`` on, run on entering the block (read its gradients inside the block);
-    gradients cleared before and after."""
+    """One forward + backward with ``variant`` on, on entering the block (read grads inside); grads cleared around."""
     model.train()
     model.zero_grad(set_to_none=True)
     undo = variant.apply(model) if variant else None

@@ -5,17 +5,17 @@ from __future__ import annotations
 import math
 
 from ...verdicts import claims as cl
+from . import checkpoint_measure as cm
 from ...core.figures import legend_outside
 from ...core.memory import budget_words, fmt_bytes as fmt
 
 MiB = 2**20
 
 
-def switch_lines(switch: dict, estimates: dict, device_type: str, peak_info: tuple) -> list[str]:
-    """Section 2: one sentence per micro-batch b of ``switch`` ({(b, on): Measured}): the saving and overhead, or the
-    run that did not fit; a saving under 1 % says why when the estimate at b holds no activation at its peak. Last,
+def switch_lines(switch: dict, estimates: dict, device_type: str, peak_info: tuple, flops_ratio: float) -> list[str]:
+    """Section 2: per micro-batch b of ``switch`` ({(b, on): Measured}) the saving and cost (CPU: ``flops_ratio``), or
+    the run that did not fit; a saving under 1 % says why when the estimate at b holds no activation at its peak. Last,
     MFU -> HFU at the largest b where both have one, else why not (``peak_info``: :func:`labutils.peak_info`)."""
-    cpu = "" if device_type == "cuda" else " (CPU timing)"
     out, mfu_at = [], None
     for b in sorted({b for b, _ in switch}):
         off, on = switch[b, False], switch[b, True]
@@ -24,8 +24,9 @@ def switch_lines(switch: dict, estimates: dict, device_type: str, peak_info: tup
             out.append(f"batch {b}: '{failed.variant}' did not fit within {budget_words()}")
             continue
         saving = 1 - on.peak / off.peak
-        line = (f"batch {b}: checkpointing saves {saving:.0%} of the peak ({fmt(off.peak)} -> {fmt(on.peak)}) for "
-                f"{on.step_time / off.step_time - 1:+.0%} step time{cpu}")
+        cost = (f"{on.step_time / off.step_time - 1:+.0%} step time" if device_type == "cuda" else
+                f"{flops_ratio - 1:+.0%} FLOPs (section 1), step time {CPU_TIME}")
+        line = f"batch {b}: checkpointing saves {saving:.0%} of the peak ({fmt(off.peak)} -> {fmt(on.peak)}) for {cost}"
         est = estimates.get(b)
         if abs(saving) < 0.01 and est and not est["peak_breakdown"].get("activations"):
             kept = sum(est["peak_breakdown"].get(k, 0) for k in ("weights", "grads", "optimizer"))
@@ -45,8 +46,7 @@ def switch_lines(switch: dict, estimates: dict, device_type: str, peak_info: tup
 
 
 def plot_chain(ks: list[int], peaks: list[float], n_layers: int):
-    """Peak memory (in layer tensors) of a chain of ``n_layers`` equal layers against segment length k, with
-    Chen et al.'s model L/k + k and k = sqrt(L). Returns the figure."""
+    """Peak (layer tensors) of an ``n_layers`` chain against segment length k, with L/k + k and k = sqrt(L)."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 3.6))
@@ -79,8 +79,7 @@ def every_k_accounting(L: int, k: int, x: float, a: float) -> float:
 
 
 def segments_accounting(L: int, k: int, x: float, a: float) -> float:
-    """The same for segments of k blocks (every block recomputed): all ceil(L/k) segment inputs are live when the
-    top segment's k blocks are recomputed (Chen et al.'s L/k + k)."""
+    """The same for segments of k blocks: ceil(L/k) segment inputs + the top segment's k blocks (Chen's L/k + k)."""
     return math.ceil(L / k) * x + min(k, L) * a
 
 
@@ -109,12 +108,18 @@ def plot_every_k(ks: list[int], every: dict, segs: dict, pred_every: dict, pred_
     return fig
 
 
-CPU_ORDER = "ordered by CPU step time: not a GPU ranking, not judged"
+CPU_TIME = "not judged (CPU timing)"
+CPU_ORDER = f"ordered by recomputed FLOPs, then blocks re-run (counted): not a GPU ranking; step_s {CPU_TIME}"
+
+
+def cost(m, device_type: str):
+    """A run's cost: GPU, its median step time; CPU (timing not judged), what it recomputes (``cm.measure`` counts)."""
+    return m.step_time if device_type == "cuda" else tuple(m.info[k] for k in cm.RECOMPUTE)
 
 
 def ranking_label(runs: list, device_type: str) -> str:
-    """How an order of ``runs`` by step time (fastest first) may be read: on a CPU, :data:`CPU_ORDER`; on a GPU a
-    measured ranking, naming each neighbouring pair whose order is not settled (too few timed steps, or noise)."""
+    """How an order of ``runs`` by :func:`cost` may be read: on a CPU, :data:`CPU_ORDER`; on a GPU a measured
+    ranking (fastest first), naming each neighbouring pair whose order is not settled (few timed steps, or noise)."""
     if device_type != "cuda":
         return CPU_ORDER
 
@@ -131,36 +136,38 @@ def ranking_label(runs: list, device_type: str) -> str:
 
 
 def pareto_front(runs, device_type: str = "cuda") -> list:
-    """The runs that ran and that no other run beats on both peak memory and step time, by step time (what that
-    order may say: :func:`ranking_label`). CPU offload on a CPU (host memory to host memory) is never ranked."""
+    """The runs that ran and that no other run beats on both peak memory and :func:`cost`, by cost (what that order
+    may say: :func:`ranking_label`). CPU offload on a CPU (host memory to host memory) is never ranked."""
     front, best = [], math.inf
     useless = ("offload", "checkpoint_offload") if device_type != "cuda" else ()
-    for m in sorted((m for m in runs if m.ok and m.kind not in useless), key=lambda m: (m.step_time, m.peak)):
+    for m in sorted((m for m in runs if m.ok and m.kind not in useless), key=lambda m: (cost(m, device_type), m.peak)):
         if m.peak < best:
             front.append(m)
             best = m.peak
     return front
 
 
-def plot_pareto(ks: list[int], every: dict, segs: dict, points: list, front: list, budget: int, title: str):
-    """Peak memory against step time: the every_n / segments sweeps (grey), ``points`` (dots), the Pareto front (each
-    member named) and the budget. Returns the figure."""
+def plot_pareto(ks: list[int], every: dict, segs: dict, points: list, front: list, budget: int, title: str,
+                device_type: str = "cuda"):
+    """Peak memory against :func:`cost` (GPU: step time; CPU: recomputed FLOPs): the every_n / segments sweeps (grey),
+    ``points`` (dots), the Pareto front (each member named) and the budget. Returns the figure."""
     import matplotlib.pyplot as plt
 
+    gpu = device_type == "cuda"
+    x = (lambda m: m.step_time) if gpu else (lambda m: m.info["extra_flops_pct"])  # CPU: timing not judged
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for series, mark, label in [(every, "o", "every_n_layers = k"), (segs, "s", "segments of k blocks")]:
         kk = [k for k in ks if series[k].ok]
-        ax.plot([series[k].step_time for k in kk], [series[k].peak / MiB for k in kk], mark + "-", ms=3, lw=0.8,
+        ax.plot([x(series[k]) for k in kk], [series[k].peak / MiB for k in kk], mark + "-", ms=3, lw=0.8,
                 color="silver", label=label)
     for m, color in zip(points, ["black", "C0", "C1", "C2", "C3"]):
         if m.ok:
-            ax.scatter(m.step_time, m.peak / MiB, s=60, color=color, label=m.variant, zorder=3)
-    ax.plot([m.step_time for m in front], [m.peak / MiB for m in front], "-", color="C4", alpha=0.5,
-            label="Pareto front")
+            ax.scatter(x(m), m.peak / MiB, s=60, color=color, label=m.variant, zorder=3)
+    ax.plot([x(m) for m in front], [m.peak / MiB for m in front], "-", color="C4", alpha=0.5, label="Pareto front")
     for m in front:
-        ax.annotate(m.variant, (m.step_time, m.peak / MiB), xytext=(5, 5), textcoords="offset points", fontsize=8)
+        ax.annotate(m.variant, (x(m), m.peak / MiB), xytext=(5, 5), textcoords="offset points", fontsize=8)
     ax.axhline(budget / MiB, color="red", linestyle=":", label="budget")
-    ax.set(xlabel="step time (s)", ylabel="peak memory (MiB)", title=title)
+    ax.set(xlabel="step time (s)" if gpu else "recomputed FLOPs (%)", ylabel="peak memory (MiB)", title=title)
     legend_outside(ax, fontsize=7)  # points fill the corners: the legend goes to the right
     fig.tight_layout()
     return fig
@@ -170,7 +177,8 @@ def recommendation(front: list, base, budget: int) -> list[dict]:
     """One row per Pareto-front run, in the front's order: the budget it needs, whether this lab's ``budget`` is
     enough, the gap to the baseline it closes, its step time and overhead; then what to do below the front."""
     rec = [{"budget_at_least_mib": m.peak / MiB, "use": m.variant, "fits_this_budget": m.peak <= budget,
-            "gap_it_closes_mib": (base.peak - m.peak) / MiB if base.ok else None, "step_s": m.step_time,
+            "gap_it_closes_mib": (base.peak - m.peak) / MiB if base.ok else None,
+            **{k: m.info.get(k) for k in cm.RECOMPUTE}, "step_s": m.step_time,
             "time_overhead_pct": 100 * (m.step_time / base.step_time - 1) if base.ok else None} for m in front]
     if front:
         rec.append({"budget_at_least_mib": None, "use": f"below {fmt(front[-1].peak)}: smaller micro-batch + "
@@ -188,7 +196,7 @@ def spec_check(cfg, info: dict, *, off, on, saving, overhead, flops_ratio: float
     state = (f"{fmt(state_bytes)} of FP32 state ({state_bytes / on.peak:.0%} of the checkpointed peak) is not "
              "checkpointed") if on.ok else "-"
     f = f"the +{flops_ratio - 1:.0%} FLOPs"
-    time_why = ("-" if overhead is None else "CPU timing: not interpreted" if cpu else
+    time_why = ("-" if overhead is None else CPU_TIME if cpu else
                 "negative: timing noise larger than the recompute" if overhead < 0 else
                 f"below {f}: the optimizer step and LM head are not recomputed" if overhead < flops_ratio - 1 else
                 f"above {f}: small kernels and launches cost more than their FLOPs")

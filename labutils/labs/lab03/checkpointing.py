@@ -1,15 +1,7 @@
 """Lab 03's checkpointing variants on labutils' GPT-2 models (the notebook writes each out on a toy stack first), run
-through :func:`labutils.core.train` and measured the same way (:mod:`.checkpoint_measure`).
-
-``variant.apply(model)`` switches it on and returns a function that switches it off again.
-
-    baseline()            keep every activation autograd wants (the default)
-    every_n(k)            the model's own API, non-reentrant: blocks 0, k, 2k, ... recompute in backward (k=1: full)
-    segments(k)           Chen et al. 2016: k consecutive blocks inside one checkpoint; only segment inputs are kept
-    selective(policy)     every block checkpointed, but ops the policy marks are saved (:func:`save_matmuls`)
-    offload()             no recompute: every saved activation goes to host memory (:class:`CountingSaveOnCPU`)
-    checkpoint_offload()  full checkpointing, and what it still saves (block inputs, LM head) goes to host memory
-"""
+through :func:`labutils.core.train` and measured the same way (:mod:`.checkpoint_measure`). ``undo = v.apply(model)``
+switches one on: baseline(), every_n(k) (the model's API; k=1: full), segments(k) (Chen et al. 2016), selective(policy)
+(saves what the policy marks), offload() (saved activations to host memory), checkpoint_offload() (both)."""
 from __future__ import annotations
 
 import functools
@@ -57,8 +49,7 @@ def full(**checkpoint_kwargs) -> Variant:
 
 
 class Segment(nn.Module):
-    """``len(blocks)`` consecutive blocks inside one non-reentrant checkpoint (Chen et al. 2016): forward keeps only the
-    segment's input; backward re-runs the whole segment."""
+    """``len(blocks)`` consecutive blocks in one non-reentrant checkpoint (Chen et al. 2016): only its input is kept."""
 
     def __init__(self, blocks):
         super().__init__()
@@ -97,8 +88,7 @@ SAVE_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.badd
 
 
 def draws_random_numbers(op, args, kwargs) -> bool:
-    """Does this call consume the random number generator? Ops tagged ``nondeterministic_seeded`` do (dropout,
-    rand, bernoulli), except attention kernels called with ``dropout_p == 0``."""
+    """Does this call draw random numbers? Ops tagged ``nondeterministic_seeded`` do, unless ``dropout_p == 0``."""
     if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
         return False
     names = [a.name for a in op._schema.arguments]
@@ -110,9 +100,8 @@ def draws_random_numbers(op, args, kwargs) -> bool:
 
 
 def save_matmuls(ctx, op, *args, **kwargs):
-    """Selective-checkpointing policy: keep matmul outputs, recompute pointwise ops. Never keeps an op that draws random
-    numbers (on CUDA, fused attention with dropout): skipped in the recompute, it would shift the replayed random stream
-    and every later dropout mask, giving silently wrong gradients."""
+    """Selective-checkpointing policy: keep matmul outputs, recompute pointwise ops; never keep an op that draws random
+    numbers (CUDA fused attention with dropout): its skipped draw would shift every later dropout mask (wrong grads)."""
     if op in SAVE_OPS and not draws_random_numbers(op, args, kwargs):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
@@ -125,9 +114,8 @@ def selective(policy=None) -> Variant:
 
 
 class CountingSaveOnCPU(torch.autograd.graph.save_on_cpu):
-    """``torch.autograd.graph.save_on_cpu`` that leaves ``keep`` tensors (the weights, on the device anyway) in
-    place and counts bytes: ``bytes`` what was moved, ``kept_bytes`` what plain ``save_on_cpu`` would have copied
-    in addition. Pinned host memory where there is a GPU."""
+    """``save_on_cpu`` (pinned where there is a GPU) that leaves ``keep`` tensors (the weights) in place and counts:
+    ``bytes`` moved, ``kept_bytes`` what plain ``save_on_cpu`` would have copied in addition."""
 
     def __init__(self, device_type: str = "cuda", keep: frozenset = frozenset()):
         self.pinned = dev.pin_memory_default(device_type)
@@ -180,8 +168,7 @@ def _wrap_forward(model, variant: Variant):
 
 
 def offload() -> Variant:
-    """No recompute: every activation autograd saves in the forward is parked in host memory until backward
-    (the weights it saves stay where they are, see :class:`CountingSaveOnCPU`)."""
+    """No recompute: saved activations wait in host memory for backward (weights stay: :class:`CountingSaveOnCPU`)."""
     v = Variant("offload", "offload", None)
     v.apply = lambda model: _wrap_forward(model, v)
     return v
