@@ -43,11 +43,13 @@ def test_c6_is_measured_with_the_notebooks_loop_and_never_judges_cpu_time():
         return loop(*a)
 
     info = {"device": torch.device("cpu"), "gpu_name": None, "mode": "smoke"}
-    c6, cond = c6_claim(cfg, counted, info, PAIR, budget_bytes=BUDGET)
+    # the CPU tracker counts every live tensor of this process: what earlier tests left is above the lab's baseline
+    budget = BUDGET + lu.core.memory.memory_in_use("cpu")
+    c6, cond = c6_claim(cfg, counted, info, PAIR, budget_bytes=budget)
     assert calls == ["fp32", "fp16"], calls
-    assert c6["id"] == "C6" and "memory_saving" in c6["measured"]
+    assert c6["id"] == "C6" and "memory_saving" in (c6["measured"] or {}), c6
     assert list(c6["extra"]["peaks_bytes"]) == ["baseline (fp32), 4 x 1", "all together, 2 x 2"]
-    assert max(c6["extra"]["peaks_bytes"].values()) <= BUDGET  # both sides ran under the lab's budget
+    assert max(c6["extra"]["peaks_bytes"].values()) <= budget  # both sides ran under the lab's budget
     slow = c6["measured"].get("slowdown")
     parts = c6.get("parts", {})
     assert slow is None or parts.get("slowdown", {}).get("verdict") == getattr(cl, "NOT_JUDGED", None), c6
