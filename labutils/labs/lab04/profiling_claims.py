@@ -6,7 +6,7 @@ from __future__ import annotations
 from ...verdicts import claims as cl
 from ...estimator import estimate as est
 from ...core.config import load_config
-from ...core.memory import fmt_bytes
+from ...core.memory import fmt_bytes, memory_in_use
 
 ZERO2_OFFLOAD_ACCELERATE = "configs/accelerate/deepspeed_zero2_offload.yaml"
 
@@ -50,13 +50,14 @@ def _c6_run(c, loop, device, budget_bytes: int | None = None) -> dict:
 
 def c6_claim(tech_cfg, loop, info: dict, pair: dict, *, amp: str = "fp16", budget_bytes: int) -> tuple:
     """(C6 entry, its conditions): FP32 against all three techniques (``pair``: {name: overrides}) at one effective
-    batch with the notebook's ``loop``, both sized by :func:`c6_sides` to fit ``budget_bytes`` (a GPU: capped)."""
+    batch with the notebook's ``loop``, both sized by :func:`c6_sides` to fit what ``budget_bytes`` leaves above the
+    memory in use (the tracker counts it in every peak; a GPU: capped)."""
     device = info["device"]
     warm = tech_cfg.train.timing_warmup_steps
     # a GPU gets enough timed steps for a speed verdict; a CPU's time is never judged, so a few steps do
     steps = warm + cl.MIN_TIMED_STEPS if device.type == "cuda" else tech_cfg.train.steps
     plan = {name: c.override({"train.steps": steps, "train.warmup_steps": 0})
-            for name, c in c6_sides(tech_cfg, pair, budget_bytes, device.type).items()}
+            for name, c in c6_sides(tech_cfg, pair, budget_bytes - memory_in_use(device), device.type).items()}
     runs = {name: _c6_run(c, loop, device, budget_bytes) for name, c in plan.items()}
     c = next(iter(plan.values()))
     names = tuple(runs)
