@@ -73,6 +73,19 @@ def test_a_figure_wider_than_the_output_area_is_found():
         plt.close(fig)
 
 
+def test_a_text_over_a_marker_is_found():
+    """Issue 44 §7: lab 04 §8's value labels sat on the estimator's crosses. Breaks if a text drawn over a marker
+    passes, or one set above it is flagged."""
+    fig, ax = plt.subplots(figsize=(4, 3))
+    ax.plot([0, 1], [1.0, 2.0], "x", ms=9, label="estimator")
+    ax.text(1, 2.0, "2.0", ha="center", va="bottom")
+    assert unseen(fig) == ["panel 1: '2.0' covers a marker"]
+    ax.texts[0].remove()
+    ax.annotate("2.0", (1, 2.0), xytext=(0, 7), textcoords="offset points", ha="center", va="bottom")
+    assert unseen(fig) == []
+    plt.close(fig)
+
+
 def test_record_results_warns_of_a_hidden_legend(tmp_path, capsys):
     fig, (left, right) = two_panels()
     legend_outside(left)

@@ -28,7 +28,7 @@ def legend_outside(ax, **kwargs):
 def unseen(fig) -> list[str]:
     """What a reader could not see on ``fig`` as drawn: more than 10 in wide (JupyterLab shrinks it); a legend over a
     legend, or over a panel not its own (two legends side by side under the panels, or one set outside onto the next);
-    a labelled curve drawn over another in the same style, within 0.5 % of its panel's height (lab 01's losses)."""
+    a labelled curve drawn over another in the same style, within 0.5 % of its panel's height; a text over a marker."""
     fig.canvas.draw()
     legends = [(ax, ax.get_legend()) for ax in fig.axes if ax.get_legend()] + [(None, lg) for lg in fig.legends]
     boxes = [(own, lg.get_window_extent()) for own, lg in legends]
@@ -37,11 +37,14 @@ def unseen(fig) -> list[str]:
               for j, (_, b) in enumerate(boxes) if i < j and a.overlaps(b)]
     for k, ax in enumerate(fig.axes):
         lines = [(ln, np.asarray(ln.get_xydata(), float)) for ln in ax.get_lines() if ln.get_label()[:1] != "_"]
-        tol = 0.005 * abs(np.subtract(*ax.get_ylim()))
         found += [f"panel {k + 1}: '{b.get_label()}' hides '{a.get_label()}'" for i, (a, xa) in enumerate(lines)
                   for b, xb in lines[i + 1:] if len(xa) > 1 and xa.shape == xb.shape and np.allclose(xa[:, 0], xb[:, 0])
-                  and np.abs(xa[:, 1] - xb[:, 1]).max() <= tol
+                  and np.abs(xa[:, 1] - xb[:, 1]).max() <= 0.005 * abs(np.subtract(*ax.get_ylim()))
                   and (a.get_linestyle(), a.get_marker()) == (b.get_linestyle(), b.get_marker())]
+        dots = [ax.transData.transform(p) for ln in ax.get_lines() if str(ln.get_marker()).strip() not in ("", "None")
+                for p in ln.get_xydata()]
+        found += [f"panel {k + 1}: '{t.get_text()}' covers a marker" for t in ax.texts
+                  if t.get_text().strip() and any(t.get_window_extent().contains(*d) for d in dots)]
     return found + [f"legend {i + 1} covers panel {k + 1}" for i, (own, box) in enumerate(boxes)
                     for k, ax in enumerate(fig.axes) if ax is not own and box.overlaps(ax.get_window_extent())
                     and (own is None or ax.get_position().bounds != own.get_position().bounds)]  # a twin: its own

@@ -238,11 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"cap CUDA memory to G GiB so any card behaves like the students' (default 8; "
                         f"{GPU_MEMORY_HELP})")
     p.add_argument("--skip-doctor", action="store_true", help="do not run the doctor first (full mode runs it)")
-    p.add_argument("--bench", nargs="?", const=5, type=positive_int, metavar="REPEATS",
-                   help="after the labs, `bench configs/fast_config.yaml --repeats REPEATS` (default 5) into "
-                        "<out>/bench.json (make gpu-results)")
-    p.add_argument("--part", type=positive_int, metavar="K", help="run only the K-th command of the plan's sequence "
-                   "(its doctor, labs, bench; regenerate --plan lists them): make gpu-results PART=K")
+    p.add_argument("--bench", nargs="?", const=5, type=positive_int, metavar="N", help="then bench, N repeats (5)")
+    p.add_argument("--part", type=positive_int, metavar="K", help="only the plan's K-th command (--plan lists them)")
     p.add_argument("--rehearse", action="store_true", help="the full run's path (plan, doctor, labs, bench) at "
                    "smoke sizes, into --out or a temp folder, never results/ or README.md")
     p.add_argument("--plan", action="store_true", help="print the predicted time per lab on this GPU (or --gpu)")

@@ -172,14 +172,14 @@ def plot_techniques(rows: list[dict], budget_bytes: int, title: str):
     the estimator's peak of every row as a cross, and the budget."""
     fig, ax = _axes(title, figsize=(10, 4.5))
     div, unit = _unit(max(r["estimate (GiB)"] for r in rows) * GiB)
+    est = [r["estimate (GiB)"] * GiB / div for r in rows]   # the estimator's crosses: each label goes above its own
     for i, r in enumerate(rows):
         ok = r["status"] == "ok"
-        h = (r["peak (GiB)"] if ok else r["estimate (GiB)"]) * GiB / div
-        color = "#4c72b0" if ok else "#c44e52"
+        h, color = (r["peak (GiB)"] * GiB / div if ok else est[i]), "#4c72b0" if ok else "#c44e52"
         ax.bar(i, h, color=color if ok else "white", edgecolor=color, hatch="" if ok else "//")
-        ax.text(i, h, f"{h:.3g}" if ok else "OOM\n(estimate)", ha="center", va="bottom", fontsize=8)
-    ax.plot(range(len(rows)), [r["estimate (GiB)"] * GiB / div for r in rows], "x", color="red", ms=9,
-            label="estimator")
+        ax.annotate(f"{h:.3g}" if ok else "OOM\n(estimate)", (i, max(h, est[i])), xytext=(0, 7),
+                    textcoords="offset points", ha="center", va="bottom", fontsize=8)
+    ax.plot(range(len(rows)), est, "x", color="red", ms=9, label="estimator")
     ax.axhline(budget_bytes / div, color="gray", ls="--", label="budget (an 8 GB card)")
     ax.set_xticks(range(len(rows)), [r["technique"] for r in rows], rotation=20, ha="right")
     ax.set_ylabel(f"peak allocated ({unit})")
