@@ -220,8 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("estimate", help="predict memory (params, grads, optimizer, activations, peak) and advise")
     _add_config_args(p)
     p.add_argument("--gpu-memory-gb", type=gpu_memory_gb, default=None, metavar="G",
-                   help=f"memory to fit in, in GiB (default: this GPU's or its LAB_GPU_MEMORY_GB cap, else 8; "
-                        f"{GPU_MEMORY_HELP})")
+                   help=f"GiB to fit in (default: this GPU's or its cap, else 8; {GPU_MEMORY_HELP})")
     p.add_argument("--gpus", type=positive_int, default=8, metavar="N", help="per-GPU memory under DDP / ZeRO, 1..N")
     p.add_argument("--json", metavar="PATH", help="write the estimate and recommendation as JSON")
     p.set_defaults(func=cmd_estimate)
@@ -235,17 +234,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--notebooks", metavar="DIR", help="folder of NN-*.ipynb notebooks to run there, with its configs/ "
                                                       "(default: the checkout's labs; never updates README.md)")
     p.add_argument("--gpu-memory-gb", type=gpu_memory_gb, default=8.0, metavar="G",
-                   help=f"cap CUDA memory to G GiB so any card behaves like the students' (default 8; "
-                        f"{GPU_MEMORY_HELP})")
+                   help=f"cap CUDA memory to G GiB, a student's card (default 8; {GPU_MEMORY_HELP})")
     p.add_argument("--skip-doctor", action="store_true", help="do not run the doctor first (full mode runs it)")
     p.add_argument("--bench", nargs="?", const=5, type=positive_int, metavar="N", help="then bench, N repeats (5)")
     p.add_argument("--part", type=positive_int, metavar="K", help="only the plan's K-th command (--plan lists them)")
-    p.add_argument("--rehearse", action="store_true", help="the full run's path (plan, doctor, labs, bench) at "
-                   "smoke sizes, into --out or a temp folder, never results/ or README.md")
+    p.add_argument("--rehearse", action="store_true", help="the full run's path at smoke sizes, never into results/")
     p.add_argument("--plan", action="store_true", help="print the predicted time per lab on this GPU (or --gpu)")
     p.add_argument("--render-only", action="store_true", help="run nothing: the results page from --out's results")
-    p.add_argument("--gpu", metavar="NAME", help="with --plan: the GPU to plan for, as torch names it "
-                                                 "(e.g. 'NVIDIA H100 80GB HBM3'); runs on a CPU too")
+    p.add_argument("--gpu", metavar="NAME", help="with --plan: the GPU to plan for, as torch names it (on a CPU too)")
     p.set_defaults(func=cmd_regenerate)
     return parser
 
