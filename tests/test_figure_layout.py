@@ -86,6 +86,21 @@ def test_a_text_over_a_marker_is_found():
     plt.close(fig)
 
 
+def test_a_marker_cut_by_the_frame_is_found():
+    """Issue 44 §7: lab 01's loss-scale plot showed markers cut off by the frame. Breaks if a marker (a line's or a
+    scatter's) centred on the axes' limit passes, or if one with room around it, or one drawn unclipped, is flagged."""
+    fig, ax = plt.subplots(figsize=(4, 3))
+    ax.plot([0, 1], [0, 1], "o-", ms=8)
+    ax.set_xlim(0, 1)
+    assert unseen(fig) == ["panel 1: the frame cuts a marker"]
+    ax.set(xlim=(-0.1, 1.1), ylim=(-0.1, 1.1))
+    ax.scatter([1.1], [0.5], s=70)  # a scatter's marker on the right edge
+    assert unseen(fig) == ["panel 1: the frame cuts a marker"]
+    ax.collections[0].set_clip_on(False)  # drawn whole, over the frame
+    assert unseen(fig) == []
+    plt.close(fig)
+
+
 def test_record_results_warns_of_a_hidden_legend(tmp_path, capsys):
     fig, (left, right) = two_panels()
     legend_outside(left)

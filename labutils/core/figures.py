@@ -28,7 +28,8 @@ def legend_outside(ax, **kwargs):
 def unseen(fig) -> list[str]:
     """What a reader could not see on ``fig`` as drawn: more than 10 in wide (JupyterLab shrinks it); a legend over a
     legend, or over a panel not its own (two legends side by side under the panels, or one set outside onto the next);
-    a labelled curve drawn over another in the same style, within 0.5 % of its panel's height; a text over a marker."""
+    a labelled curve drawn over another in the same style, within 0.5 % of its panel's height; a text over a marker;
+    a marker cut by its panel's frame."""
     fig.canvas.draw()
     legends = [(ax, ax.get_legend()) for ax in fig.axes if ax.get_legend()] + [(None, lg) for lg in fig.legends]
     boxes = [(own, lg.get_window_extent()) for own, lg in legends]
@@ -41,10 +42,16 @@ def unseen(fig) -> list[str]:
                   for b, xb in lines[i + 1:] if len(xa) > 1 and xa.shape == xb.shape and np.allclose(xa[:, 0], xb[:, 0])
                   and np.abs(xa[:, 1] - xb[:, 1]).max() <= 0.005 * abs(np.subtract(*ax.get_ylim()))
                   and (a.get_linestyle(), a.get_marker()) == (b.get_linestyle(), b.get_marker())]
-        dots = [ax.transData.transform(p) for ln in ax.get_lines() if str(ln.get_marker()).strip() not in ("", "None")
-                for p in ln.get_xydata()]
-        found += [f"panel {k + 1}: '{t.get_text()}' covers a marker" for t in ax.texts
-                  if t.get_text().strip() and any(t.get_window_extent().contains(*d) for d in dots)]
+        marks = [(ln.get_transform().transform(np.asarray(ln.get_xydata(), float)), [ln.get_markersize()], ln)
+                 for ln in ax.get_lines() if str(ln.get_marker()).strip() not in ("", "None")]
+        found += [f"panel {k + 1}: '{t.get_text()}' covers a marker" for t in ax.texts if t.get_text().strip()
+                  and any(t.get_window_extent().contains(*p) for d, _, _ in marks for p in d)]
+        marks += [(c.get_offset_transform().transform(np.asarray(c.get_offsets(), float)), np.sqrt(c.get_sizes()), c)
+                  for c in ax.collections if len(getattr(c, "get_sizes", list)())]
+        (x0, y0), (x1, y1) = ax.bbox.get_points()  # centres px, widths pt: a frame cuts a clipped one within its radius
+        found += [f"panel {k + 1}: the frame cuts a marker"] * any(np.any((g < r - 0.5) & (g > -r)) for g, r in [(
+            np.minimum.reduce([d[:, 0] - x0, x1 - d[:, 0], d[:, 1] - y0, y1 - d[:, 1]]), np.asarray(w) * fig.dpi / 144)
+            for d, w, a in marks if a.get_clip_on()])
     return found + [f"legend {i + 1} covers panel {k + 1}" for i, (own, box) in enumerate(boxes)
                     for k, ax in enumerate(fig.axes) if ax is not own and box.overlaps(ax.get_window_extent())
                     and (own is None or ax.get_position().bounds != own.get_position().bounds)]  # a twin: its own

@@ -100,12 +100,8 @@ def half_gradient_census(grads, scale: float) -> HalfGradientCensus:
     lo, hi = c.bins
     hist = torch.zeros(hi - lo, dtype=torch.float64)
     tiny = torch.finfo(torch.float16).smallest_normal
-    for g in grads:
-        if g is None:
-            continue
-        g = g.detach().float().flatten()
-        g = g[g != 0]
-        if g.numel() == 0:
+    for g in (g.detach().float().flatten() for g in grads if g is not None):
+        if not (g := g[g != 0]).numel():
             continue
         h, hs = g.to(torch.float16), (g * scale).to(torch.float16)
         c.nonzero += g.numel()
@@ -169,15 +165,12 @@ def activation_overflow_demo(cfg, device, first_nonfinite, precisions=("fp32", "
     hook = layer.register_forward_hook(lambda m, i, o: peak.append(o.abs().max().item()))
     with torch.no_grad():
         model(**batch)
-    hook.remove()
-    factor = 4 * torch.finfo(torch.float16).max / peak[0]
-    with torch.no_grad():
+        hook.remove()
+        factor = 4 * torch.finfo(torch.float16).max / peak[0]
         layer.weight.mul_(factor)
         layer.bias.mul_(factor)
-    rows = []
-    for p in precisions:
-        where, loss = first_nonfinite(model, batch, get(p).autocast)
-        rows.append({"precision": p, "loss": loss, "first non-finite output": where})
+    rows = [{"precision": p, "loss": loss, "first non-finite output": where}
+            for p in precisions for where, loss in [first_nonfinite(model, batch, get(p).autocast)]]
     return factor, peak[0], rows
 
 
