@@ -5,6 +5,9 @@
   not (a figure prints nothing);
 - no cell prints more than 15 lines or 2,000 characters;
 - at most 500 code lines per notebook (read from the committed notebooks, no run needed);
+- no printed line wraps to more than 4 lines of JupyterLab's ~1,000-pixel output area (120 columns of its monospace
+  font; an East Asian wide character takes 2): a longer sentence is a wall of text (issue 44 §6: C1-C6's verdicts
+  ran to 560-735 characters, the memory budget's to 420);
 - smoke is a scale model of the 8 GB run: every row a lab records in its ``scale_model`` table ran out of memory in
   smoke exactly when the estimator predicts that its full-mode config runs out on an 8 GB card.
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -26,6 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 LABS = IDS
 MAX_LAB_LINES, MAX_CELL_LINES, MAX_CELL_CHARS, MAX_CODE_LINES = 100, 15, 2000, 500
 LABS_WITH_BUDGET = IDS  # every lab runs rows under a memory budget that an 8 GB card sets
+OUTPUT_COLUMNS, MAX_WRAPPED_LINES = 120, 4  # JupyterLab's output area (~1,000 px); a printed line wraps at most to 4
 TABLE_SEPARATOR = re.compile(r"^\s*\|?\s*:?-{3,}:?\s*(\|\s*:?-{3,}:?\s*)*\|?\s*$")
 
 
@@ -70,6 +75,37 @@ def test_counting_rules():
     assert TABLE_SEPARATOR.match("|:---|---:|") and not TABLE_SEPARATOR.match("| -1 | 2 |")
 
 
+def columns(line: str) -> int:
+    """The width of a printed line in monospace columns: East Asian wide and fullwidth characters take two."""
+    return sum(2 if unicodedata.east_asian_width(c) in ("W", "F") else 1 for c in line)
+
+
+def overlong_lines(nb: dict) -> list[str]:
+    """Every printed line of ``nb`` (streams, and results shown as plain text; a Markdown or HTML table wraps in its
+    cells) wider than :data:`MAX_WRAPPED_LINES` lines of :data:`OUTPUT_COLUMNS`, named by cell and start."""
+    over = []
+    for i, cell in enumerate(nb["cells"]):
+        for output in cell.get("outputs", []) if cell["cell_type"] == "code" else []:
+            data = output.get("data", {})
+            plain = output.get("output_type") == "stream" or set(data) == {"text/plain"}
+            over += [f"cell {i}: {columns(l)} columns ({columns(l) / OUTPUT_COLUMNS:.1f} lines), starting {l[:100]!r}"
+                     for l in (output_text(output) if plain else "").splitlines()
+                     if columns(l) > MAX_WRAPPED_LINES * OUTPUT_COLUMNS]
+    return over
+
+
+def test_line_width_rules():
+    """The width counter: a wide character is two columns; a line of exactly four output lines passes, one more fails."""
+    assert columns("混合精度：ab") == 12
+    stream = lambda text: {"cells": [{"cell_type": "code", "outputs": [  # noqa: E731
+        {"output_type": "stream", "name": "stdout", "text": text}]}]}
+    limit = MAX_WRAPPED_LINES * OUTPUT_COLUMNS
+    assert not overlong_lines(stream("x" * limit + "\n" + "精" * (limit // 2)))
+    assert overlong_lines(stream("short\n" + "精" * (limit // 2) + "x"))[0].startswith("cell 0: 481 columns")
+    table = {"output_type": "display_data", "data": {"text/markdown": "| " + "x" * 600 + " |", "text/plain": "<Md>"}}
+    assert not overlong_lines({"cells": [{"cell_type": "code", "outputs": [table]}]})
+
+
 def notebook(lab: str, folder: Path = REPO) -> tuple[Path, dict]:
     paths = sorted(folder.glob(f"{lab}-*.ipynb"))
     assert len(paths) == 1, f"one notebook {lab}-*.ipynb expected in {folder}, found {paths}"
@@ -107,6 +143,14 @@ def test_printed_output_budget(lab):
             over.append(f"cell {i}: {len(lines)} lines, {chars} characters, starting {lines[0][:80]!r}")
     assert not over, f"{stem}: cells over {MAX_CELL_LINES} lines or {MAX_CELL_CHARS} characters:\n" + "\n".join(over)
     assert total <= MAX_LAB_LINES, f"{stem}: {total} printed lines (at most {MAX_LAB_LINES})"
+
+
+@pytest.mark.parametrize("lab", [pytest.param(lab, marks=pytest.mark.regen_labs(lab)) for lab in LABS])
+def test_no_printed_line_wraps_past_four_lines(lab):
+    run, stem = _regen(lab)
+    over = overlong_lines(notebook(lab, run.out / "executed")[1])
+    assert not over, (f"{stem}: printed lines longer than {MAX_WRAPPED_LINES} lines of {OUTPUT_COLUMNS} columns "
+                      f"(JupyterLab's output area):\n" + "\n".join(over))
 
 
 @pytest.mark.regen_labs(*LABS_WITH_BUDGET)

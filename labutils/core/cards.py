@@ -68,8 +68,7 @@ BY_KEY = {c.key: c for c in CARDS}
 
 def card_total_bytes(gb: float) -> tuple[int, str]:
     """(bytes torch would report on a card sold as ``gb`` GB, the rule that gave it): the table's smallest total among
-    cards sold as ``gb`` GB ("80" -> the H100's 79.11 GiB), else the nearest card with a torch figure (the smaller on a
-    tie) scaled by ``gb`` / its size."""
+    cards sold as ``gb`` GB ("80" -> the H100's 79.11 GiB), else the nearest card with a torch figure, scaled."""
     if not gb > 0:
         raise ValueError(f"a card size must be > 0 GB, got {gb!r}")
     known = [c for c in CARDS if c.total_bytes is not None]

@@ -31,9 +31,8 @@ def _groups(amp: str, amp_fast: str):
 
 @functools.lru_cache(maxsize=4)
 def course(amp: str, amp_fast: str) -> dict:
-    """The card's one scale model (``amp``: the labs' mixed precision, ``amp_fast``: a fast run's, as
-    :func:`labutils.core.precisions.amp_precision` gives them): budget_bytes, why, rows (each: lab, row, overrides,
-    full_peak_bytes, full_fits, smoke_peak_bytes, smoke_fits, full_config)."""
+    """The card's one scale model for ``amp`` and ``amp_fast`` (:func:`labutils.core.precisions.amp_precision`'s):
+    budget_bytes, why, rows (each: lab, row, overrides, full_peak_bytes, full_fits, smoke_peak_bytes, ...)."""
     total, out = cards.card_total_bytes(CARD_GB)[0], []
     for lab, name, rows, smoke_ov in _groups(amp, amp_fast):
         full, smoke = load_config(name, mode="full"), load_config(name, mode="smoke").override(smoke_ov)
@@ -53,8 +52,8 @@ def course(amp: str, amp_fast: str) -> dict:
     budget = int(math.sqrt(hi["smoke_peak_bytes"] * lo["smoke_peak_bytes"]))
     for r in out:
         r["smoke_fits"] = r["smoke_peak_bytes"] <= budget
-    return {"budget_bytes": budget, "rows": out, "why": f"one size for every lab, halfway (log scale) between the "
-            f"smoke peaks of {name(hi)} and {name(lo)}, the closest pair of their {len(out)} budgeted runs"}
+    return {"budget_bytes": budget, "rows": out, "why": f"for every lab, between the smoke peaks of {name(hi)} (fits "
+            f"the card) and {name(lo)} (does not)"}
 
 
 def lab_budget(lab: str, device) -> dict:
@@ -65,8 +64,8 @@ def lab_budget(lab: str, device) -> dict:
     amp, amp_fast = amp_precision(device)[0], amp_precision(device, emulated_ok=False)[0]
     tensors, sm = dev.card_allocator_bytes(CARD_GB, device) if cuda else total - cards.CUDA_CONTEXT_BYTES, \
         course(amp, amp_fast)
-    line = (f"an {CARD_GB:g} GB card: {tensors / GiB:.2f} GiB for tensors = {total / GiB:.2f} GiB to torch "
-            f"({rule.split(' reports')[0]}) - {(total - tensors) / GiB:.2f} GiB CUDA context ("
+    line = (f"an {CARD_GB:g} GB card: {tensors / GiB:.2f} GiB for tensors ({total / GiB:.2f} GiB to torch, "
+            f"{rule.split(' reports')[0]}, less {(total - tensors) / GiB:.2f} GiB CUDA context, "
             + ("measured on this GPU)" if cuda else
                f"assumed); in smoke its scale model: {sm['budget_bytes'] / MiB:.2f} MiB, {sm['why']}"))
     rows = [{k: v for k, v in r.items() if not (cuda and k.startswith("smoke"))} for r in sm["rows"] if r["lab"] == lab]

@@ -120,6 +120,12 @@ def claim_entry(claim_id: str, values: dict | None, cond: dict, *, reason: str |
     values = {k: v for k, v in (values or {}).items() if v is not None}
     evs = evidence_for(claim.quantities, evidence, cond.get("hardware"), cond.get("mode"), cond.get("model"))
     v, why, parts = judge(claim_id, values, evs)
+    hw, smoke = str(cond.get("hardware") or "cpu"), cond.get("mode") != "full"
+    on, tag = f"tiny model on {'CPU' if hw.lower().startswith('cpu') else hw}", smoke and v != NOT_MEASURED
+    if tag and v == NOT_JUDGED and all("full_model" in q.all_needs() for q in claim.quantities):
+        # every part waits for a full-mode run: said once, briefly; each part's own reasons stay in "parts"
+        why, tag = f"A smoke measurement ({on}) is only shown: " + ", ".join(
+            f"{q.label} {q.shown(values[q.name], evs[q.name])}" for q in claim.quantities if q.name in values), False
     if v == NOT_MEASURED:
         why = f"Not measured: {not_measured or 'this run produced none of the numbers it needs'}"
     elif reason:
@@ -128,11 +134,7 @@ def claim_entry(claim_id: str, values: dict | None, cond: dict, *, reason: str |
         predicted = ", ".join(f"{m['label']} {m['text']}" for m in _measured(claim, prediction).values())
         why += (f". The estimator predicts{f' (for {prediction_for})' if prediction_for else ''} {predicted}, which "
                 f"would make it '{verdict(claim_id, prediction)[0]}' (a prediction, not a measurement)")
-    smoke = cond.get("mode") != "full"
-    if smoke and v != NOT_MEASURED:  # where the tiny model ran: a CPU, or LAB_SMOKE=1's GPU
-        hw = str(cond.get("hardware") or "cpu")
-        why += (" [smoke measurement: tiny model on CPU, not a GPU result]" if hw.lower().startswith("cpu") else
-                f" [smoke measurement: tiny model on {hw}, not a result for GPT-2's sizes]")
+    why += f" [smoke measurement: {on}]" if tag else ""
     entry = {"id": claim_id, "claim": claim.claim, "source": claim.source, "expected": claim.expected(),
              "expected_ranges": claim.expected_ranges(), "measured": _measured(claim, values, parts) or None,
              "measurement": (None if v == NOT_MEASURED else SMOKE_LABEL if smoke else
@@ -150,8 +152,7 @@ def claim_entry(claim_id: str, values: dict | None, cond: dict, *, reason: str |
 
 def not_measured(claim_id: str, why: str, cond: dict, *, prediction: dict | None = None,
                  prediction_for: str | None = None) -> dict:
-    """A ``not measured`` entry: always says why; ``prediction`` (from the estimator, for the setup named in
-    ``prediction_for``) is labelled as one."""
+    """A ``not measured`` entry, saying why; ``prediction`` (the estimator's, for ``prediction_for``): labelled."""
     return claim_entry(claim_id, None, cond, not_measured=why, prediction=prediction, prediction_for=prediction_for)
 
 

@@ -202,6 +202,10 @@ class Quantity:
             return f"{v:.2f}x"
         return f"{v:.3g}"
 
+    def shown(self, v: float, ev: Evidence) -> str:
+        """The value, a speed with where it was timed: "-45 % on CPU"."""
+        return self.fmt(v) + ("" if self.kind != "speed" else f" on {'CPU' if on_cpu(ev.hardware) else ev.hardware}")
+
     def _bound(self, b) -> str:
         return self.fmt(b) if not isinstance(b, tuple) else f"{self.fmt(b[0])} to {self.fmt(b[1])}"
 
@@ -251,10 +255,7 @@ def judge_quantity(q: Quantity, v, ev: Evidence | None) -> tuple[str, str]:
     if ev is not None:
         why = q.unmet(ev)
         if why:
-            where = "on CPU" if q.kind == "speed" and on_cpu(ev.hardware) else (
-                f"on {ev.hardware}" if ev.hardware and q.kind == "speed" else "")
-            return NOT_JUDGED, (f"{q.label} not judged: {why}; this run measured {q.fmt(v)}"
-                                + (f" {where}" if where else "") + " (shown, not judged)")
+            return NOT_JUDGED, f"{q.label} not judged: {why}; this run measured {q.shown(v, ev)} (shown, not judged)"
         effect = abs(v - 1) if q.unit == "x" else abs(v)  # how far from "no change" (0 % or 1x)
         if ev.spread is not None and ev.spread >= effect:
             noise = f"+-{100 * ev.spread:.0f} %" if q.unit in ("%", "x") else f"+-{ev.spread:.3g}"
