@@ -45,7 +45,7 @@ labs/lab02/  lab 02, gradient accumulation
   accumulation        bookkeeping of the cells' gradient experiments (memory, OOM rows)
   accumulation_sweeps the batch-split sweeps read out: fits, stability, learning rate, advice, C3
 labs/lab03/  lab 03, gradient checkpointing
-  checkpointing       the variants (every k, segments, selective, offload) a student switches on
+  checkpointing       Variant, and the model's own API (every k); the notebook writes out the others
   checkpoint_measure  each variant trained under a budget and checked (gradients, FLOPs, calls)
   checkpoint_report   tables, figures, conclusions and C4/C5 from what was measured
 labs/lab04/  lab 04, memory profiling
@@ -86,7 +86,7 @@ from .core.device import card_allocator_bytes
 from .core.env import environment, matmul_precision, seed_everything, set_memory_budget, setup
 from .core.memory import MemoryTracker, fmt_bytes, release, set_baseline, start_check, state_bytes
 from .models.spec import spec_of
-from .models.gpt2 import enable_checkpointing, load_model
+from .models.gpt2 import disable_checkpointing, enable_checkpointing, load_model
 from .core.peaks import peak_info, peak_tflops
 from .core.precisions import amp_precision
 from .core.results import mode_banner, read_results, record_results, show_table

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import labutils as lu
 from labutils.labs.lab02 import accumulation as acc
@@ -158,43 +159,24 @@ def _grads(policy, p):
     if policy is None:
         loss = _block(x, w1, w2, p)
     else:
-        context_fn = functools.partial(ck.create_selective_checkpoint_contexts, policy)
+        context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
         loss = torch.utils.checkpoint.checkpoint(_block, x, w1, w2, p, use_reentrant=False, context_fn=context_fn)
     loss.backward()
     return [w1.grad, w2.grad]
 
 
-def notebook_policy(name: str = "save_matmuls"):
-    """Lab 03's own written-out SAC policy (cell "SAC_OK, ..."), compiled from the notebook with MATMULS = ck.SAVE_OPS
-    as the cell sets it: the policy its GPT-2 runs and gradient check pass to ``ck.selective``."""
-    import ast
-    import json
-    from pathlib import Path
-
-    nb = json.loads((Path(__file__).resolve().parent.parent / "03-Gradient_Checkpointing.ipynb").read_text())
-    for cell in nb["cells"]:
-        if cell["cell_type"] == "code":
-            for node in ast.parse("".join(cell["source"])).body:
-                if isinstance(node, ast.FunctionDef) and node.name == name:
-                    ns = {"ck": ck, "MATMULS": ck.SAVE_OPS}
-                    exec(compile(ast.Module([node], []), "03-Gradient_Checkpointing.ipynb", "exec"), ns)
-                    return ns[name]
-    raise LookupError(f"lab 03 defines no {name}()")
-
-
-@pytest.mark.parametrize("policy", ["labutils", "lab 03 notebook"])
 @pytest.mark.parametrize("p", [0.0, 0.3])
-def test_selective_checkpointing_is_exact_with_a_seeded_op_it_would_save(monkeypatch, p, policy):
+def test_selective_checkpointing_is_exact_with_a_seeded_op_it_would_save(monkeypatch, p):
     """Row 5: save_matmuls marked CUDA's fused attention (which draws its dropout mask inside) MUST_SAVE; the
-    recompute then skipped its random draw and every later dropout got another mask: wrong gradients. Lab 03
-    writes the policy out and trains GPT-2 with it (dropout 0.1): its copy needs the same guard."""
+    recompute then skipped its random draw and every later dropout got another mask: wrong gradients. The policy is
+    lab 03's own, written out in its cells (MATMULS = ck.SAVE_OPS as the cell sets it), which trains GPT-2 with it."""
     monkeypatch.setattr(ck, "SAVE_OPS", ck.SAVE_OPS | {FUSED})  # as CUDA's fused attention kernels are
-    save_matmuls = ck.save_matmuls if policy == "labutils" else notebook_policy()
+    save_matmuls = ck.notebook_variants()["save_matmuls"]
     ref = _grads(None, p)
     got = _grads(save_matmuls, p)
     assert cm.max_rel_diff(got, ref) < 1e-6
     if p == 0:  # deterministic: kept, as the policy intends (no recompute of the expensive op)
-        assert save_matmuls(None, FUSED, torch.ones(1), torch.ones(1), 0.0) == ck.CheckpointPolicy.MUST_SAVE
+        assert save_matmuls(None, FUSED, torch.ones(1), torch.ones(1), 0.0) == CheckpointPolicy.MUST_SAVE
     else:
         assert ck.draws_random_numbers(FUSED, (None, None, p), {})
 
@@ -202,10 +184,11 @@ def test_selective_checkpointing_is_exact_with_a_seeded_op_it_would_save(monkeyp
 def test_sdpa_kernels_with_dropout_are_recomputed():
     op = torch.ops.aten._scaled_dot_product_efficient_attention.default
     q = torch.ones(1)
-    assert ck.save_matmuls(None, op, q, q, q, None, True, 0.1) == ck.CheckpointPolicy.PREFER_RECOMPUTE
-    assert ck.save_matmuls(None, op, q, q, q, None, True, 0.0) == ck.CheckpointPolicy.MUST_SAVE
-    assert ck.save_matmuls(None, op, q, q, q, None, True, dropout_p=0.2) == ck.CheckpointPolicy.PREFER_RECOMPUTE
-    assert ck.save_matmuls(None, torch.ops.aten.mm.default, q, q) == ck.CheckpointPolicy.MUST_SAVE
+    save_matmuls = ck.notebook_variants()["save_matmuls"]
+    assert save_matmuls(None, op, q, q, q, None, True, 0.1) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert save_matmuls(None, op, q, q, q, None, True, 0.0) == CheckpointPolicy.MUST_SAVE
+    assert save_matmuls(None, op, q, q, q, None, True, dropout_p=0.2) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert save_matmuls(None, torch.ops.aten.mm.default, q, q) == CheckpointPolicy.MUST_SAVE
 
 
 # ---------------------------------------------------------------------------------------------------- row 6
@@ -306,14 +289,17 @@ def test_release_frees_pinned_host_memory(gpu):
 def test_a_pinned_allocation_error_that_is_not_oom_is_raised(gpu):
     """Row 9, corrected (issue 20): only an out-of-memory failure of a pinned allocation is an OOM row (see
     tests/test_card_budget.py). Under the pretend GPU the pinned allocation fails for another reason, on either
-    build (no driver, no host allocator): that error is raised as it is, not relabelled as out of memory."""
-    hooks = ck.CountingSaveOnCPU("cuda")
-    assert hooks.pinned
-    x = torch.randn(4, 4, requires_grad=True)
+    build (no driver, no host allocator): that error is raised as it is, not relabelled as out of memory. The
+    offload is lab 03's own (its cells' code), its runs caught as labutils' training loop catches them."""
+    from labutils.core.memory import oom_caught
+
+    model = torch.nn.Linear(4, 4)
+    undo = ck.notebook_variants()["offload"]().apply(model)  # a GPU is there: the saved input goes to pinned memory
     with pytest.raises(RuntimeError) as caught:
-        with hooks:
-            (x * x).sum()
-    assert not isinstance(caught.value, torch.OutOfMemoryError)
+        with oom_caught():
+            model(torch.randn(2, 4, requires_grad=True))
+    undo()
+    assert not isinstance(caught.value, torch.OutOfMemoryError) and not dev.is_oom(caught.value)
     assert dev.is_oom(torch.OutOfMemoryError("x")) and dev.is_oom(RuntimeError("cudaHostAlloc failed"))
     assert not dev.is_oom(RuntimeError("shape mismatch")) and not dev.is_oom(ValueError("out of memory"))
 

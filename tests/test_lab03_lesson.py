@@ -228,3 +228,25 @@ def test_no_smoke_sentence_states_a_cpu_speed_difference():
     rec = next(t for t in cells if "| budget_at_least_mib |" in t)
     assert "time_overhead_pct" not in rec and "extra_flops_pct" in rec.splitlines()[0], rec
     assert "for +" in next(s for s in sentences if s.startswith("batch 1: checkpointing saves"))  # FLOPs: a cost
+
+
+def test_use_cache_prose_points_at_no_warning_a_rerun_may_not_show():
+    """Issue 44 §6: section 3's prose said the next cell's "[transformers]" line is transformers' own warning; that
+    warning comes once per process, so a re-run cell shows none. Breaks if the prose points at it again."""
+    nb = json.loads((REPO / f"{STEM}.ipynb").read_text(encoding="utf-8"))
+    md = "".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    assert "4 在下一格" in md and "`[transformers]` 警告就是" not in md and "警告就是 transformers 自己印的" not in md
+
+
+@pytest.mark.regen_labs("03")
+def test_best_segment_length_below_one_block_is_said_as_one_block_per_segment():
+    """Issue 44 §4: "smallest at k = sqrt(L*x/A) = 0.33 blocks" is a segment length no model has. Below one block the
+    line keeps the number and says that one block per segment (full checkpointing) is the best segmenting."""
+    cells, data = _executed()
+    line = next(l for t in cells for l in t.splitlines() if "sqrt(L*x/A) = " in l)
+    k_star = float(re.search(r"sqrt\(L\*x/A\) = ([\d.]+) blocks", line)[1])
+    ratio = data["notes"]["block_saved_over_input"]
+    blocks = lu.load_config(CONFIG, mode="smoke")
+    assert abs(k_star - (lu.spec_of(blocks.model.name).n_layer / ratio) ** 0.5) < 0.01, (k_star, ratio)
+    below = "below one block, so one block per segment (full checkpointing) is the best segmenting"
+    assert (below in line) == (k_star < 1), line

@@ -2,10 +2,12 @@
 results page and the time plan iterate over it. A fifth lab: its notebook, its entry here, its config, its claims. """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
+import ast
+import json
 import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 from ..core.cards import card_total_bytes
 from ..core.config import load_config
@@ -209,3 +211,20 @@ def mismatch(stems) -> str | None:
     return "; ".join([f"notebook {s}.ipynb is not in the registry (labutils/labs/registry.py)" for s in sorted(found - known)]
                      + [f"lab {s} of the registry (labutils/labs/registry.py) has no notebook {s}.ipynb"
                         for s in sorted(known - found)]) or None
+
+
+def cell_definitions(key: str, names) -> dict:
+    """The top-level ``def``, ``class`` and ``NAME = ...`` statements named ``names`` in lab ``key``'s code cells, run
+    (after the notebook's imports) in one namespace, returned: the tests and the doctor run the code a student reads."""
+    path = Path(__file__).resolve().parents[2] / f"{lab(key).stem}.ipynb"
+    cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+    body = [n for c in cells if c["cell_type"] == "code" for n in ast.parse("".join(c["source"])).body]
+    named = [n for n in body if getattr(n, "name", None) in names
+             or isinstance(n, ast.Assign) and any(getattr(t, "id", None) in names for t in n.targets)]
+    missing = set(names) - {getattr(n, "name", None) or n.targets[0].id for n in named}
+    if missing or len(named) != len(set(names)):
+        raise LookupError(f"{path.name} defines {sorted(missing)} not once each")
+    imports = [n for n in body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    namespace = {"__name__": f"{path.stem}.ipynb"}
+    exec(compile(ast.Module(imports + named, []), str(path), "exec"), namespace)  # noqa: S102 - the repository's code
+    return namespace

@@ -346,14 +346,16 @@ def check_profiler(c: Checks, device: torch.device, session) -> None:
 
 
 def check_checkpointing(c: Checks, device: torch.device) -> None:
-    """Every checkpointing variant gives the gradients of no checkpointing, with dropout on."""
+    """Every checkpointing variant gives the gradients of no checkpointing, with dropout on: the model's API, and the
+    variants lab 03 writes out in its cells (their code, run from the notebook)."""
     from ..labs.lab03 import checkpoint_measure as cm
     from ..labs.lab03 import checkpointing as ck
     from ..core.env import matmul_precision
     from ..core.memory import release
 
     cfg = small_config("gpt2" if device.type == "cuda" else "tiny", **{"model.dropout": 0.1, "data.seq_length": 64})
-    variants = [ck.full(), ck.every_n(2), ck.segments(2), ck.selective(), ck.offload(), ck.checkpoint_offload()]
+    nb = ck.notebook_variants()
+    variants = [ck.full(), ck.every_n(2), nb["segments"](2), nb["selective"](), nb["offload"](), nb["offload"](True)]
     with cm.loaded(cfg, device) as s, matmul_precision(False):
         batch = cm.one_batch(s.dataset, 2, cfg.train.seed, device)
 

@@ -34,6 +34,7 @@ class Measured:
     result: RunResult
     host_bytes: int | None = None
     info: dict = field(default_factory=dict)  # what the variant counted (offload: bytes moved, weights kept)
+    defined_in: str | None = None  # where the variant's code is: "notebook" (a cell), or labutils' module
 
     @property
     def ok(self) -> bool:
@@ -70,6 +71,7 @@ class Measured:
                 "memory_saving_pct": 100 * (1 - self.peak / baseline.peak) if both else None,
                 "time_overhead_pct": 100 * overhead(baseline, self) if both else None,
                 "host_mib": self.host_bytes / MiB if self.host_bytes is not None else None, "error": r.error,
+                "defined_in": self.defined_in,
                 **{k: self.info.get(k) for k in RECOMPUTE}}
 
 
@@ -115,7 +117,8 @@ def _train_variant(cfg: Config, model, dataset, device, variant: Variant, env: d
         result = RunResult(config=cfg.to_dict(), env=dict(env), status="oom", error=oom,
                            effective_batch_size=cfg.effective_batch_size,
                            peak_memory_bytes=dev.peak_allocated(device))
-    return Measured(variant.name, variant.kind, variant.k, result, variant.info.get("host_bytes"), dict(variant.info))
+    return Measured(variant.name, variant.kind, variant.k, result, variant.info.get("host_bytes"), dict(variant.info),
+                    variant.defined_in)
 
 
 @contextlib.contextmanager
@@ -217,7 +220,7 @@ def _one_step(model, batch: dict, variant: Variant | None):
 
 def step_grads(model, batch: dict, variant: Variant | None = None) -> list[torch.Tensor]:
     """Gradients of one forward + backward with ``variant`` on (copies in host memory, one per parameter)."""
-    params = list(model.parameters())  # before apply: segments() re-parents blocks, not parameters
+    params = list(model.parameters())  # before apply: lab 03's segments re-parent blocks, not parameters
     with _one_step(model, batch, variant):
         return [p.grad.detach().to("cpu", copy=True) if p.grad is not None else None for p in params]
 
