@@ -421,6 +421,30 @@ def test_checkpointing_fails_when_recompute_does_not_restore_the_rng(monkeypatch
     assert r["checkpointing grads: full (dropout 0.1)"]["status"] == "fail"
 
 
+def test_checkpointing_check_without_the_notebooks_checks_the_models_api_and_says_so(tmp_path):
+    """An installed package (``pip install .`` without ``-e``) has no notebooks beside it: the checkpointing check runs
+    the model's own API and names what it could not read (lab 03's cell variants), instead of failing. Stand-in for
+    such an install: a copy of labutils alone in a folder, imported from there by a fresh process. Breaks if the
+    doctor needs lab 03's notebook to run."""
+    import ast
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    shutil.copytree(Path(dc.__file__).parents[1], tmp_path / "labutils", ignore=shutil.ignore_patterns("__pycache__"))
+    code = ("import torch; from labutils.tools import doctor_checks as dc; c = dc.Checks(verbose=False); "
+            "dc.check_checkpointing(c, torch.device('cpu')); print({r['name']: r['status'] for r in c.rows})")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "LAB_SMOKE": "1", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    assert got == {"checkpointing grads: lab 03's cell variants": "skip", "checkpointing grads: full (dropout 0.1)":
+                   "pass", "checkpointing grads: every 2 (dropout 0.1)": "pass"}, got
+
+
 def test_estimator_fails_when_it_estimates_another_batch(monkeypatch):
     from labutils.estimator import estimate as est
 

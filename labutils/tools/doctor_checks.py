@@ -354,8 +354,12 @@ def check_checkpointing(c: Checks, device: torch.device) -> None:
     from ..core.memory import release
 
     cfg = small_config("gpt2" if device.type == "cuda" else "tiny", **{"model.dropout": 0.1, "data.seq_length": 64})
-    nb = ck.notebook_variants()
-    variants = [ck.full(), ck.every_n(2), nb["segments"](2), nb["selective"](), nb["offload"](), nb["offload"](True)]
+    variants = [ck.full(), ck.every_n(2)]
+    try:  # lab 03's own cells: in a checkout (pip install -e .), not in an installed package without the notebooks
+        nb = ck.notebook_variants()
+        variants += [nb["segments"](2), nb["selective"](), nb["offload"](), nb["offload"](True)]
+    except OSError as exc:
+        c.skip("checkpointing grads: lab 03's cell variants", f"no notebook here ({exc.strerror}: {exc.filename})")
     with cm.loaded(cfg, device) as s, matmul_precision(False):
         batch = cm.one_batch(s.dataset, 2, cfg.train.seed, device)
 
