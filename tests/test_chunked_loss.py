@@ -165,9 +165,38 @@ def test_with_gradient_checkpointing_and_compile():
         torch.testing.assert_close(g[name], g_ref[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+class HeadMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the matmuls whose output has the vocabulary as its last dimension: the LM head's, one per chunk."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab, self.rows = vocab, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm) and out.shape[-1] == self.vocab:
+            self.rows.append(out.shape[0])
+        return out
+
+
+@pytest.mark.parametrize("size", [None, 24])
+def test_an_unset_chunk_size_runs_the_micro_batch_as_one_chunk(size):
+    """Issue 47 §3: with no ``loss_chunk_size`` (and no card to fit, on a CPU) the head runs once over all of a
+    micro-batch's positions; a size set is kept. Oracle: torch's dispatcher sees each [positions, V] head matmul of
+    the forward. Breaks if an unset size fell back to a fixed chunk (1,024 positions: two chunks here)."""
+    keys = {"model.pad_vocab_to": 64, "model.dropout": 0.0, "model.loss": "chunked"}
+    chunked = lu.load_model(lu.load_config(None, {**keys, **({"model.loss_chunk_size": size} if size else {})},
+                                           mode="smoke").model, "cpu").model
+    b = batch(T=300)  # 1,200 positions: more than the fixed chunk an unset size once meant (1,024)
+    positions = b["input_ids"].numel()
+    with HeadMatmuls(chunked.lm_head.weight.shape[0]) as seen:
+        chunked(**b, use_cache=False)
+    assert seen.rows == ([positions] if size is None else [24] * (positions // 24)), seen.rows
+
+
 def test_config_key_is_validated():
     cfg = lu.load_config(None, {"model.loss": "chunked"}, mode="smoke")
-    assert cfg.model.loss == "chunked" and cfg.model.loss_chunk_size == LC.DEFAULT_CHUNK
+    assert cfg.model.loss == "chunked" and cfg.model.loss_chunk_size is None  # unset: sized by memory (issue 47)
     assert lu.load_config(None, mode="smoke").model.loss == "full"
     with pytest.raises(ConfigError, match=r"model\.loss = 'fused': must be one of full, chunked"):
         lu.load_config(None, {"model.loss": "fused"}, mode="smoke")

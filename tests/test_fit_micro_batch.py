@@ -36,9 +36,9 @@ class Stop(Exception):
     """Raised by the recorder in place of training."""
 
 
-def run_cli(monkeypatch, capsys, profile, *extra, env_gib=None):
+def run_cli(monkeypatch, capsys, profile, *extra, env_gib=None, whole=False):
     """``python -m labutils run configs/fast_config.yaml [extra]`` on a pretend ``profile`` card, full mode;
-    returns (the config handed to train.run, stdout)."""
+    returns (the train section of the config handed to train.run, or ``whole`` config, stdout)."""
     if REAL_GPU:
         pytest.skip("a real CUDA GPU is present: the pretend driver would not be the one answering")
     monkeypatch.delenv("LAB_SMOKE", raising=False)  # full mode: the mode follows the (pretend) GPU
@@ -57,7 +57,7 @@ def run_cli(monkeypatch, capsys, profile, *extra, env_gib=None):
     with pytest.raises(Stop):
         cli.main(["run", str(FAST), "--quiet", *extra])
     assert seen, "train.run was never reached"
-    return seen[0].train, capsys.readouterr().out
+    return (seen[0] if whole else seen[0].train), capsys.readouterr().out
 
 
 def test_an_8gb_card_gets_a_smaller_micro_batch_and_the_same_effective_batch(monkeypatch, capsys):
@@ -106,3 +106,28 @@ def test_fit_micro_batch_against_the_pretend_cards_memory():
     assert small.model == cfg.model and small.data == cfg.data  # only the batch split changes
     same, line = fit_micro_batch(cfg, fake_cuda.PROFILES["h100"].total)
     assert line is None and same.train.micro_batch_size == FILE["micro_batch_size"]
+
+
+# ---- issue 47 §3: the loss chunk sized by memory ---------------------------------------------------------------------
+def test_an_unset_loss_chunk_is_one_chunk_where_the_logits_fit_else_the_fewest_that_fit(monkeypatch, capsys):
+    """fast_config.yaml leaves ``model.loss_chunk_size`` unset. On an H100 (80 GB; the config says its step needs
+    about 12 GB) the whole micro-batch's logits fit: one chunk, and nothing is said. On an 8 GB card, at the micro-batch
+    fitted for it, the fewest chunks the estimator fits, said in one line; one chunk fewer would not fit. Breaks if the
+    size stays a fixed number of positions (extra chunks, each re-reading the LM head), if one chunk is taken where it
+    does not fit, or if a size set with --set is overridden."""
+    from labutils.estimator.estimate import estimate_memory, fits
+
+    assert "loss_chunk_size" not in yaml.safe_load(FAST.read_text())["model"]
+    cfg, out = run_cli(monkeypatch, capsys, "h100", whole=True)
+    positions = cfg.train.micro_batch_size * cfg.data.seq_length
+    assert cfg.model.loss_chunk_size == positions and "loss_chunk_size" not in out
+    cfg, out = run_cli(monkeypatch, capsys, "rtx3070-8gb", whole=True)
+    positions, size = cfg.train.micro_batch_size * cfg.data.seq_length, cfg.model.loss_chunk_size
+    chunks, budget = -(-positions // size), fake_cuda.PROFILES["rtx3070-8gb"].total
+    assert fits(estimate_memory(cfg), budget)
+    if chunks > 1:
+        assert not fits(estimate_memory(cfg, loss_chunk=-(-positions // (chunks - 1))), budget)
+        assert f"model.loss_chunk_size: {size}, {chunks} chunks" in out
+    cfg, _ = run_cli(monkeypatch, capsys, "rtx3070-8gb", "--set", "model.loss_chunk_size=2048", whole=True)
+    assert cfg.model.loss_chunk_size == 2048
+

@@ -133,17 +133,23 @@ def compiled_reference():
     return total, graphs, [shape for graph in saved for shape in graph]
 
 
+@pytest.fixture(scope="module")
+def compiled_course():
+    """The course's compiled step with the full loss: inductor's byte count, per graph (two tests below read it)."""
+    hf = load_model(tiny().model).model
+    course, _ = compiled_steps(hf, R.from_hf(hf))
+    return compiled_bytes(course)
+
+
 @INDUCTOR  # on one worker with the other compiling tests (tests/conftest.py)
 @TORCH_INTERNAL
-def test_compiled_traffic_of_the_fast_model_equals_the_reference(compiled_reference):
+def test_compiled_traffic_of_the_fast_model_equals_the_reference(compiled_reference, compiled_course):
     """One compiled BF16-autocast forward + backward of the fast model (transformers' GPT-2 with the fast keys)
     and of the reference with its weights, B4 x T512 on the tiny model: inductor's byte counts within 1 %.
     Breaks if the padded vocabulary went back to an in-place write into the logits (a forward hook: measured
     +2.3 % here, a full copy of the logits forward and of their gradient backward), or anything else made the
     course's compiled step move more than the nanoGPT-style one."""
-    hf = load_model(tiny().model).model
-    course, _ = compiled_steps(hf, R.from_hf(hf))
-    ours, ours_graphs = compiled_bytes(course)
+    ours, ours_graphs = compiled_course
     theirs, their_graphs, _ = compiled_reference
     print(f"\ncompiled traffic, forward / backward (MB): fast model "
           f"{' / '.join(f'{b / 1e6:.2f}' for b in ours_graphs)}, reference "
@@ -174,3 +180,19 @@ def test_compiled_chunked_loss_saves_no_logits_and_moves_the_references_bytes(mo
     assert (4, 512, vocab) in their_saved  # the spy sees the reference's logits saved
     assert len(ours_graphs) == 2 and not [shape for shape in ours_saved if shape and shape[-1] == vocab]
     assert ours <= 1.02 * theirs
+
+
+@INDUCTOR
+@TORCH_INTERNAL
+def test_one_compiled_loss_chunk_moves_no_more_than_the_full_loss(compiled_course):
+    """Issue 47 §3: where the logits fit, ``model.loss: chunked`` with no chunk size runs each micro-batch as one chunk,
+    and compiled (BF16 autocast, B4 x T512) its step moves no more bytes than the full loss's: inductor's own count.
+    Breaks if an unset size meant several chunks again (each re-reads the head: two chunks of 1,024 positions moved
+    0.8 % more here), or the one-chunk path saved or copied the logits the full loss keeps."""
+    hf = load_model(tiny(**{"model.loss": "chunked"}).model).model
+    course, _ = compiled_steps(hf, R.from_hf(hf))
+    ours, graphs = compiled_bytes(course)
+    full, _ = compiled_course
+    print(f"\ncompiled traffic, one loss chunk: {ours / 1e6:.2f} MB, full loss {full / 1e6:.2f} MB")
+    assert len(graphs) == 2 and ours <= full
+

@@ -76,7 +76,7 @@ class ModelConfig:
     activation: str = "gelu_new"         # gelu_new | gelu_pytorch_tanh (same maths, one kernel)
     pad_vocab_to: int | None = None      # null | 64 | 128: 50257 -> 50304 (64); padded logits are masked out
     loss: str = "full"                   # full | chunked (the logits never whole: labutils.models.loss_chunks)
-    loss_chunk_size: int = 1024          # chunked: positions per chunk of the LM head and cross-entropy
+    loss_chunk_size: int | None = None   # chunked: positions per chunk; unset: sized by memory (advise.fit_loss_chunk)
 
 
 @dataclass
@@ -277,7 +277,7 @@ def validate(cfg: Config) -> Config:
     choice("model.attn_implementation", m.attn_implementation, ATTENTION)
     choice("model.activation", m.activation, ACTIVATIONS)
     choice("model.loss", m.loss, LOSSES)
-    rng("model.loss_chunk_size", m.loss_chunk_size, 1, MAX_LOSS_CHUNK)
+    rng("model.loss_chunk_size", m.loss_chunk_size, 1, MAX_LOSS_CHUNK, allow_none=True)
     if m.pad_vocab_to is not None and m.pad_vocab_to not in PAD_VOCAB_TO:
         raise ConfigError(s("model.pad_vocab_to"), "model.pad_vocab_to", m.pad_vocab_to,
                           f"must be null or one of {', '.join(map(str, PAD_VOCAB_TO))}")
@@ -320,7 +320,7 @@ def validate(cfg: Config) -> Config:
     rng("train.seed", t.seed, 0, MAX_SEED)
     rng("train.timing_warmup_steps", t.timing_warmup_steps, 0)
     positions = t.micro_batch_size * d.seq_length
-    if m.loss == "chunked" and t.compile and -(-positions // m.loss_chunk_size) > MAX_COMPILED_CHUNKS:
+    if m.loss == "chunked" and t.compile and -(-positions // (m.loss_chunk_size or positions)) > MAX_COMPILED_CHUNKS:
         # dynamo unrolls the chunk loop: 256 chunks of the tiny model compiled for 257 s, two for 23 s (issue 46)
         raise ConfigError(s("model.loss_chunk_size"), "model.loss_chunk_size", m.loss_chunk_size,
                           f"must be >= {-(-positions // MAX_COMPILED_CHUNKS)} under train.compile: true (at most "

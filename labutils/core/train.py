@@ -234,7 +234,8 @@ def for_this_card(cfg: Config, device: torch.device | str | None = None) -> tupl
     """What ``run`` and ``bench`` train on this GPU, with one line per change: a mixed precision the GPU lacks becomes
     :func:`labutils.core.precisions.amp_precision`'s choice, and in full mode the micro-batch is the largest the
     estimator fits on this card (:func:`labutils.estimator.advise.default_budget_bytes`), accumulating to the same
-    effective batch. A key set with ``--set`` wins. On the CPU: the config as it is."""
+    effective batch; an unset loss chunk is sized by the same estimate. A key set with ``--set`` wins. On the CPU: the
+    config as it is (an unset chunk: one)."""
     device = torch.device(device or _env.default_device())
     if device.type != "cuda":
         return cfg, []
@@ -246,12 +247,13 @@ def for_this_card(cfg: Config, device: torch.device | str | None = None) -> tupl
         scaled = " with its GradScaler" * get(cfg.train.precision).scaler
         lines.append(f"NOTICE: {why}: training in {cfg.train.precision}{scaled} instead of emulated {p.name} "
                      f"(--set train.precision={p.name} to insist)")
-    if cfg.mode == "full" and "train.micro_batch_size" not in cfg.origins:
-        from ..estimator.advise import default_budget_bytes, fit_micro_batch
+    from ..estimator.advise import default_budget_bytes, fit_loss_chunk, fit_micro_batch
 
+    if cfg.mode == "full" and "train.micro_batch_size" not in cfg.origins:
         cfg, line = fit_micro_batch(cfg, *default_budget_bytes())
         lines += [line] if line else []
-    return cfg, lines
+    cfg, line = fit_loss_chunk(cfg, *default_budget_bytes())  # an unset chunk: one, where the logits fit
+    return cfg, lines + ([line] if line else [])
 
 
 def run(cfg: Config, device: torch.device | str | None = None, *, progress: bool = True, desc: str | None = None,

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from ..core import cards
 from ..core import device as dev
-from ..core.config import ConfigError
+from ..core.config import MAX_COMPILED_CHUNKS, ConfigError
 from ..core.distributed import zero_table
 from .estimate import CUDA_CONTEXT_BYTES, HEADROOM, GiB, Plan, estimate_memory, estimate_plan, fits, plan_from_config
 from ..core.flops import flops_per_token
@@ -203,13 +203,34 @@ def fit_micro_batch(cfg, budget_bytes: int, where: str = "the budget") -> tuple[
     or nothing smaller fits either (then the run reports its own OOM)."""
     t = cfg.train
     eff = t.micro_batch_size * t.accumulation_steps
-    # the config's own keys (attention, activation, padded vocabulary, compile) go to the estimate as they are
-    if fits(estimate_memory(cfg), budget_bytes):
+    unset = cfg.model.loss == "chunked" and cfg.model.loss_chunk_size is None  # fit_loss_chunk sizes it after
+
+    def ok(micro, accum):  # the config's own keys go to the estimate as they are; an unset chunk at its leanest
+        lean = {"loss_chunk": -(-micro * cfg.data.seq_length // MAX_COMPILED_CHUNKS)} if unset else {}
+        return fits(estimate_memory(cfg, micro=micro, accum=accum, **lean), budget_bytes)
+
+    if ok(t.micro_batch_size, t.accumulation_steps):
         return cfg, None
     for micro in sorted((m for m in range(1, t.micro_batch_size) if eff % m == 0), reverse=True):
-        if fits(estimate_memory(cfg, micro=micro, accum=eff // micro), budget_bytes):
+        if ok(micro, eff // micro):
             new = cfg.override({"train.micro_batch_size": micro, "train.accumulation_steps": eff // micro})
             return new, (f"micro-batch {t.micro_batch_size} x {t.accumulation_steps} does not fit "
                          f"{budget_bytes / GiB:.1f} GiB ({where}; estimate); running {micro} x {eff // micro}: the "
                          f"same effective batch of {eff}")
     return cfg, None
+
+
+def fit_loss_chunk(cfg, budget_bytes: int, where: str = "the budget") -> tuple[object, str | None]:
+    """``model.loss: chunked`` with no ``loss_chunk_size``: one chunk (the whole micro-batch) when the estimator fits
+    its logits in ``budget_bytes``, else the fewest chunks that fit, at most MAX_COMPILED_CHUNKS (each further chunk
+    re-reads the LM head: compiled about 8 x V x d bytes). Returns (config, a line when it takes more than one)."""
+    if cfg.model.loss != "chunked" or cfg.model.loss_chunk_size is not None:
+        return cfg, None
+    positions = cfg.train.micro_batch_size * cfg.data.seq_length
+    for n in range(1, MAX_COMPILED_CHUNKS + 1):
+        size = -(-positions // n)
+        if fits(estimate_memory(cfg, loss_chunk=size), budget_bytes):
+            break
+    line = (f"model.loss_chunk_size: {size}, {-(-positions // size)} chunks of the micro-batch's {positions} positions: "
+            f"one chunk's logits do not fit {budget_bytes / GiB:.1f} GiB ({where}; estimate)")
+    return cfg.override({"model.loss_chunk_size": size}), (line if size < positions else None)

@@ -37,7 +37,7 @@ class Plan:
     pad_vocab_to: int | None = None  # the LM head / wte rows rounded up to this multiple (padded logits too)
     compile: bool = False       # torch.compile: memory modelled as the eager step (see COMPILE_BASIS)
     loss: str = "full"          # full | chunked: the LM head and loss a chunk of positions at a time
-    loss_chunk: int = 1024      # chunked: positions per chunk
+    loss_chunk: int | None = None  # chunked: positions per chunk (None: one chunk, the whole micro-batch)
     dropout: bool = True        # GPT-2's own 0.1 unless the config sets 0
     padded: bool = False        # batches with padding get a 4-D attention mask (no flash kernel)
     num_samples: int = 0        # the dataset lives on the device: 3 int64 tensors of num_samples x seq
@@ -103,7 +103,7 @@ def estimate_plan(plan: Plan) -> dict:
         "logits_bytes": 4 * replay.N * replay.V,        # one FP32 [B, T, V] tensor (the loss holds 2-3)
         "loss": plan.loss,                              # chunked: never more than one chunk's logits at once
         "saved_logits_bytes": probe.led.saved_bytes(("logits",)),  # chunked: none (its gradients are saved)
-        "loss_chunk_bytes": 4 * min(plan.loss_chunk, replay.N) * replay.V if plan.loss == "chunked" else None,
+        "loss_chunk_bytes": 4 * min(plan.loss_chunk or replay.N, replay.N) * replay.V if plan.loss == "chunked" else None,
         "peak_bytes": led.peak,                         # compare with torch.cuda.max_memory_allocated()
         "peak_phase": led.peak_phase, "peak_breakdown": kinds,
         "resident_bytes": led.timeline[0][1],           # weights + dataset (+ workspace) before training

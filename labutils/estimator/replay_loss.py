@@ -59,7 +59,7 @@ class LossReplay:
         """``model.loss: chunked`` forward (:class:`labutils.models.loss_chunks.ChunkedLinearCrossEntropy`). Two chunks
         are booked: the second holds the fp32 weight-gradient accumulator that the first created."""
         p, led, N, B, T, h, V, c = self.p, self.led, self.N, self.B, self.T, self.h, self.V, self.c
-        C, wte = min(p.loss_chunk, N), "temporaries" if self.grads_exist else "grads"
+        C, wte = min(p.loss_chunk or N, N), "temporaries" if self.grads_exist else "grads"
         led.alloc("labels.pad", 8 * B * (T + 1))
         led.alloc("labels.shift", 8 * N)                                 # the targets
         led.free("labels.pad")

@@ -8,7 +8,8 @@ in the matmul's dtype, their log-sum-exp and target logit in fp32, ``g = softmax
 ``g @ W`` and ``g^T @ h`` into one fp32 accumulator (fp16: ``g`` scaled down by the power of two the chunk needs, so
 only backward's loss scale can overflow). Backward only scales the stored gradients: no recompute, no host sync, and
 compiled, no head matmul AOT autograd could merge with the forward's. FLOPs are the full head's; each extra chunk
-reads the head's weight twice and the accumulator once more (about ``16 * V * d`` bytes): a chunk should be large.
+re-reads the head (eager about ``16 * V * d`` bytes, compiled ``8 * V * d``: its fp32 gradient read and written once
+more), so unset ``model.loss_chunk_size`` takes one chunk where the logits fit (:func:`..estimator.advise.fit_loss_chunk`).
 :func:`install` replaces a GPT2LMHeadModel's ``forward`` for training calls with labels (no logits in the output).
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ import types
 import torch
 
 IGNORE_INDEX = -100
-DEFAULT_CHUNK = 1024  # positions per chunk (model.loss_chunk_size): a [1024, 50304] fp32 chunk is 0.2 GB
+DEFAULT_CHUNK = 1024  # positions per chunk where a size is wanted (lab 04's lesson): a [1024, 50304] fp32 chunk, 0.2 GB
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -84,7 +85,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 # ---- The causal-LM loss, as transformers' ForCausalLMLoss computes it, chunked ---------------------------------------
 def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None = None,
-                    num_items_in_batch=None, chunk_size: int = DEFAULT_CHUNK) -> torch.Tensor:
+                    num_items_in_batch=None, chunk_size: int | None = DEFAULT_CHUNK) -> torch.Tensor:
     """transformers' causal-LM loss of ``hidden`` [B, T, d] through a head ``weight`` [V, d] (+ ``bias`` [V]): labels
     shifted by one, -100 ignored; the sum over target tokens divided by ``num_items_in_batch`` when given, else the
     mean. Gradients are computed only when autograd will want them (grad mode on, an input that requires grad)."""
@@ -94,7 +95,8 @@ def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     dev = flat.device.type  # the matmul's dtype: autocast's when it is on here (as lm_head's), else the weight's
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (flat, weight, bias))
-    total = ChunkedLinearCrossEntropy.apply(flat, weight, bias, targets, int(chunk_size), dtype, grads)
+    chunk = int(chunk_size or max(1, len(flat)))  # None: every position in one chunk
+    total = ChunkedLinearCrossEntropy.apply(flat, weight, bias, targets, chunk, dtype, grads)
     if num_items_in_batch is None:
         return total / (targets != IGNORE_INDEX).sum()
     if torch.is_tensor(num_items_in_batch):
@@ -134,7 +136,7 @@ def _training_forward(self, input_ids=None, labels=None, num_items_in_batch=None
 def install(model, chunk_size: int | None = None):
     """Make ``model`` (a GPT2LMHeadModel) compute its training loss with :func:`chunked_lm_loss`: its instance
     ``forward`` is replaced (the class is untouched). Returns the model."""
-    model.labutils_loss_chunk = int(chunk_size or DEFAULT_CHUNK)
+    model.labutils_loss_chunk = int(chunk_size) if chunk_size else None  # None: the whole micro-batch, one chunk
     model.forward = types.MethodType(_training_forward, model)
     return model
 
