@@ -89,6 +89,21 @@ def test_offload_from_the_cells_moves_activations_and_leaves_the_weights():
     assert off.info["host_bytes"] > 0 and off.info["weights_not_moved_bytes"] >= block_weights
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_offloads_undo_puts_back_a_forward_the_model_had(checkpointing):
+    """A model with a forward of its own (the chunked loss, labutils.models.loss_chunks.install, as lab 04 trains): the
+    cells' offload wraps it, and its undo puts that forward back. Breaks if undo drops it (the model would silently
+    train with the full loss afterwards)."""
+    from labutils.models import loss_chunks
+
+    nb = ck.notebook_variants()
+    model = loss_chunks.install(_model())
+    undo = nb["offload"](checkpointing).apply(model)
+    assert not loss_chunks.installed(model)  # wrapped
+    undo()
+    assert loss_chunks.installed(model)
+
+
 # ------------------------------------------------------------------------------------------------ the run
 @pytest.mark.regen_labs("03")
 def test_the_reported_measurements_were_made_with_the_cells_variants():
