@@ -114,37 +114,6 @@ def test_one_host_read_per_step(precision, host_reads):
         assert len(reads) == 1 and reads[0].startswith("tolist at labutils/core/train.py"), (step, reads)
 
 
-def test_a_steps_read_waits_until_the_next_steps_first_forward_is_dispatched(host_reads):
-    """Issue 47: the read of step s-1's loss and norm comes after step s's first forward was dispatched, so on a GPU
-    the device works on step s while the host waits for s-1. Order oracle: the model's own forward hook (a micro-batch's
-    forward has dispatched all its kernels) against the spy's reads. Breaks if the read moves back to the end of its own
-    step (today's order before the fix), if a step is read twice or never (the last one), or if the deferred read picks
-    up another step's values: the losses and norms must equal those of the same loop reading each step at once
-    (``on_step`` makes it read at once: its callback sees the step's values)."""
-    cfg = tiny_config(data__pack=True, train__micro_batch_size=2, train__accumulation_steps=2, train__steps=8,
-                      train__timing_warmup_steps=1, model__attn_implementation=CAUSAL)
-    runs = []
-    for on_step in (None, lambda *_: None):
-        loaded, ds = lu.prepare(cfg, "cpu", verbose=False)
-        hook = loaded.model.register_forward_hook(lambda *_: host_reads.events.append(("run", "forward", "", False)))
-        host_reads.phase, host_reads.events = "run", []
-        runs.append(lu.train(cfg, loaded.model, ds, "cpu", progress=False, on_step=on_step))
-        host_reads.phase = None
-        hook.remove()
-        if on_step is None:
-            order = [e[1] if e[1] == "forward" else e[2] for e in host_reads.events  # the loop's reads (not the
-                     if not e[3] and (e[1] == "forward" or e[2].startswith("labutils/core/train.py"))]  # sampler's)
-    reads = [i for i, what in enumerate(order) if what != "forward"]
-    forwards = [i for i, what in enumerate(order) if what == "forward"]
-    assert len(reads) == 8 and len(forwards) == 16, order
-    for s, at in enumerate(reads[:-1]):  # step s is read between step s+1's first and second micro-batch forward
-        assert forwards[2 * s + 2] < at < forwards[2 * s + 3], (s, order)
-    assert reads[-1] > forwards[-1]
-    deferred, at_once = runs
-    assert deferred.losses == at_once.losses and deferred.grad_norms == at_once.grad_norms
-    assert len(deferred.losses) == len(deferred.step_times) == 8
-
-
 def test_stock_sdpa_reads_back_every_step(host_reads):
     """Why the course's fast path names ``sdpa_causal``: with transformers' stock ``sdpa`` the model itself reads
     the device back in every micro-batch's forward (transformers 5.x: ``masking_utils.find_packed_sequence_indices``

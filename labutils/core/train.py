@@ -115,22 +115,6 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
         one = torch.ones((), device=device) if scaler else None
         graphs, compile_steps = compiled_graphs(), []
         retries = dev.memory_stats(device).get("num_alloc_retries")
-        pending = None
-
-        def settle(step, read):  # step's values, read from the device: the run's one host read per step
-            value, grad_norm, *scales = read.tolist()
-            if scaler:
-                result.loss_scales.append(scales[0])
-                if scales[1] < scales[0]:  # update() lowers the scale exactly when step() skipped
-                    result.skipped.append(step)
-            if not math.isfinite(value) and not scaler:
-                raise NonFiniteLossError(
-                    f"step {step}: loss is {value} with precision {t.precision}. Lower train.lr, set "
-                    f"train.max_grad_norm, or check the data; fp16 needs its GradScaler (this loop uses one).")
-            result.losses.append(value)
-            result.grad_norms.append(grad_norm)
-            if progress:
-                bar.set_postfix(loss=f"{value:.3f}", refresh=False)
         with _env.progress_bar(t.steps, desc or f"{cfg.model.name} {t.precision}", progress) as bar:
             mark = time.perf_counter()  # each step's time runs from the previous step's end to its own end
             for step in bar:
@@ -141,9 +125,6 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
                     # step 0's first forward (a warm-up) records the SDPA kernel that really ran (eager or compiled)
                     with autocast, (probe if step == 0 and i == 0 else contextlib.nullcontext()):
                         loss = model(**mb, num_items_in_batch=window.num_targets, use_cache=False).loss
-                    if pending:  # step s-1's read, now that step s's first forward is queued behind it
-                        settle(*pending)
-                        pending = None
                     (scaler.scale(loss) if scaler else loss).backward()
                     loss_sum += loss.detach()
                 if step in inject_overflow_at:
@@ -166,16 +147,25 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
                     result.memory = state_bytes(model, optimizer)
                     untimed += time.perf_counter() - u
                 optimizer.zero_grad(set_to_none=True)
-                # The step's one host read (loss, grad norm, fp16's scale before and after update(), one transfer)
-                # waits until the next step's first forward is queued, so the device never idles for it (issue 47);
-                # on_step reads this step's values, and the last step has no next one: read now.
-                pending = (step, torch.stack([loss_sum, norm.float()] + ([used, scaler.scale(one)] if scaler else [])))
-                if on_step:
-                    settle(*pending)
-                    pending = None
+                # The step's one host read: loss, grad norm and (fp16) the scale before and after update(), in one
+                # transfer. It waits for the device, so the step time is real.
+                read = [loss_sum, norm.float()] + ([used, scaler.scale(one)] if scaler else [])
+                value, grad_norm, *scales = torch.stack(read).tolist()
+                if scaler:
+                    result.loss_scales.append(scales[0])
+                    if scales[1] < scales[0]:  # update() lowers the scale exactly when step() skipped
+                        result.skipped.append(step)
                 result.attention_kernel = probe.kernel or result.attention_kernel
+                if not math.isfinite(value) and not scaler:
+                    raise NonFiniteLossError(
+                        f"step {step}: loss is {value} with precision {t.precision}. Lower train.lr, set "
+                        f"train.max_grad_norm, or check the data; fp16 needs its GradScaler (this loop uses one).")
+                result.losses.append(value)
+                result.grad_norms.append(grad_norm)
                 result.target_tokens.append(window.num_targets)
                 real_positions += window.num_real
+                if progress:
+                    bar.set_postfix(loss=f"{value:.3f}", refresh=False)
                 if compiled and compiled_graphs() != graphs:  # torch.compile compiled during this step
                     graphs = compiled_graphs()
                     compile_steps.append(step)
@@ -188,12 +178,10 @@ def train(cfg: Config, model: torch.nn.Module, dataset: LMDataset, device: torch
                     stack.close()  # ends the tracker (and restores TF32 flags: re-entered below)
                     stack.enter_context(_env.matmul_precision(tf32=get(t.precision).tf32))
                     untimed += time.perf_counter() - u
-                now = time.perf_counter()  # the step's end on the host: with the read one step behind, the host
-                result.step_times.append(now - mark - untimed)  # waits for step s-1 in step s, so each interval is
-                result.untimed_seconds += untimed  # one step of the device's in a steady run (on a CPU: step s's)
+                now = time.perf_counter()
+                result.step_times.append(now - mark - untimed)
+                result.untimed_seconds += untimed
                 mark = now
-            if pending:
-                settle(*pending)
         if retries is not None:
             result.num_alloc_retries = dev.memory_stats(device).get("num_alloc_retries", retries) - retries
     except torch.OutOfMemoryError as exc:
