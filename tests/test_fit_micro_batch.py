@@ -131,3 +131,36 @@ def test_an_unset_loss_chunk_is_one_chunk_where_the_logits_fit_else_the_fewest_t
     cfg, _ = run_cli(monkeypatch, capsys, "rtx3070-8gb", "--set", "model.loss_chunk_size=2048", whole=True)
     assert cfg.model.loss_chunk_size == 2048
 
+
+
+def test_estimate_sizes_an_unset_loss_chunk_for_its_budget(capsys):
+    """``python -m labutils estimate configs/fast_config.yaml --gpu-memory-gb 12`` (the command the config's own comment
+    names): the chunk is sized for the 12 GB card as run sizes it, said in one line, and the config fits. Breaks if
+    estimate reads an unset chunk as one chunk of all 16,384 positions (13 GiB: "does NOT fit", a false advice)."""
+    assert cli.main(["estimate", str(FAST), "--gpu-memory-gb", "12"]) == 0
+    out = capsys.readouterr().out
+    assert "this config: fits" in out and "model.loss_chunk_size: 8192, 2 chunks" in out
+
+
+def test_lu_run_sizes_an_unset_loss_chunk_for_the_card(monkeypatch, capsys):
+    """``lu.run`` from a notebook or script (no CLI, so no for_this_card) on an 8 GB card: the model it loads gets the
+    chunk sized for the card, not one chunk of every position. Recorder in place of prepare (the model load), which
+    stops the run: what is checked is the config run() hands on. Breaks if run() skips the sizing."""
+    if REAL_GPU:
+        pytest.skip("a real CUDA GPU is present: the pretend driver would not be the one answering")
+    monkeypatch.delenv("LAB_GPU_MEMORY_GB", raising=False)
+    monkeypatch.setattr(dev, "_state", {})
+    fake_cuda.install(monkeypatch, "rtx3070-8gb")
+    seen = []
+
+    def record(cfg, *a, **kw):
+        seen.append(cfg)
+        raise Stop
+    monkeypatch.setattr(tr, "prepare", record)
+    cfg = load_config(FAST, mode="full", overrides={"train.micro_batch_size": 4, "train.accumulation_steps": 4})
+    with pytest.raises(Stop):
+        tr.run(cfg, "cuda", progress=False)
+    from labutils.estimator.estimate import estimate_memory, fits
+
+    assert seen[0].model.loss_chunk_size is not None  # sized, not left to mean "every position in one chunk"
+    assert fits(estimate_memory(seen[0]), fake_cuda.PROFILES["rtx3070-8gb"].total)

@@ -257,6 +257,12 @@ def run(cfg: Config, device: torch.device | str | None = None, *, progress: bool
         progress = progress and accelerator.is_main_process
         verbose = verbose and accelerator.is_main_process
     device = torch.device(device or _env.default_device())
+    if device.type == "cuda":  # an unset loss chunk, sized for this card as the CLI sizes it (for_this_card)
+        from ..estimator.advise import default_budget_bytes, fit_loss_chunk
+
+        cfg, line = fit_loss_chunk(cfg, *default_budget_bytes())
+        if line and verbose:
+            print(line)
     _env.seed_everything(cfg.train.seed)
     env = _env.environment(device, cfg.mode)
     loaded = dataset = None

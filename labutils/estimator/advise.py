@@ -136,6 +136,7 @@ def cli_estimate(cfg, args) -> int:
         where = f"{source}{args.gpu_memory_gb:g}: {rule}"
     else:
         budget, where = default_budget_bytes(getattr(args, "whole_card", False))
+    cfg, chunk_line = fit_loss_chunk(cfg, budget, where)  # an unset loss chunk, sized for this budget as run sizes it
     est = estimate_memory(cfg)
     amp, amp_note = _amp_dtype(cfg)
     advice = recommend(cfg, budget, amp_dtype=amp, speeds=speed_source(dev.name() if dev.cuda_available() else None))
@@ -144,7 +145,7 @@ def cli_estimate(cfg, args) -> int:
           f"{t.micro_batch_size} x accumulation {t.accumulation_steps} x {cfg.data.seq_length} tokens, "
           f"checkpointing {'every ' + str(t.checkpoint_every_n_layers) if t.gradient_checkpointing else 'off'}, "
           f"{cfg.model.attn_implementation} attention, {cfg.model.activation}, vocabulary {est['vocab_rows']} rows "
-          f"-- predicted for CUDA ({est['basis']})")
+          f"-- predicted for CUDA ({est['basis']})" + (f"\n{chunk_line}" if chunk_line else ""))
     rows = [("params (fp32 master weights)", est["params_bytes"]), ("grads (fp32)", est["grads_bytes"]),
             ("optimizer (AdamW exp_avg + exp_avg_sq)", est["optimizer_bytes"]),
             ("activations (saved by one micro-batch)", est["activations_bytes"]),
@@ -231,6 +232,6 @@ def fit_loss_chunk(cfg, budget_bytes: int, where: str = "the budget") -> tuple[o
         size = -(-positions // n)
         if fits(estimate_memory(cfg, loss_chunk=size), budget_bytes):
             break
-    line = (f"model.loss_chunk_size: {size}, {-(-positions // size)} chunks of the micro-batch's {positions} positions: "
-            f"one chunk's logits do not fit {budget_bytes / GiB:.1f} GiB ({where}; estimate)")
+    line = (f"model.loss_chunk_size: {size}, {-(-positions // size)} chunks of the micro-batch's {positions} "
+            f"positions: one chunk's logits do not fit {budget_bytes / GiB:.1f} GiB ({where}; estimate)")
     return cfg.override({"model.loss_chunk_size": size}), (line if size < positions else None)

@@ -218,12 +218,17 @@ def cell_definitions(key: str, names) -> dict:
     (after the notebook's imports) in one namespace, returned: the tests and the doctor run the code a student reads."""
     path = Path(__file__).resolve().parents[2] / f"{lab(key).stem}.ipynb"
     cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
-    body = [n for c in cells if c["cell_type"] == "code" for n in ast.parse("".join(c["source"])).body]
+    body = []
+    for i, cell in enumerate(c for c in cells if c["cell_type"] == "code"):
+        try:
+            body += ast.parse("".join(cell["source"])).body
+        except SyntaxError as exc:  # a cell magic (%%time) or a half-edited cell: not Python this can run
+            raise SyntaxError(f"{path.name}, code cell {i + 1}: {exc.msg} (line {exc.lineno})") from None
     named = [n for n in body if getattr(n, "name", None) in names
              or isinstance(n, ast.Assign) and any(getattr(t, "id", None) in names for t in n.targets)]
-    missing = set(names) - {getattr(n, "name", None) or n.targets[0].id for n in named}
-    if missing or len(named) != len(set(names)):
-        raise LookupError(f"{path.name} defines {sorted(missing)} not once each")
+    found = [getattr(n, "name", None) or n.targets[0].id for n in named]
+    if bad := sorted(n for n in set(names) if found.count(n) != 1):
+        raise LookupError(f"{path.name}: {bad} not defined exactly once in its code cells")
     imports = [n for n in body if isinstance(n, (ast.Import, ast.ImportFrom))]
     namespace = {"__name__": f"{path.stem}.ipynb"}
     exec(compile(ast.Module(imports + named, []), str(path), "exec"), namespace)  # noqa: S102 - the repository's code
