@@ -101,6 +101,22 @@ def test_a_marker_cut_by_the_frame_is_found():
     plt.close(fig)
 
 
+@pytest.mark.parametrize("after_ms, after_noise", [(0.0, 0.0), (0.5, 0.5)])
+def test_lab04_slow_ops_error_bars_that_reach_zero_are_not_cut(after_ms, after_noise):
+    """Lab 04's slowest-ops figure (CI's smoke run, 2026-11-29): an op the fix removed (0 ms) or whose noise reaches 0
+    put an error bar's cap on the frame at 0, half cut off. A time's bar now stops at 0, without caps. Breaks if a cap
+    sits on the frame again."""
+    from labutils.labs.lab04.profiling_figures import plot_op_changes
+
+    rows = [{"op": "aten::mm", "before (ms)": 1.0, "before noise (ms)": 0.1, "after (ms)": after_ms,
+             "after noise (ms)": after_noise, "reading": "fix"},
+            {"op": "aten::add", "before (ms)": 0.2, "before noise (ms)": None, "after (ms)": 0.1,
+             "after noise (ms)": 0.01, "reading": ""}]
+    fig = plot_op_changes(rows, "slowest ops")
+    assert unseen(fig) == []
+    plt.close(fig)
+
+
 def test_record_results_warns_of_a_hidden_legend(tmp_path, capsys):
     fig, (left, right) = two_panels()
     legend_outside(left)

@@ -139,8 +139,9 @@ def plot_op_changes(rows: list[dict], title: str):
     fig, ax = _axes(title, figsize=(9, 0.35 * len(rows) + 1.2))
     y = np.arange(len(rows))[::-1]
     for dy, side, color in ((0.2, "before", "#c44e52"), (-0.2, "after", "#4c72b0")):
-        ax.barh(y + dy, [r[f"{side} (ms)"] for r in rows], height=0.4, xerr=[r[f"{side} noise (ms)"] for r in rows],
-                color=color, label=side, capsize=2)
+        ms, noise = np.array([[r[f"{side} (ms)"], r[f"{side} noise (ms)"] or 0.0] for r in rows]).T
+        # a time is never below 0: its error bar stops there, without caps the frame at 0 would cut (figures.unseen)
+        ax.barh(y + dy, ms, height=0.4, xerr=[np.minimum(noise, ms), noise], color=color, label=side, capsize=0)
     ax.set_yticks(y, [r["op"].replace("aten::", "") + (" *" if "call" in r["reading"] or "fix" in r["reading"] else "")
                       for r in rows], fontsize=8)
     ax.set_xlabel("self time per step (ms): median of the profiled steps, +/- its own noise; *: calls changed")
