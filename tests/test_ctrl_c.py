@@ -44,3 +44,26 @@ def test_ctrl_c_at_any_moment_is_one_line_and_exit_130(root, tmp_path, command, 
     assert p.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "Error" not in err, err[-3000:]
     assert err.strip().splitlines()[-1].startswith("interrupted"), err[-3000:]
+
+
+def test_a_ctrl_c_a_library_swallowed_still_ends_the_command_as_interrupted(monkeypatch, capsys):
+    """CI (2026-11-29, CUDA build of torch): a SIGINT 2.5 s into ``run`` left no trace and the command exited 0 after
+    training to the end: something caught the KeyboardInterrupt and went on. The command now still says "interrupted"
+    and returns 130. Stand-in for that library: ``estimate``'s advisor, wrapped to send this process a real SIGINT
+    (cli.main's own handler turns it into a KeyboardInterrupt), catch it, and go on to the real advice. Breaks if a
+    Ctrl-C that a library swallowed ends the command with 0."""
+    from labutils.estimator import advise
+    from labutils.tools import cli
+
+    real = advise.recommend
+
+    def swallowing(*args, **kwargs):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(2)  # cli.main's handler runs here and raises KeyboardInterrupt
+        except KeyboardInterrupt:
+            pass  # what that library did: caught it and went on
+        return real(*args, **kwargs)
+    monkeypatch.setattr(advise, "recommend", swallowing)
+    assert cli.main(["estimate", str(Path(__file__).resolve().parents[1] / "configs" / "fp32_config.yaml")]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "interrupted"

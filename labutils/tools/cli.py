@@ -260,7 +260,10 @@ def main(argv=None) -> int:
     ours = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) != signal.SIG_IGN
     previous = signal.signal(signal.SIGINT, on_ctrl_c) if ours else None
     try:
-        return args.func(args)
+        code = args.func(args)
+        if interrupted:  # a library caught the KeyboardInterrupt and went on: still a Ctrl-C, and said so
+            raise KeyboardInterrupt
+        return code
     except (ConfigError, OutputPathError) as exc:  # bad input: 2, before any work; a write that failed after it: 1
         print(f"error: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, WriteError) else 2
