@@ -119,6 +119,25 @@ def test_code_lines(lab):
     assert n <= MAX_CODE_LINES, f"{path.name}: {n} code lines (at most {MAX_CODE_LINES})"
 
 
+@pytest.mark.parametrize("lab", LABS)
+def test_the_committed_notebook_is_valid_nbformat_without_outputs(lab):
+    """nbformat's own validator (4.5: every cell has a unique id; a cell added without one is a warning now and "will
+    become a hard error in future nbformat versions", as CI printed for two of lab 03's cells), and no outputs or
+    execution counts committed. Breaks on a cell added by hand without an id, or a notebook saved after running."""
+    import warnings
+
+    import nbformat
+
+    path, _ = notebook(lab)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # MissingIDFieldWarning and its kin fail here
+        nb = nbformat.read(str(path), as_version=4)
+        nbformat.validate(nb)
+    ids = [c.get("id") for c in nb.cells]
+    assert None not in ids and len(set(ids)) == len(ids), f"{path.name}: cell ids missing or repeated"
+    assert all(not c.get("outputs") and c.get("execution_count") is None for c in nb.cells if c.cell_type == "code")
+
+
 def _regen(lab: str):
     from tests import regen_once
 
