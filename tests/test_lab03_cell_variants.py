@@ -12,27 +12,10 @@ import torch
 
 import labutils.labs.lab03.checkpoint_measure as cm
 import labutils.labs.lab03.checkpointing as ck
-from labutils.models.gpt2 import gpt2_config
+from test_checkpointing import _batch, _model  # the same 6-block tiny GPT-2 and batch as lab 03's library tests
 
 STEM = "03-Gradient_Checkpointing"
 TOL = 1e-5  # the notebook's gradient check: fp32, dropout 0
-N_LAYER = 6
-
-
-def _model(dropout=0.0):
-    from transformers import GPT2LMHeadModel
-
-    cfg = gpt2_config("tiny", dropout=dropout)
-    cfg.n_layer = N_LAYER
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(cfg)
-    model.loss_type = "ForCausalLM"
-    return model.train()
-
-
-def _batch(b=2, t=32):
-    ids = torch.randint(0, 256, (b, t), generator=torch.Generator().manual_seed(0))
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
 
 
 def _cell_variants(nb):
