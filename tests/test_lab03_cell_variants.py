@@ -12,7 +12,7 @@ import torch
 
 import labutils.labs.lab03.checkpoint_measure as cm
 import labutils.labs.lab03.checkpointing as ck
-from test_checkpointing import _batch, _model  # the same 6-block tiny GPT-2 and batch as lab 03's library tests
+from test_checkpointing import _batch, _model, one_thread  # noqa: F401 (one_thread: its autouse fixture, here too)
 
 STEM = "03-Gradient_Checkpointing"
 TOL = 1e-5  # the notebook's gradient check: fp32, dropout 0
@@ -21,14 +21,6 @@ TOL = 1e-5  # the notebook's gradient check: fp32, dropout 0
 def _cell_variants(nb):
     return {"segments of 2": nb["segments"](2), "segments of 3": nb["segments"](3), "selective": nb["selective"](),
             "offload": nb["offload"](), "checkpoint + offload": nb["offload"](checkpointing=True)}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_the_cells_variants_give_the_gradients_of_no_checkpointing():
