@@ -103,7 +103,8 @@ def estimate_plan(plan: Plan) -> dict:
         "logits_bytes": 4 * replay.N * replay.V,        # one FP32 [B, T, V] tensor (the loss holds 2-3)
         "loss": plan.loss,                              # chunked: never more than one chunk's logits at once
         "saved_logits_bytes": probe.led.saved_bytes(("logits",)),  # chunked: none (its gradients are saved)
-        "loss_chunk_bytes": 4 * min(plan.loss_chunk or replay.N, replay.N) * replay.V if plan.loss == "chunked" else None,
+        "loss_chunk_bytes": (4 * min(plan.loss_chunk or replay.N, replay.N) * replay.V  # None: one chunk of all
+                             if plan.loss == "chunked" else None),
         "peak_bytes": led.peak,                         # compare with torch.cuda.max_memory_allocated()
         "peak_phase": led.peak_phase, "peak_breakdown": kinds,
         "resident_bytes": led.timeline[0][1],           # weights + dataset (+ workspace) before training

@@ -9,7 +9,7 @@ in the matmul's dtype, their log-sum-exp and target logit in fp32, ``g = softmax
 only backward's loss scale can overflow). Backward only scales the stored gradients: no recompute, no host sync, and
 compiled, no head matmul AOT autograd could merge with the forward's. FLOPs are the full head's; each extra chunk
 re-reads the head (eager about ``16 * V * d`` bytes, compiled ``8 * V * d``: its fp32 gradient read and written once
-more), so unset ``model.loss_chunk_size`` takes one chunk where the logits fit (:func:`..estimator.advise.fit_loss_chunk`).
+more), so an unset ``model.loss_chunk_size`` is one chunk where the logits fit (``estimator.advise.fit_loss_chunk``).
 :func:`install` replaces a GPT2LMHeadModel's ``forward`` for training calls with labels (no logits in the output).
 """
 from __future__ import annotations
